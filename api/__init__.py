@@ -1,0 +1,1 @@
+"""The HTTP API: the app factory, one router per feature, auth dependencies, SSE."""

@@ -1,0 +1,45 @@
+"""The app factory: pools in the lifespan, services on app.state, one router per feature."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api import errors, health
+from api.jobs.router import router as jobs_router
+from api.limits import BodySizeLimit
+from models.db import Database
+from tierq import __version__
+from tierq.queue import EventLog
+from tierq.redis_conn import connect
+from tierq.redis_names import RedisNames
+from tierq.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+
+def build_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.db = Database(settings.resolved_database_url)
+        app.state.redis = await connect(settings)
+        app.state.events = EventLog(app.state.redis, app.state.names, settings.replay_ttl_s)
+        try:
+            yield
+        finally:
+            await app.state.redis.aclose()
+            await app.state.db.close()
+
+    app = FastAPI(title="tierq", version=__version__, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.names = RedisNames(settings.redis_prefix)
+    errors.install(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.include_router(health.router)
+    app.include_router(jobs_router)
+    return app

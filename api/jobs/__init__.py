@@ -1,0 +1,1 @@
+"""The native job API: submit, poll, list, cancel, follow over SSE."""

@@ -1,0 +1,99 @@
+"""Routes of the native job API (`/v1/jobs`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from api.deps import DbDep, EventsDep, NamesDep, RedisDep, SettingsDep, TenantDep
+from api.errors import APIError, not_found
+from api.jobs import service
+from api.jobs.events import job_event_stream
+from api.jobs.schemas import JobCreate
+from models import jobs as job_repo
+from tierq.states import JobStatus
+from tierq.tiers import Tier
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+@router.post("", status_code=202)
+async def create_job(
+    body: JobCreate,
+    tenant: TenantDep,
+    db: DbDep,
+    r: RedisDep,
+    names: NamesDep,
+    settings: SettingsDep,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> JSONResponse:
+    job, _created = await service.submit(db, r, names, settings, tenant, body, idempotency_key)
+    return JSONResponse(job.to_api(), status_code=202)
+
+
+@router.get("")
+async def list_jobs(
+    tenant: TenantDep,
+    db: DbDep,
+    settings: SettingsDep,
+    status: JobStatus | None = None,
+    tier: Tier | None = None,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1)] = 20,
+) -> dict[str, Any]:
+    limit = min(limit, settings.list_page_max)
+    async with db.session() as s:
+        page, has_more = await job_repo.list_jobs(
+            s, tenant.id, status=status, tier=tier, after=after, limit=limit
+        )
+    data = [job.to_api() for job in page]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+@router.get("/{job_id}")
+async def get_job(job_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]:
+    async with db.session() as s:
+        job = await job_repo.get_job(s, job_id, tenant.id)
+    if job is None:
+        raise not_found("job", job_id)
+    return job.to_api()
+
+
+@router.post("/{job_id}/cancel")
+async def cancel_job(
+    job_id: str, tenant: TenantDep, db: DbDep, r: RedisDep, names: NamesDep, events: EventsDep
+) -> dict[str, Any]:
+    job = await service.cancel(db, r, names, events, tenant, job_id)
+    return job.to_api()
+
+
+@router.get("/{job_id}/events")
+async def job_events(
+    job_id: str,
+    tenant: TenantDep,
+    db: DbDep,
+    r: RedisDep,
+    names: NamesDep,
+    events: EventsDep,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> EventSourceResponse:
+    async with db.session() as s:
+        job = await job_repo.get_job(s, job_id, tenant.id)
+    if job is None:
+        raise not_found("job", job_id)
+    last_seq = 0
+    if last_event_id:
+        if not last_event_id.isdigit():
+            raise APIError(400, "Last-Event-ID must be an event id.", "invalid_last_event_id")
+        last_seq = int(last_event_id)
+    stream = job_event_stream(db, r, names, events, job, last_seq)
+    return EventSourceResponse(stream, ping=15)

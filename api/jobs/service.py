@@ -1,0 +1,134 @@
+"""Admission and cancellation: the rules between a request and the queue."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+import redis
+import redis.asyncio as aioredis
+
+from api.errors import APIError, not_found
+from api.jobs.schemas import JobCreate
+from models import jobs as job_repo
+from models.db import Database
+from models.records import JobRecord, TenantRecord
+from tierq import metrics
+from tierq.messages import JobEvent
+from tierq.queue import EventLog, enqueue, forget_inflight
+from tierq.redis_names import RedisNames
+from tierq.settings import Settings
+from tierq.states import JobStatus
+
+log = logging.getLogger(__name__)
+
+
+def _refuse(status: int, message: str, code: str, param: str | None = None) -> APIError:
+    metrics.JOBS_REFUSED.labels(code=code).inc()
+    return APIError(status, message, code, param=param)
+
+
+def request_hash(body: JobCreate) -> str:
+    canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def validate(body: JobCreate, settings: Settings) -> str:
+    """Checks that need the deployment's settings; returns the model name to run."""
+    model = body.model or settings.served_model_name
+    if model != settings.served_model_name:
+        raise _refuse(404, f"The model '{model}' does not exist.", "model_not_found", "model")
+    if body.max_tokens >= settings.max_model_len:
+        raise _refuse(
+            400,
+            f"max_tokens={body.max_tokens} leaves no room for a prompt in this model's "
+            f"maximum context length of {settings.max_model_len} tokens.",
+            "context_length_exceeded",
+            "max_tokens",
+        )
+    if body.input_chars() > settings.max_prompt_chars:
+        raise _refuse(
+            400,
+            f"The input is longer than {settings.max_prompt_chars} characters.",
+            "context_length_exceeded",
+            "messages" if body.messages is not None else "prompt",
+        )
+    return model
+
+
+async def submit(
+    db: Database,
+    r: aioredis.Redis,
+    names: RedisNames,
+    settings: Settings,
+    tenant: TenantRecord,
+    body: JobCreate,
+    idempotency_key: str | None,
+) -> tuple[JobRecord, bool]:
+    """Write the job row (the source of truth), then put it on its tier's stream."""
+    model = validate(body, settings)
+    if idempotency_key is not None and not 0 < len(idempotency_key) <= 255:
+        raise _refuse(
+            400, "Idempotency-Key must be 1 to 255 characters.", "invalid_idempotency_key"
+        )
+    new = job_repo.NewJob(
+        tenant_id=tenant.id,
+        tier=body.tier,
+        model=model,
+        messages=[m.model_dump(exclude_none=True) for m in body.messages]
+        if body.messages
+        else None,
+        prompt=body.prompt,
+        params=body.params(),
+        metadata=body.metadata,
+        idempotency_key=idempotency_key,
+        request_hash=request_hash(body),
+    )
+    try:
+        async with db.transaction() as s:
+            job, created = await job_repo.create_job(s, new)
+    except job_repo.IdempotencyConflict:
+        raise _refuse(
+            409,
+            "This Idempotency-Key was already used with a different request body.",
+            "idempotency_key_reused",
+        ) from None
+    if created:
+        metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()
+        try:
+            await enqueue(r, names, job.to_message())
+        except (redis.RedisError, OSError):
+            # The row is committed, so the job is accepted: the reconciler enqueues it.
+            log.exception("enqueue failed; the reconciler will enqueue %s", job.id)
+    return job, created
+
+
+async def cancel(
+    db: Database,
+    r: aioredis.Redis,
+    names: RedisNames,
+    events: EventLog,
+    tenant: TenantRecord,
+    job_id: str,
+) -> JobRecord:
+    async with db.transaction() as s:
+        job = await job_repo.get_job(s, job_id, tenant.id)
+        if job is None:
+            raise not_found("job", job_id)
+        cancelled = await job_repo.cancel_job(s, job_id)
+        if cancelled is None:
+            current = await job_repo.get_job(s, job_id, tenant.id)
+            assert current is not None
+            if current.status == JobStatus.CANCELLED:
+                return current  # cancelling twice is harmless
+            raise APIError(
+                409,
+                f"The job is already {current.status.value} and cannot be cancelled.",
+                "job_not_cancellable",
+            )
+    # Committed: tell a worker running it to abort, and close the job's event stream.
+    await r.publish(names.cancel_channel, job_id)
+    await events.append(job_id, JobEvent("done", cancelled.to_api()))
+    await forget_inflight(r, names, [job_id])
+    return cancelled

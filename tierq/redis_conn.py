@@ -1,0 +1,37 @@
+"""Redis connections: created with a ping and a bounded retry, from the one Settings object."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis
+import redis.asyncio as aioredis
+
+from tierq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+async def connect(
+    settings: Settings, *, attempts: int = 30, delay_s: float = 0.5
+) -> aioredis.Redis:
+    """An asyncio Redis client that answered PING (retrying while the server comes up)."""
+    url = settings.resolved_redis_url
+    last: Exception | None = None
+    for _ in range(attempts):
+        client = aioredis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+        try:
+            await client.ping()
+            return client
+        except (redis.ConnectionError, OSError) as exc:
+            last = exc
+            await client.aclose()
+            await asyncio.sleep(delay_s)
+    raise RuntimeError(f"Redis at {url} did not answer PING: {last}")
+
+
+def connect_sync(settings: Settings) -> redis.Redis:
+    client = redis.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
+    client.ping()
+    return client

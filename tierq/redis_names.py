@@ -1,0 +1,51 @@
+"""Every Redis stream, key, group and channel name, in one place.
+
+Nothing else in the code base spells a Redis name out. Per-job keys carry the job id
+in a hash tag so that a job's replay buffer and channel land on one Redis Cluster slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierq.tiers import Tier
+
+DISPATCH_GROUP = "dispatchers"  # consumer group on every tier stream
+WORKER_GROUP = "worker"  # consumer group on every worker inbox
+
+
+@dataclass(frozen=True)
+class RedisNames:
+    prefix: str = "tierq"
+
+    def tier_stream(self, tier: Tier | str) -> str:
+        return f"{self.prefix}:stream:{Tier(tier).value}"
+
+    def inbox(self, worker_id: str) -> str:
+        return f"{self.prefix}:inbox:{worker_id}"
+
+    @property
+    def workers(self) -> str:
+        """Hash worker_id -> JSON heartbeat (capacity, running, timestamp)."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def dispatch_wake(self) -> str:
+        """List pushed to whenever the dispatcher may have something new to do."""
+        return f"{self.prefix}:dispatch:wake"
+
+    @property
+    def inflight(self) -> str:
+        """Set of job ids that some stream or inbox holds (the reconciler's view of Redis)."""
+        return f"{self.prefix}:inflight"
+
+    @property
+    def cancel_channel(self) -> str:
+        return f"{self.prefix}:cancel"
+
+    def job_events(self, job_id: str) -> str:
+        """List of a job's stream events (the replay buffer); index + 1 is the event id."""
+        return f"{self.prefix}:job:{{{job_id}}}:events"
+
+    def job_channel(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{{{job_id}}}:live"

@@ -1,0 +1,120 @@
+"""The one place configuration is read: environment variables (prefix-free) and `.env`."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+STATE_DIR_DEFAULT = Path(".tierq")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+
+    # --- where things live -------------------------------------------------------------
+    # None means the embedded default: a SQLite file / an embedded Redis under state_dir.
+    database_url: str | None = None
+    redis_url: str | None = None
+    state_dir: Path = STATE_DIR_DEFAULT
+    model_cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "tierq")
+    # Redis key prefix; lets several deployments (or test runs) share one Redis.
+    redis_prefix: str = "tierq"
+
+    # --- API ----------------------------------------------------------------------------
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    max_body_bytes: int = 1_000_000
+    max_prompt_chars: int = 200_000
+    list_page_max: int = 100
+
+    # --- engine -------------------------------------------------------------------------
+    engine: Literal["vllm", "simulated"] = "vllm"
+    # Path of a Hugging Face model folder; None means the bundled SmolLM2 model.
+    model_path: str | None = None
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_space_gib: int = 2
+    enforce_eager: bool = True
+
+    # --- worker -------------------------------------------------------------------------
+    worker_id: str | None = None  # default: "<hostname>-<pid>"; set it to keep one inbox
+    heartbeat_interval_s: float = 1.0
+    worker_dead_after_s: float = 10.0
+    max_deliveries: int = 3
+    drain_timeout_s: float = 30.0
+
+    # --- dispatcher ---------------------------------------------------------------------
+    dispatch_read_ahead: int = 64
+    dispatch_idle_wait_s: float = 0.2
+
+    # --- streaming ----------------------------------------------------------------------
+    replay_ttl_s: int = 3600
+
+    # --- Celery -------------------------------------------------------------------------
+    reconcile_interval_s: float = 30.0
+    reconcile_grace_s: float = 10.0
+
+    @field_validator("database_url", "redis_url", mode="before")
+    @classmethod
+    def _blank_is_none(cls, v: object) -> object:
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("database_url")
+    @classmethod
+    def _async_driver(cls, v: str | None) -> str | None:
+        """Accept the URLs operators paste (postgres://, postgresql://) and pick async drivers."""
+        if v is None:
+            return v
+        for plain, asyncd in (
+            ("postgres://", "postgresql+asyncpg://"),
+            ("postgresql://", "postgresql+asyncpg://"),
+            ("sqlite:///", "sqlite+aiosqlite:///"),
+        ):
+            if v.startswith(plain):
+                return asyncd + v[len(plain) :]
+        return v
+
+    @property
+    def embedded(self) -> bool:
+        return self.database_url is None and self.redis_url is None
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{(self.state_dir / 'tierq.db').resolve()}"
+
+    @property
+    def resolved_redis_url(self) -> str:
+        if self.redis_url:
+            return self.redis_url
+        return f"unix://{self.embedded_redis_socket}"
+
+    @property
+    def embedded_redis_socket(self) -> Path:
+        return (self.state_dir / "redis.sock").resolve()
+
+    @property
+    def celery_broker_url(self) -> str:
+        url = self.resolved_redis_url
+        if url.startswith("unix://"):
+            return "redis+socket://" + url[len("unix://") :]
+        return url
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{os.uname().nodename}-{os.getpid()}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,1 @@
+"""Workers: the engine host, the inbox loop, streaming, result persistence; Celery tasks."""

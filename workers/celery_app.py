@@ -1,0 +1,34 @@
+"""The Celery app (Redis broker): bulk and periodic work. Beat runs the reconciler first.
+
+Run with `celery -A workers.celery_app worker` and `celery -A workers.celery_app beat`.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from tierq.settings import get_settings
+
+settings = get_settings()
+
+app = Celery(
+    "tierq",
+    broker=settings.celery_broker_url,
+    backend=settings.celery_broker_url,
+    include=["workers.tasks"],
+)
+app.conf.update(
+    task_acks_late=True,  # a task interrupted by a worker restart runs again
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    task_default_queue=f"{settings.redis_prefix}-celery",
+    result_expires=3600,
+    broker_connection_retry_on_startup=True,
+    beat_schedule={
+        "reconcile": {
+            "task": "tierq.reconcile",
+            "schedule": settings.reconcile_interval_s,
+            "options": {"expires": settings.reconcile_interval_s},
+        },
+    },
+)

@@ -1,0 +1,58 @@
+"""The reconciler: Postgres is the truth, Redis the transport; put back what Redis lost.
+
+A job that the database says is queued or running, older than a grace period (admission
+writes the row before the XADD), that Redis does not hold (the `inflight` set, written in
+the same transaction as every XADD) was lost — Redis restarted without persistence, or
+was flushed — and is enqueued again. A running one is first set back to queued.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime, timedelta
+
+import redis.asyncio as aioredis
+
+from models import jobs as job_repo
+from models.db import Database
+from tierq import metrics
+from tierq.queue import enqueue, held_by_redis
+from tierq.redis_names import RedisNames
+from tierq.settings import Settings
+from tierq.states import JobStatus
+
+log = logging.getLogger(__name__)
+
+
+async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list[str]:
+    """Re-enqueue lost jobs; returns their ids."""
+    names = RedisNames(settings.redis_prefix)
+    cutoff = datetime.now(UTC) - timedelta(seconds=settings.reconcile_grace_s)
+    async with db.session() as s:
+        candidates = await job_repo.unfinished_jobs(s, cutoff)
+    held = await held_by_redis(r, names, [job.id for job in candidates])
+    lost = [job for job, is_held in zip(candidates, held, strict=True) if not is_held]
+    requeued: list[str] = []
+    for job in lost:
+        if job.status == JobStatus.RUNNING:
+            async with db.transaction() as s:
+                if await job_repo.requeue_job(s, job.id, "reconciler: lost by Redis") is None:
+                    continue  # it finished meanwhile
+        await enqueue(r, names, job.to_message())
+        requeued.append(job.id)
+    if requeued:
+        metrics.JOBS_REENQUEUED.inc(len(requeued))
+        log.warning("reconciler re-enqueued %d jobs lost by Redis", len(requeued))
+    return requeued
+
+
+async def reconcile_once(settings: Settings) -> list[str]:
+    from tierq.redis_conn import connect
+
+    db = Database(settings.resolved_database_url)
+    r = await connect(settings, attempts=3)
+    try:
+        return await reconcile(settings, db, r)
+    finally:
+        await r.aclose()
+        await db.close()

@@ -1,0 +1,160 @@
+"""A simulated engine with a calibrated cost model — for scheduler tests and benchmarks at scale.
+
+It is never the default of a serving command (Settings.engine defaults to "vllm"), and
+anything measured with it says so. It mimics what matters to the platform around it: a
+fixed number of slots, priority admission (lower first, ties by arrival), continuous
+batching (one decode step serves every running sequence, and costs more the more there
+are), prefill cost per prompt token, streaming deltas, and abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.engine import Chunk, EngineRequestError
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per prompt token of prefill; decode step = base + per_seq * batch size."""
+
+    prefill_s_per_token: float = 0.0004
+    decode_step_base_s: float = 0.030
+    decode_step_per_seq_s: float = 0.0025
+    slots: int = 64
+    max_model_len: int = 2048
+
+    def scaled(self, speedup: float) -> CostModel:
+        return CostModel(
+            self.prefill_s_per_token / speedup,
+            self.decode_step_base_s / speedup,
+            self.decode_step_per_seq_s / speedup,
+            self.slots,
+            self.max_model_len,
+        )
+
+
+@dataclass(order=True)
+class _Request:
+    priority: int
+    arrival: int
+    request_id: str = field(compare=False)
+    prompt_tokens: int = field(compare=False)
+    max_tokens: int = field(compare=False)
+    out: asyncio.Queue[Chunk | None] = field(compare=False)
+    generated: int = field(default=0, compare=False)
+    prefilled: bool = field(default=False, compare=False)
+
+
+def count_tokens(messages: list[dict[str, Any]] | None, prompt: str | None) -> int:
+    """A stand-in tokenizer: about four characters a token, plus chat-template overhead."""
+    if prompt is not None:
+        return max(1, len(prompt) // 4)
+    return sum(4 + max(1, len(m.get("content", "")) // 4) for m in messages or []) + 3
+
+
+class SimulatedEngine:
+    name = "simulated"
+
+    def __init__(self, cost: CostModel | None = None) -> None:
+        self.cost = cost or CostModel()
+        self._waiting: list[_Request] = []
+        self._running: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._step_loop(), name="simulated-engine")
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+
+    async def generate(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]] | None,
+        prompt: str | None,
+        params: dict[str, Any],
+        priority: int,
+    ) -> AsyncIterator[Chunk]:
+        prompt_tokens = count_tokens(messages, prompt)
+        max_tokens = int(params.get("max_tokens", 256))
+        if prompt_tokens + max_tokens > self.cost.max_model_len:
+            raise EngineRequestError(
+                "context_length_exceeded",
+                f"{prompt_tokens} prompt tokens plus max_tokens={max_tokens} exceed the "
+                f"maximum context length of {self.cost.max_model_len}",
+            )
+        req = _Request(
+            priority, next(self._arrivals), request_id, prompt_tokens, max_tokens, asyncio.Queue()
+        )
+        self._waiting.append(req)
+        self._waiting.sort()
+        self._wake.set()
+        try:
+            while True:
+                chunk = await req.out.get()
+                if chunk is None:
+                    return  # aborted
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        req = self._running.pop(request_id, None)
+        if req is None:
+            for i, waiting in enumerate(self._waiting):
+                if waiting.request_id == request_id:
+                    req = self._waiting.pop(i)
+                    break
+        if req is not None:
+            req.out.put_nowait(None)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    async def _step_loop(self) -> None:
+        while True:
+            while self._waiting and len(self._running) < self.cost.slots:
+                req = self._waiting.pop(0)
+                self._running[req.request_id] = req
+            if not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = list(self._running.values())
+            # One engine step: prefill the newcomers, then one decode token for everyone.
+            prefill = sum(r.prompt_tokens for r in batch if not r.prefilled)
+            step = (
+                prefill * self.cost.prefill_s_per_token
+                + self.cost.decode_step_base_s
+                + self.cost.decode_step_per_seq_s * len(batch)
+            )
+            await asyncio.sleep(step)
+            for req in batch:
+                if self._running.get(req.request_id) is not req:
+                    continue  # aborted during the step
+                req.prefilled = True
+                req.generated += 1
+                done = req.generated >= req.max_tokens
+                req.out.put_nowait(
+                    Chunk(
+                        text=f" tok{req.generated}",
+                        new_tokens=1,
+                        prompt_tokens=req.prompt_tokens,
+                        finish_reason="length" if done else None,
+                    )
+                )
+                if done:
+                    del self._running[req.request_id]

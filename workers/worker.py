@@ -1,0 +1,346 @@
+"""The worker: reads its inbox, runs many jobs at once in one engine, streams, persists.
+
+At-least-once: an inbox entry is acknowledged (and deleted) only after the job's result is
+in the database. A worker that dies leaves its entries behind; a restarted worker with the
+same id reads its own pending entries first, and the dispatcher reclaims the inbox of a
+worker whose heartbeat stopped (XAUTOCLAIM). Results and usage are written once per job
+id (conditional state transitions), so running a job twice is harmless.
+
+Shutdown is two-staged: the first SIGTERM stops reading the inbox and lets running jobs
+finish within the drain timeout; after it (or a second signal) the rest is aborted and
+handed back to its tier's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from models import jobs as job_repo
+from models.db import Database
+from tierq import metrics
+from tierq.messages import Heartbeat, JobEvent, JobMessage
+from tierq.queue import (
+    EventLog,
+    enqueue,
+    forget_inflight,
+    read_group,
+    wake_dispatcher,
+    write_heartbeat,
+)
+from tierq.redis_names import WORKER_GROUP, RedisNames
+from tierq.settings import Settings
+from tierq.states import JobStatus
+from tierq.tiers import vllm_priority
+from workers.engine import Engine, EngineRequestError
+
+log = logging.getLogger(__name__)
+
+
+def replay_seed(job_id: str) -> int:
+    """A seed derived from the job id: a re-run after a crash samples the same tokens."""
+    return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:4], "big")
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: Settings,
+        db: Database,
+        r: aioredis.Redis,
+        engine: Engine,
+        worker_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.db = db
+        self.r = r
+        self.engine = engine
+        self.worker_id = worker_id or settings.resolved_worker_id
+        self.names = RedisNames(settings.redis_prefix)
+        self.inbox = self.names.inbox(self.worker_id)
+        self.events = EventLog(r, self.names, settings.replay_ttl_s)
+        self.capacity = settings.max_num_seqs
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # job id -> its task
+        self._entries: dict[str, str] = {}  # job id -> inbox entry id
+        self._cancelled: set[str] = set()
+        self._handed_back: set[str] = set()
+        self._stop_reading = asyncio.Event()
+        self._stopped = asyncio.Event()
+
+    # --- lifecycle --------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """First call: drain. Second call: stop now, handing running jobs back."""
+        if self._stop_reading.is_set():
+            self._stopped.set()
+        self._stop_reading.set()
+
+    async def run(self) -> None:
+        with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists
+            await self.r.xgroup_create(self.inbox, WORKER_GROUP, id="0", mkstream=True)
+        await self._heartbeat()
+        side = [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._cancel_listener(), name="cancel-listener"),
+        ]
+        try:
+            await self._read_inbox("0")  # entries this worker id held when it last died
+            reader = asyncio.create_task(self._inbox_loop(), name="inbox")
+            watched = [reader, *side]
+            stop = asyncio.create_task(self._stop_reading.wait())
+            done, _ = await asyncio.wait([stop, *watched], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stop and task.exception() is not None:
+                    raise RuntimeError(f"worker task {task.get_name()} died") from task.exception()
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await self._drain()
+        finally:
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            await self.r.hdel(self.names.workers, self.worker_id)
+            await wake_dispatcher(self.r, self.names)
+
+    async def _drain(self) -> None:
+        await self._heartbeat(draining=True)
+        if self._tasks:
+            log.info("draining %d running jobs", len(self._tasks))
+            stop: asyncio.Future[Any] = asyncio.ensure_future(self._stopped.wait())
+            running: asyncio.Future[Any] = asyncio.gather(
+                *self._tasks.values(), return_exceptions=True
+            )
+            await asyncio.wait(
+                [stop, running],
+                timeout=self.settings.drain_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            stop.cancel()
+        if self._tasks:
+            log.info("handing %d unfinished jobs back to their tiers", len(self._tasks))
+            self._handed_back.update(self._tasks)
+            for job_id in list(self._tasks):
+                await self.engine.abort(job_id)
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        # Entries dispatched to this inbox but never read go back as well.
+        while True:
+            got = await read_group(
+                self.r, WORKER_GROUP, self.worker_id, {self.inbox: ">"}, count=100
+            )
+            entries = got[0][1] if got else []
+            if not entries:
+                break
+            for entry_id, fields in entries:
+                msg = JobMessage.decode(fields)
+                await self._hand_back(entry_id, msg, "unread at shutdown")
+        if await self.r.xlen(self.inbox) == 0:
+            await self.r.delete(self.inbox)
+
+    # --- side tasks -------------------------------------------------------------------
+    async def _heartbeat(self, draining: bool = False) -> None:
+        hb = Heartbeat(self.worker_id, self.capacity, len(self._tasks), time.time(), draining)
+        await write_heartbeat(self.r, self.names, hb)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await self._heartbeat(draining=self._stop_reading.is_set())
+
+    async def _cancel_listener(self) -> None:
+        pubsub = self.r.pubsub()
+        await pubsub.subscribe(self.names.cancel_channel)
+        try:
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg is None:
+                    continue
+                job_id = str(msg["data"])
+                if job_id in self._tasks:
+                    log.info("aborting cancelled job %s", job_id)
+                    self._cancelled.add(job_id)
+                    await self.engine.abort(job_id)
+        finally:
+            await pubsub.aclose()
+
+    # --- the inbox --------------------------------------------------------------------
+    async def _inbox_loop(self) -> None:
+        while not self._stop_reading.is_set():
+            free = self.capacity - len(self._tasks)
+            if free <= 0:
+                await asyncio.sleep(0.01)
+                continue
+            await self._read_inbox(">", count=free, block_ms=1000)
+
+    async def _read_inbox(
+        self, start: str, count: int | None = None, block_ms: int | None = None
+    ) -> None:
+        got = await read_group(
+            self.r,
+            WORKER_GROUP,
+            self.worker_id,
+            {self.inbox: start},
+            count=count,
+            block_ms=block_ms,
+        )
+        for entry_id, fields in got[0][1] if got else []:
+            if not fields:  # a pending entry whose body was deleted: nothing to run
+                await self.r.xack(self.inbox, WORKER_GROUP, entry_id)
+                continue
+            msg = JobMessage.decode(fields)
+            if msg.job_id in self._tasks:
+                continue
+            self._entries[msg.job_id] = entry_id
+            self._tasks[msg.job_id] = asyncio.create_task(self._run(entry_id, msg), name=msg.job_id)
+        metrics.WORKER_RUNNING.set(len(self._tasks))
+
+    async def _done_with_entry(self, entry_id: str, job_id: str, forget: bool) -> None:
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.xack(self.inbox, WORKER_GROUP, entry_id)
+            pipe.xdel(self.inbox, entry_id)
+            await pipe.execute()
+        if forget:
+            await forget_inflight(self.r, self.names, [job_id])
+        await wake_dispatcher(self.r, self.names)
+
+    async def _hand_back(self, entry_id: str, msg: JobMessage, why: str) -> None:
+        """Put a job back on its tier's stream, then let go of the inbox entry."""
+        async with self.db.transaction() as s:
+            await job_repo.requeue_job(s, msg.job_id, why)
+        await enqueue(self.r, self.names, msg)
+        await self._done_with_entry(entry_id, msg.job_id, forget=False)
+
+    # --- one job ----------------------------------------------------------------------
+    async def _run(self, entry_id: str, msg: JobMessage) -> None:
+        try:
+            await self._run_job(entry_id, msg)
+        except Exception:
+            log.exception("job %s failed in the worker; leaving it for redelivery", msg.job_id)
+        finally:
+            self._tasks.pop(msg.job_id, None)
+            self._entries.pop(msg.job_id, None)
+            self._cancelled.discard(msg.job_id)
+            self._handed_back.discard(msg.job_id)
+            metrics.WORKER_RUNNING.set(len(self._tasks))
+
+    async def _run_job(self, entry_id: str, msg: JobMessage) -> None:
+        async with self.db.transaction() as s:
+            job = await job_repo.start_job(
+                s, msg.job_id, self.worker_id, self.settings.max_deliveries
+            )
+        if job is None:  # finished, cancelled or dead-lettered meanwhile: nothing to run
+            async with self.db.session() as s:
+                current = await job_repo.get_job(s, msg.job_id)
+            if current is not None and current.status == JobStatus.FAILED:
+                await self.events.append(msg.job_id, JobEvent("error", current.to_api()))
+            await self._done_with_entry(entry_id, msg.job_id, forget=True)
+            return
+        redelivered = job.deliveries > 1
+        already = await self._streamed_text(job.id) if redelivered else ""
+        params: dict[str, Any] = dict(job.params)
+        if params.get("seed") is None:
+            params["seed"] = replay_seed(job.id)
+        metrics.QUEUE_WAIT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
+
+        text_parts: list[str] = []
+        emitted = len(already)
+        completion_tokens = 0
+        prompt_tokens = 0
+        finish_reason: str | None = None
+        first = True
+        try:
+            async for chunk in self.engine.generate(
+                job.id, job.messages, job.prompt, params, vllm_priority(job.tier)
+            ):
+                prompt_tokens = chunk.prompt_tokens
+                completion_tokens += chunk.new_tokens
+                finish_reason = chunk.finish_reason or finish_reason
+                if chunk.text:
+                    if first:
+                        metrics.TTFT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
+                        first = False
+                    text_parts.append(chunk.text)
+                    emitted = await self._emit_new_text(job.id, "".join(text_parts), emitted)
+        except EngineRequestError as exc:
+            await self._finish(entry_id, msg, JobStatus.FAILED, exc.code, str(exc))
+            return
+        if msg.job_id in self._handed_back:
+            await self._hand_back(entry_id, msg, "worker shutting down")
+            return
+        if finish_reason is None:  # aborted: cancelled by its tenant (the API closed it)
+            await self._done_with_entry(entry_id, msg.job_id, forget=True)
+            return
+        async with self.db.transaction() as s:
+            finished = await job_repo.finish_job(
+                s,
+                job.id,
+                status=JobStatus.SUCCEEDED,
+                text="".join(text_parts),
+                finish_reason=finish_reason,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+            )
+        if finished is not None:
+            metrics.JOBS_FINISHED.labels(job.tier.value, "succeeded").inc()
+            metrics.TOKENS_SERVED.labels(job.tier.value, "prompt").inc(prompt_tokens)
+            metrics.TOKENS_SERVED.labels(job.tier.value, "completion").inc(completion_tokens)
+            await self.events.append(job.id, JobEvent("done", finished.to_api()))
+        await self._done_with_entry(entry_id, msg.job_id, forget=True)
+
+    async def _finish(
+        self, entry_id: str, msg: JobMessage, status: JobStatus, code: str, message: str
+    ) -> None:
+        async with self.db.transaction() as s:
+            failed = await job_repo.fail_job(s, msg.job_id, code, message)
+        if failed is not None:
+            metrics.JOBS_FINISHED.labels(msg.tier.value, status.value).inc()
+            await self.events.append(msg.job_id, JobEvent("error", failed.to_api()))
+        await self._done_with_entry(entry_id, msg.job_id, forget=True)
+
+    async def _streamed_text(self, job_id: str) -> str:
+        """The text a previous delivery of this job already streamed to clients."""
+        parts = [
+            e.data.get("text", "")
+            for _, e in await self.events.since(job_id, 0)
+            if e.kind == "delta"
+        ]
+        return "".join(parts)
+
+    async def _emit_new_text(self, job_id: str, full: str, emitted: int) -> int:
+        """Publish the part of `full` beyond what clients have; returns the new length."""
+        if len(full) <= emitted:
+            return emitted
+        await self.events.append(job_id, JobEvent("delta", {"text": full[emitted:]}))
+        return len(full)
+
+
+async def run_worker(
+    settings: Settings,
+    engine_factory: Callable[[Settings], Engine],
+    install_signals: Callable[[Worker], Awaitable[None]] | None = None,
+) -> None:
+    """Start the engine, then serve the inbox until stopped (the `tierq worker` command)."""
+    from tierq.redis_conn import connect
+
+    engine = engine_factory(settings)
+    await engine.start()
+    db = Database(settings.resolved_database_url)
+    r = await connect(settings)
+    worker = Worker(settings, db, r, engine)
+    if install_signals is not None:
+        await install_signals(worker)
+    log.info(
+        "worker %s ready (engine %s, %d slots)", worker.worker_id, engine.name, worker.capacity
+    )
+    try:
+        await worker.run()
+    finally:
+        await engine.shutdown()
+        await r.aclose()
+        await db.close()
