@@ -82,30 +82,40 @@ class Worker:
             self._stopped.set()
         self._stop_reading.set()
 
-    async def run(self) -> None:
+    async def _ensure_group(self) -> None:
         with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists
             await self.r.xgroup_create(self.inbox, WORKER_GROUP, id="0", mkstream=True)
+
+    async def run(self) -> None:
+        """Serve until stopped. Cancelling this task is a crash: nothing is cleaned up."""
+        await self._ensure_group()
         await self._heartbeat()
-        side = [
+        await self._read_inbox("0")  # entries this worker id held when it last died
+        tasks = [
+            asyncio.create_task(self._inbox_loop(), name="inbox"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._cancel_listener(), name="cancel-listener"),
         ]
+        stop = asyncio.create_task(self._stop_reading.wait(), name="stop")
         try:
-            await self._read_inbox("0")  # entries this worker id held when it last died
-            reader = asyncio.create_task(self._inbox_loop(), name="inbox")
-            watched = [reader, *side]
-            stop = asyncio.create_task(self._stop_reading.wait())
-            done, _ = await asyncio.wait([stop, *watched], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not stop and task.exception() is not None:
-                    raise RuntimeError(f"worker task {task.get_name()} died") from task.exception()
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            for task in [stop, *tasks, *self._tasks.values()]:
+                task.cancel()
+            raise
+        for task in done:
+            if task is not stop and task.exception() is not None:
+                for other in [stop, *tasks]:
+                    other.cancel()
+                raise RuntimeError(f"worker task {task.get_name()} died") from task.exception()
+        tasks[0].cancel()  # stop reading the inbox
+        await asyncio.gather(tasks[0], return_exceptions=True)
+        try:
             await self._drain()
         finally:
-            for task in side:
+            for task in tasks[1:]:
                 task.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
+            await asyncio.gather(*tasks[1:], return_exceptions=True)
             await self.r.hdel(self.names.workers, self.worker_id)
             await wake_dispatcher(self.r, self.names)
 
@@ -176,7 +186,15 @@ class Worker:
             if free <= 0:
                 await asyncio.sleep(0.01)
                 continue
-            await self._read_inbox(">", count=free, block_ms=1000)
+            try:
+                await self._read_inbox(">", count=free, block_ms=1000)
+            except redis.ResponseError as exc:
+                # The inbox vanished: Redis restarted, or a dispatcher took this worker for
+                # dead (a long pause) and reclaimed it. Start a fresh one.
+                if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
+                    raise
+                log.warning("inbox %s is gone (%s); recreating it", self.inbox, exc)
+                await self._ensure_group()
 
     async def _read_inbox(
         self, start: str, count: int | None = None, block_ms: int | None = None

@@ -1,0 +1,170 @@
+"""Shared fixtures.
+
+Unit tests need nothing. Integration tests use the real PostgreSQL and Redis of this
+machine: one database created for the test run (migrated with Alembic) and a Redis key
+prefix per test (its keys deleted afterwards). End-to-end tests start real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+import uvicorn
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+import migrations
+from api.app import build_app
+from dispatcher.loop import Dispatcher
+from models.db import Database
+from tierq.bootstrap import ensure_tenant_key
+from tierq.settings import Settings
+from workers.simulated_engine import CostModel, SimulatedEngine
+from workers.worker import Worker
+
+PG_ADMIN_URL = os.environ.get(
+    "TIERQ_TEST_PG_ADMIN_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+)
+REDIS_TEST_URL = os.environ.get("TIERQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _admin(sql: str) -> None:
+    engine = create_async_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text(sql))
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test run, migrated to head."""
+    name = f"tierq_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    migrations.upgrade(url)
+    yield url
+    asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def settings(pg_database: str, tmp_path: object) -> Settings:
+    return Settings(
+        database_url=pg_database,
+        redis_url=REDIS_TEST_URL,
+        redis_prefix=f"tierq-test-{uuid.uuid4().hex[:10]}",
+        engine="simulated",
+        heartbeat_interval_s=0.2,
+        worker_dead_after_s=1.5,
+        dispatch_idle_wait_s=0.05,
+        drain_timeout_s=5.0,
+        reconcile_grace_s=0.0,
+        max_num_seqs=8,
+        state_dir=tmp_path,  # type: ignore[arg-type]
+        _env_file=None,  # type: ignore[call-arg]
+    )
+
+
+@pytest.fixture
+async def redis_client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
+    r = aioredis.Redis.from_url(REDIS_TEST_URL, decode_responses=True)
+    yield r
+    keys = [k async for k in r.scan_iter(match=f"{settings.redis_prefix}:*")]
+    if keys:
+        await r.delete(*keys)
+    await r.aclose()
+
+
+@pytest.fixture
+async def db(settings: Settings) -> AsyncIterator[Database]:
+    database = Database(settings.resolved_database_url)
+    yield database
+    await database.close()
+
+
+class Platform:
+    """The API (real uvicorn on a free port), a dispatcher and workers, in this event loop."""
+
+    def __init__(self, settings: Settings, db: Database, r: aioredis.Redis) -> None:
+        self.settings = settings
+        self.db = db
+        self.r = r
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tasks: list[asyncio.Task[None]] = []
+        self.workers: dict[str, tuple[Worker, asyncio.Task[None], SimulatedEngine]] = {}
+        self.dispatcher = Dispatcher(settings, r)
+        self.server: uvicorn.Server | None = None
+
+    async def start_api(self) -> None:
+        config = uvicorn.Config(
+            build_app(self.settings), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.tasks.append(asyncio.create_task(self.server.serve()))
+        while not self.server.started:
+            await asyncio.sleep(0.02)
+
+    def start_dispatcher(self) -> None:
+        self.tasks.append(asyncio.create_task(self.dispatcher.run()))
+
+    async def start_worker(self, worker_id: str, cost: CostModel | None = None) -> Worker:
+        engine = SimulatedEngine(cost or CostModel(slots=self.settings.max_num_seqs).scaled(20))
+        await engine.start()
+        worker = Worker(self.settings, self.db, self.r, engine, worker_id=worker_id)
+        task = asyncio.create_task(worker.run())
+        self.workers[worker_id] = (worker, task, engine)
+        return worker
+
+    async def kill_worker(self, worker_id: str) -> None:
+        """As SIGKILL would: no drain, no cleanup, entries left pending in the inbox."""
+        worker, task, engine = self.workers.pop(worker_id)
+        for job_task in list(worker._tasks.values()):
+            job_task.cancel()
+        task.cancel()
+        await asyncio.gather(task, *worker._tasks.values(), return_exceptions=True)
+        await engine.shutdown()
+
+    async def stop(self) -> None:
+        for worker, task, engine in self.workers.values():
+            worker.request_stop()
+            worker.request_stop()
+            await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+            await engine.shutdown()
+        self.dispatcher.request_stop()
+        if self.server is not None:
+            self.server.should_exit = True
+        await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), 10)
+
+
+@pytest.fixture
+async def platform(
+    settings: Settings, db: Database, redis_client: aioredis.Redis
+) -> AsyncIterator[Platform]:
+    p = Platform(settings, db, redis_client)
+    await p.start_api()
+    yield p
+    await p.stop()
+
+
+@pytest.fixture
+async def tenant_key(settings: Settings) -> str:
+    return await ensure_tenant_key(settings, f"tenant-{uuid.uuid4().hex[:8]}", None)
+
+
+@pytest.fixture
+async def other_tenant_key(settings: Settings) -> str:
+    return await ensure_tenant_key(settings, f"other-{uuid.uuid4().hex[:8]}", None)

@@ -1,0 +1,67 @@
+"""Small helpers the tests share: a client with a key, waiting for a state, reading SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def client(url: str, key: str | None, timeout: float = 30) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout)
+
+
+async def wait_for(
+    c: httpx.AsyncClient, job_id: str, statuses: tuple[str, ...] = TERMINAL, timeout: float = 30
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = (await c.get(f"/v1/jobs/{job_id}")).json()
+        if job["status"] in statuses:
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} still {job['status']} after {timeout} s")
+        await asyncio.sleep(0.05)
+
+
+async def read_sse(
+    c: httpx.AsyncClient, path: str, headers: dict[str, str] | None = None, limit: int | None = None
+) -> list[dict[str, Any]]:
+    """Every event of an SSE response until it ends (or `limit` events): id, event, data."""
+    events: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    async with c.stream("GET", path, headers=headers or {}) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            line = line.rstrip("\r")
+            if not line:
+                if "event" in current:
+                    current["data"] = json.loads(current.get("data", "null"))
+                    events.append(current)
+                    if limit is not None and len(events) >= limit:
+                        break
+                current = {}
+                continue
+            if line.startswith(":"):
+                continue
+            field, _, value = line.partition(":")
+            current[field] = value[1:] if value.startswith(" ") else value
+    return events
+
+
+def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> None:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    assert "code" in err
+    if code is not None:
+        assert err["code"] == code, err

@@ -1,0 +1,205 @@
+"""The job path end to end, with real PostgreSQL and Redis and the simulated engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from models import jobs as job_repo
+from tests.conftest import Platform
+from tests.helpers import client, read_sse, wait_for
+from workers.simulated_engine import CostModel
+
+pytestmark = pytest.mark.integration
+
+CHAT = {"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 12}
+
+
+async def test_submit_poll_succeeds_with_result_usage_and_history(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.start_dispatcher()
+    await platform.start_worker("w1")
+    async with client(platform.url, tenant_key) as c:
+        resp = await c.post("/v1/jobs", json={**CHAT, "tier": "interactive"})
+        assert resp.status_code == 202
+        job = resp.json()
+        assert job["object"] == "job" and job["status"] == "queued" and job["tier"] == "interactive"
+        for absent in ("started_at", "finished_at", "result", "usage", "error"):
+            assert job[absent] is None
+        done = await wait_for(c, job["id"])
+    assert done["status"] == "succeeded"
+    assert done["result"]["finish_reason"] == "length"
+    assert done["result"]["text"] == "".join(f" tok{i}" for i in range(1, 13))
+    assert done["usage"]["completion_tokens"] == 12
+    assert done["usage"]["total_tokens"] == done["usage"]["prompt_tokens"] + 12
+    assert done["started_at"] is not None and done["finished_at"] is not None
+    async with platform.db.session() as s:
+        history = await job_repo.transitions(s, job["id"])
+        usage = await job_repo.usage_for_job(s, job["id"])
+    assert [status for status, _ in history] == ["queued", "running", "succeeded"]
+    assert len(usage) == 1 and usage[0].completion_tokens == 12
+
+
+async def test_many_jobs_run_concurrently_in_one_engine(platform: Platform, tenant_key: str) -> None:
+    platform.start_dispatcher()
+    worker = await platform.start_worker("w1", cost=CostModel(slots=8))  # real-time speed
+    _, _, engine = platform.workers["w1"]
+    peak = 0
+    async with client(platform.url, tenant_key) as c:
+        posts = [c.post("/v1/jobs", json={**CHAT, "max_tokens": 40}) for _ in range(8)]
+        ids = [resp.json()["id"] for resp in await asyncio.gather(*posts)]
+        for _ in range(200):
+            peak = max(peak, engine.running)
+            await asyncio.sleep(0.01)
+        jobs = [await wait_for(c, i) for i in ids]
+    assert all(j["status"] == "succeeded" for j in jobs)
+    assert peak == worker.capacity == 8  # continuous batching: all eight at once
+
+
+async def test_tiers_are_served_highest_first(platform: Platform, tenant_key: str) -> None:
+    async with client(platform.url, tenant_key) as c:
+        batch = [(await c.post("/v1/jobs", json={**CHAT, "tier": "batch"})).json() for _ in range(3)]
+        std = (await c.post("/v1/jobs", json={**CHAT, "tier": "standard"})).json()
+        inter = (await c.post("/v1/jobs", json={**CHAT, "tier": "interactive"})).json()
+        platform.settings.max_num_seqs = 1  # one slot: the order of service is visible
+        platform.start_dispatcher()
+        await platform.start_worker("w1")
+        jobs = [await wait_for(c, j["id"]) for j in [inter, std, *batch]]
+    started = [j["started_at"] for j in jobs]
+    finished = [j["finished_at"] for j in jobs]
+    assert all(j["status"] == "succeeded" for j in jobs)
+    assert started == sorted(started) and finished == sorted(finished)
+
+
+async def test_list_filters_and_paginates(platform: Platform, tenant_key: str) -> None:
+    async with client(platform.url, tenant_key) as c:
+        ids = []
+        for tier in ("batch", "standard", "batch", "interactive", "batch"):
+            ids.append((await c.post("/v1/jobs", json={**CHAT, "tier": tier})).json()["id"])
+        page1 = (await c.get("/v1/jobs", params={"limit": 2})).json()
+        assert page1["object"] == "list" and page1["has_more"] is True
+        assert [j["id"] for j in page1["data"]] == ids[::-1][:2]
+        page2 = (await c.get("/v1/jobs", params={"limit": 2, "after": page1["last_id"]})).json()
+        page3 = (await c.get("/v1/jobs", params={"limit": 2, "after": page2["last_id"]})).json()
+        seen = [j["id"] for p in (page1, page2, page3) for j in p["data"]]
+        assert seen == ids[::-1] and page3["has_more"] is False
+        batch = (await c.get("/v1/jobs", params={"tier": "batch"})).json()["data"]
+        assert {j["id"] for j in batch} == {ids[0], ids[2], ids[4]}
+        queued = (await c.get("/v1/jobs", params={"status": "queued"})).json()["data"]
+        assert len(queued) == 5
+        assert (await c.get("/v1/jobs", params={"status": "succeeded"})).json()["data"] == []
+
+
+async def test_a_tenant_sees_only_its_own_jobs(
+    platform: Platform, tenant_key: str, other_tenant_key: str
+) -> None:
+    async with client(platform.url, tenant_key) as mine, client(platform.url, other_tenant_key) as theirs:
+        job = (await mine.post("/v1/jobs", json=CHAT)).json()
+        for resp in (
+            await theirs.get(f"/v1/jobs/{job['id']}"),
+            await theirs.post(f"/v1/jobs/{job['id']}/cancel"),
+            await theirs.get(f"/v1/jobs/{job['id']}/events"),
+        ):
+            assert resp.status_code == 404
+            assert resp.json()["error"]["code"] == "job_not_found"
+        assert (await theirs.get("/v1/jobs")).json()["data"] == []
+        assert (await mine.get(f"/v1/jobs/{job['id']}")).status_code == 200
+
+
+async def test_idempotency_key_returns_the_same_job_and_enqueues_once(
+    platform: Platform, tenant_key: str
+) -> None:
+    stream = platform.dispatcher.names.tier_stream("standard")
+    async with client(platform.url, tenant_key) as c:
+        headers = {"Idempotency-Key": "order-42"}
+        first = await c.post("/v1/jobs", json=CHAT, headers=headers)
+        again = await c.post("/v1/jobs", json=CHAT, headers=headers)
+        assert first.status_code == again.status_code == 202
+        assert first.json()["id"] == again.json()["id"]
+        assert await platform.r.xlen(stream) == 1
+        other = await c.post("/v1/jobs", json={**CHAT, "max_tokens": 3}, headers=headers)
+        assert other.status_code == 409
+        assert other.json()["error"]["code"] == "idempotency_key_reused"
+        assert await platform.r.xlen(stream) == 1
+
+
+async def test_sse_streams_deltas_then_done_and_late_joiners_miss_nothing(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.start_dispatcher()
+    await platform.start_worker("w1", cost=None)
+    async with client(platform.url, tenant_key) as c:
+        job = (await c.post("/v1/jobs", json={**CHAT, "max_tokens": 30})).json()
+        live_task = asyncio.create_task(read_sse(c, f"/v1/jobs/{job['id']}/events"))
+        await wait_for(c, job["id"], ("running",))
+        await asyncio.sleep(0.1)
+        late = await read_sse(c, f"/v1/jobs/{job['id']}/events")  # joins mid-stream
+        live = await live_task
+        after_end = await read_sse(c, f"/v1/jobs/{job['id']}/events")  # joins after the end
+        resumed = await read_sse(
+            c, f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": "7"}
+        )
+        final = (await c.get(f"/v1/jobs/{job['id']}")).json()
+    for events in (live, late, after_end):
+        assert [e["event"] for e in events] == ["delta"] * 30 + ["done"]
+        assert [int(e["id"]) for e in events] == list(range(1, 32))
+        assert "".join(e["data"]["text"] for e in events[:-1]) == final["result"]["text"]
+        assert events[-1]["data"] == final
+    assert [int(e["id"]) for e in resumed] == list(range(8, 32))
+
+
+async def test_cancel_a_queued_job(platform: Platform, tenant_key: str) -> None:
+    async with client(platform.url, tenant_key) as c:
+        job = (await c.post("/v1/jobs", json=CHAT)).json()
+        resp = await c.post(f"/v1/jobs/{job['id']}/cancel")
+        assert resp.status_code == 200 and resp.json()["status"] == "cancelled"
+        assert (await c.post(f"/v1/jobs/{job['id']}/cancel")).json()["status"] == "cancelled"
+        platform.start_dispatcher()
+        await platform.start_worker("w1")
+        other = (await c.post("/v1/jobs", json=CHAT)).json()
+        assert (await wait_for(c, other["id"]))["status"] == "succeeded"
+        events = await read_sse(c, f"/v1/jobs/{job['id']}/events")
+        final = (await c.get(f"/v1/jobs/{job['id']}")).json()
+    assert final["status"] == "cancelled" and final["result"] is None and final["started_at"] is None
+    assert [e["event"] for e in events] == ["done"] and events[0]["data"]["status"] == "cancelled"
+
+
+async def test_cancel_a_running_job_aborts_it_in_the_engine(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.start_dispatcher()
+    await platform.start_worker("w1")
+    _, _, engine = platform.workers["w1"]
+    async with client(platform.url, tenant_key) as c:
+        job = (await c.post("/v1/jobs", json={**CHAT, "max_tokens": 1500})).json()
+        await wait_for(c, job["id"], ("running",))
+        resp = await c.post(f"/v1/jobs/{job['id']}/cancel")
+        assert resp.json()["status"] == "cancelled"
+        for _ in range(100):
+            if engine.running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.running == 0
+        finished = (await c.post(f"/v1/jobs/{job['id']}/cancel")).json()
+        done = await c.post("/v1/jobs", json=CHAT)
+        ok = await wait_for(c, done.json()["id"])
+        again = await c.post(f"/v1/jobs/{ok['id']}/cancel")
+    assert finished["status"] == "cancelled"
+    assert again.status_code == 409 and again.json()["error"]["code"] == "job_not_cancellable"
+    async with platform.db.session() as s:
+        assert await job_repo.usage_for_job(s, job["id"]) == []
+
+
+async def test_readyz_needs_a_worker_heartbeat(platform: Platform) -> None:
+    async with client(platform.url, None) as c:
+        assert (await c.get("/healthz")).json() == {"status": "ok"}
+        not_ready = await c.get("/readyz")
+        assert not_ready.status_code == 503
+        assert not_ready.json()["checks"]["workers"].startswith("error")
+        await platform.start_worker("w1")
+        ready = await c.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["workers"] == 1
+        metrics = await c.get("/metrics")
+        assert metrics.status_code == 200 and "tierq_jobs_submitted_total" in metrics.text
