@@ -13,9 +13,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger(__name__)
 
 
-class BodyTooLarge(Exception):
-    """Raised while reading a request body that outgrows the limit (see api.limits)."""
-
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -98,10 +95,6 @@ def install(app: FastAPI) -> None:
         return error_response(
             exc.status_code, str(exc.detail), code, headers=dict(exc.headers or {})
         )
-
-    @app.exception_handler(BodyTooLarge)
-    async def _too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
-        return error_response(413, str(exc), "request_too_large")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

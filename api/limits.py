@@ -6,10 +6,16 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import BodyTooLarge, error_body
+from api.errors import error_body
 
 
 class BodySizeLimit:
+    """Refuse by Content-Length when there is one; otherwise read up to the limit first.
+
+    A chunked body (no Content-Length) is buffered before the app sees it — at most
+    `max_bytes`, the same bound the app would hold anyway — and refused once it outgrows it.
+    """
+
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
@@ -18,39 +24,42 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+        headers = dict(scope.get("headers", []))
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
                 await self._refuse(send)
                 return
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
+            await self.app(scope, receive, send)
+            return
+        if headers.get(b"transfer-encoding", b"").lower() != b"chunked":
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge(f"The request body exceeds {self.max_bytes} bytes.")
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
+            if message["type"] != "http.request":
+                break
+            body.extend(message.get("body", b""))
+            if len(body) > self.max_bytes:
                 await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
         body = json.dumps(
-            error_body(
-                413, f"The request body exceeds {self.max_bytes} bytes.", "request_too_large"
-            )
+            error_body(413, f"The request body exceeds {self.max_bytes} bytes.", "request_too_large")
         ).encode()
         await send(
             {

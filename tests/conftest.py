@@ -23,6 +23,7 @@ import migrations
 from api.app import build_app
 from dispatcher.loop import Dispatcher
 from models.db import Database
+from models.tables import Base
 from tierq.bootstrap import ensure_tenant_key
 from tierq.settings import Settings
 from workers.simulated_engine import CostModel, SimulatedEngine
@@ -90,7 +91,11 @@ async def redis_client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
 
 @pytest.fixture
 async def db(settings: Settings) -> AsyncIterator[Database]:
+    """The run's database, emptied first: each test starts from no tenants and no jobs."""
     database = Database(settings.resolved_database_url)
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    async with database.transaction() as s:
+        await s.execute(text(f"TRUNCATE {tables} CASCADE"))
     yield database
     await database.close()
 
@@ -161,10 +166,10 @@ async def platform(
 
 
 @pytest.fixture
-async def tenant_key(settings: Settings) -> str:
+async def tenant_key(settings: Settings, db: Database) -> str:
     return await ensure_tenant_key(settings, f"tenant-{uuid.uuid4().hex[:8]}", None)
 
 
 @pytest.fixture
-async def other_tenant_key(settings: Settings) -> str:
+async def other_tenant_key(settings: Settings, db: Database) -> str:
     return await ensure_tenant_key(settings, f"other-{uuid.uuid4().hex[:8]}", None)

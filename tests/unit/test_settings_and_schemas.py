@@ -1,0 +1,65 @@
+"""Settings normalisation and request validation (no services needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from api.jobs.schemas import JobCreate
+from tierq.settings import Settings
+from tierq.tiers import Tier
+
+
+def make(**kw: object) -> Settings:
+    return Settings(_env_file=None, **kw)  # type: ignore[call-arg, arg-type]
+
+
+def test_embedded_default_uses_sqlite_and_a_unix_socket(tmp_path: Path) -> None:
+    s = make(state_dir=tmp_path, database_url="", redis_url=None)
+    assert s.embedded
+    assert s.resolved_database_url == f"sqlite+aiosqlite:///{tmp_path / 'tierq.db'}"
+    assert s.resolved_redis_url == f"unix://{tmp_path / 'redis.sock'}"
+    assert s.celery_broker_url == f"redis+socket://{tmp_path / 'redis.sock'}"
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("postgres://u@h/db", "postgresql+asyncpg://u@h/db"),
+        ("postgresql://u@h/db", "postgresql+asyncpg://u@h/db"),
+        ("postgresql+asyncpg://u@h/db", "postgresql+asyncpg://u@h/db"),
+        ("sqlite:////tmp/x.db", "sqlite+aiosqlite:////tmp/x.db"),
+    ],
+)
+def test_database_urls_get_async_drivers(given: str, expected: str) -> None:
+    s = make(database_url=given, redis_url="redis://h:6379/0")
+    assert s.resolved_database_url == expected and not s.embedded
+    assert s.celery_broker_url == "redis://h:6379/0"
+
+
+def test_job_defaults_and_params() -> None:
+    body = JobCreate.model_validate({"prompt": "hi"})
+    assert body.tier == Tier.STANDARD and body.max_tokens == 256
+    assert body.params() == {
+        "max_tokens": 256, "temperature": 1.0, "top_p": 1.0, "stop": None, "seed": None,
+    }
+    assert JobCreate.model_validate({"prompt": "x", "stop": "END"}).stop == ["END"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"prompt": ""},
+        {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+        {"prompt": "a", "tier": "gold"},
+        {"prompt": "a", "seed": "x"},
+        {"prompt": "a", "stop": [""]},
+        {"prompt": "a", "metadata": {str(i): "v" for i in range(17)}},
+    ],
+)
+def test_invalid_job_bodies(body: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        JobCreate.model_validate(body)
