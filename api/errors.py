@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger(__name__)
 
 
-
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",

@@ -59,7 +59,9 @@ class BodySizeLimit:
 
     async def _refuse(self, send: Send) -> None:
         body = json.dumps(
-            error_body(413, f"The request body exceeds {self.max_bytes} bytes.", "request_too_large")
+            error_body(
+                413, f"The request body exceeds {self.max_bytes} bytes.", "request_too_large"
+            )
         ).encode()
         await send(
             {

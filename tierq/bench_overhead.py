@@ -46,16 +46,23 @@ async def _platform(url: str, key: str, n: int, max_tokens: int, tier: str) -> d
 
 
 async def _wait(client: httpx.AsyncClient, ids: list[str]) -> list[dict[str, Any]]:
+    """Poll as a considerate client does: one list request per tick, not one per job."""
+    wanted = set(ids)
     done: dict[str, dict[str, Any]] = {}
     while len(done) < len(ids):
-        for job_id in ids:
-            if job_id in done:
-                continue
-            job = (await client.get(f"/v1/jobs/{job_id}")).json()
-            if job["status"] in ("succeeded", "failed", "cancelled"):
-                done[job_id] = job
-        if len(done) < len(ids):
-            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        after: str | None = None
+        while True:
+            params: dict[str, Any] = {"limit": 100}
+            if after:
+                params["after"] = after
+            page = (await client.get("/v1/jobs", params=params)).json()
+            for job in page["data"]:
+                if job["id"] in wanted and job["status"] in ("succeeded", "failed", "cancelled"):
+                    done[job["id"]] = job
+            if not page["has_more"] or all(j["id"] not in wanted for j in page["data"]):
+                break
+            after = page["last_id"]
     return [done[i] for i in ids]
 
 

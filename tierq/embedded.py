@@ -37,6 +37,7 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path | None
+    pid_path: Path
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
@@ -54,6 +55,7 @@ class Child:
         )
         if out is not None:
             out.close()
+        self.pid_path.write_text(f"{self.proc.pid}\n")
         self.started_at = time.monotonic()
 
     def signal_group(self, sig: int) -> None:
@@ -66,8 +68,12 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
     py = sys.executable
     celery = [py, "-m", "celery", "-A", "workers.celery_app"]
 
+    pids = settings.state_dir / "pids"
+    pids.mkdir(parents=True, exist_ok=True)
+
     def child(name: str, argv: list[str]) -> Child:
-        return Child(name, argv, None if logs is None else logs / f"{name}.log")
+        log_path = None if logs is None else logs / f"{name}.log"
+        return Child(name, argv, log_path, pids / f"{name}.pid")
 
     return [
         child("api", [py, "-m", "tierq.cli", "api"]),
@@ -206,3 +212,4 @@ def stop_all(children: list[Child]) -> None:
             log.warning("%s did not stop in time; killing it", c.name)
         c.signal_group(signal.SIGKILL)  # whatever is left of its group (vLLM's engine core)
         c.proc.wait()
+        c.pid_path.unlink(missing_ok=True)

@@ -68,6 +68,14 @@ class EventLog:
         keys = [self.names.job_events(job_id), self.names.job_channel(job_id)]
         return int(await self._append(keys=keys, args=[event.encode(), self.ttl_s]))
 
+    async def append_many(self, items: list[tuple[str, JobEvent]]) -> None:
+        """Append many events in one round trip (in order)."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            for job_id, event in items:
+                keys = [self.names.job_events(job_id), self.names.job_channel(job_id)]
+                await self._append(keys=keys, args=[event.encode(), self.ttl_s], client=pipe)
+            await pipe.execute()
+
     async def since(self, job_id: str, after_seq: int) -> list[tuple[int, JobEvent]]:
         """Events with a sequence number above `after_seq` (1-based), in order."""
         raw = await self.r.lrange(self.names.job_events(job_id), after_seq, -1)

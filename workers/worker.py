@@ -41,6 +41,7 @@ from tierq.settings import Settings
 from tierq.states import JobStatus
 from tierq.tiers import vllm_priority
 from workers.engine import Engine, EngineRequestError
+from workers.streaming import EventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class Worker:
         self.names = RedisNames(settings.redis_prefix)
         self.inbox = self.names.inbox(self.worker_id)
         self.events = EventLog(r, self.names, settings.replay_ttl_s)
+        self.publisher = EventPublisher(self.events)
         self.capacity = settings.max_num_seqs
         self._tasks: dict[str, asyncio.Task[None]] = {}  # job id -> its task
         self._entries: dict[str, str] = {}  # job id -> inbox entry id
@@ -95,6 +97,7 @@ class Worker:
             asyncio.create_task(self._inbox_loop(), name="inbox"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._cancel_listener(), name="cancel-listener"),
+            asyncio.create_task(self.publisher.run(), name="event-publisher"),
         ]
         stop = asyncio.create_task(self._stop_reading.wait(), name="stop")
         try:
@@ -256,7 +259,7 @@ class Worker:
             async with self.db.session() as s:
                 current = await job_repo.get_job(s, msg.job_id)
             if current is not None and current.status == JobStatus.FAILED:
-                await self.events.append(msg.job_id, JobEvent("error", current.to_api()))
+                await self.publisher.send(msg.job_id, JobEvent("error", current.to_api()))
             await self._done_with_entry(entry_id, msg.job_id, forget=True)
             return
         redelivered = job.deliveries > 1
@@ -268,6 +271,7 @@ class Worker:
 
         text_parts: list[str] = []
         emitted = len(already)
+        produced = 0
         completion_tokens = 0
         prompt_tokens = 0
         finish_reason: str | None = None
@@ -284,7 +288,10 @@ class Worker:
                         metrics.TTFT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
                         first = False
                     text_parts.append(chunk.text)
-                    emitted = await self._emit_new_text(job.id, "".join(text_parts), emitted)
+                    start, produced = produced, produced + len(chunk.text)
+                    if produced > emitted:  # beyond what a previous delivery streamed
+                        self.publisher.delta(job.id, chunk.text[max(0, emitted - start) :])
+                        emitted = produced
         except EngineRequestError as exc:
             await self._finish(entry_id, msg, JobStatus.FAILED, exc.code, str(exc))
             return
@@ -308,7 +315,7 @@ class Worker:
             metrics.JOBS_FINISHED.labels(job.tier.value, "succeeded").inc()
             metrics.TOKENS_SERVED.labels(job.tier.value, "prompt").inc(prompt_tokens)
             metrics.TOKENS_SERVED.labels(job.tier.value, "completion").inc(completion_tokens)
-            await self.events.append(job.id, JobEvent("done", finished.to_api()))
+            await self.publisher.send(job.id, JobEvent("done", finished.to_api()))
         await self._done_with_entry(entry_id, msg.job_id, forget=True)
 
     async def _finish(
@@ -318,7 +325,7 @@ class Worker:
             failed = await job_repo.fail_job(s, msg.job_id, code, message)
         if failed is not None:
             metrics.JOBS_FINISHED.labels(msg.tier.value, status.value).inc()
-            await self.events.append(msg.job_id, JobEvent("error", failed.to_api()))
+            await self.publisher.send(msg.job_id, JobEvent("error", failed.to_api()))
         await self._done_with_entry(entry_id, msg.job_id, forget=True)
 
     async def _streamed_text(self, job_id: str) -> str:
@@ -329,13 +336,6 @@ class Worker:
             if e.kind == "delta"
         ]
         return "".join(parts)
-
-    async def _emit_new_text(self, job_id: str, full: str, emitted: int) -> int:
-        """Publish the part of `full` beyond what clients have; returns the new length."""
-        if len(full) <= emitted:
-            return emitted
-        await self.events.append(job_id, JobEvent("delta", {"text": full[emitted:]}))
-        return len(full)
 
 
 async def run_worker(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error, client
 
@@ -63,7 +64,9 @@ async def test_malformed_json_is_refused(platform: Platform, tenant_key: str) ->
     await _nothing_written(platform, tenant_key)
 
 
-async def test_a_prompt_too_long_for_the_limit_is_refused(platform: Platform, tenant_key: str) -> None:
+async def test_a_prompt_too_long_for_the_limit_is_refused(
+    platform: Platform, tenant_key: str
+) -> None:
     platform.settings.max_prompt_chars = 100
     async with client(platform.url, tenant_key) as c:
         resp = await c.post("/v1/jobs", json={"prompt": "x" * 101, "max_tokens": 4})

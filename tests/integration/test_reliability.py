@@ -36,7 +36,10 @@ async def test_a_killed_worker_is_reclaimed_and_its_job_finishes_elsewhere_once(
     assert done["status"] == "succeeded"
     assert done["result"]["text"] == "".join(f" tok{i}" for i in range(1, 61))
     # The deltas a client saw before the crash are not repeated after it.
-    assert "".join(e["data"]["text"] for e in events if e["event"] == "delta") == done["result"]["text"]
+    assert (
+        "".join(e["data"]["text"] for e in events if e["event"] == "delta")
+        == done["result"]["text"]
+    )
     assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
     async with platform.db.session() as s:
         history = [status for status, _ in await job_repo.transitions(s, job["id"])]
@@ -73,7 +76,10 @@ async def test_a_job_delivered_twice_is_recorded_once(platform: Platform, tenant
         done = await wait_for(c, job["id"])
         for _ in range(100):  # both deliveries consumed
             names = platform.dispatcher.names
-            if await platform.r.xlen(names.inbox("w1")) + await platform.r.xlen(names.inbox("w2")) == 0:
+            if (
+                await platform.r.xlen(names.inbox("w1")) + await platform.r.xlen(names.inbox("w2"))
+                == 0
+            ):
                 break
             await asyncio.sleep(0.05)
     assert done["status"] == "succeeded"
@@ -102,7 +108,9 @@ async def test_a_job_that_keeps_dying_is_dead_lettered(platform: Platform, tenan
     assert final["error"]["code"] == "max_deliveries_exceeded"
 
 
-async def test_the_reconciler_re_enqueues_jobs_redis_lost(platform: Platform, tenant_key: str) -> None:
+async def test_the_reconciler_re_enqueues_jobs_redis_lost(
+    platform: Platform, tenant_key: str
+) -> None:
     async with client(platform.url, tenant_key) as c:
         jobs = [(await c.post("/v1/jobs", json={**CHAT, "max_tokens": 4})).json() for _ in range(3)]
         # Redis restarts without persistence: every stream, inbox and marker is gone.
@@ -135,7 +143,9 @@ async def test_the_reconciler_puts_back_a_running_job_whose_worker_and_redis_are
     assert final["status"] == "succeeded"
 
 
-async def test_sigterm_drains_running_jobs_before_exiting(platform: Platform, tenant_key: str) -> None:
+async def test_sigterm_drains_running_jobs_before_exiting(
+    platform: Platform, tenant_key: str
+) -> None:
     platform.start_dispatcher()
     worker = await platform.start_worker("w1", cost=SLOW)
     _, task, _ = platform.workers["w1"]

@@ -13,8 +13,14 @@ from tierq.tiers import TIER_ORDER, Tier, vllm_priority
 
 def test_job_message_round_trip() -> None:
     msg = JobMessage(
-        "job_1", "ten_1", Tier.BATCH, "m", [{"role": "user", "content": "é"}], None,
-        {"max_tokens": 3, "stop": ["\n"]}, 12.5,
+        "job_1",
+        "ten_1",
+        Tier.BATCH,
+        "m",
+        [{"role": "user", "content": "é"}],
+        None,
+        {"max_tokens": 3, "stop": ["\n"]},
+        12.5,
     )
     assert JobMessage.decode(msg.encode()) == msg
     assert JobMessage.decode({b"job": msg.encode()["job"].encode()}) == msg

@@ -43,7 +43,11 @@ def test_job_defaults_and_params() -> None:
     body = JobCreate.model_validate({"prompt": "hi"})
     assert body.tier == Tier.STANDARD and body.max_tokens == 256
     assert body.params() == {
-        "max_tokens": 256, "temperature": 1.0, "top_p": 1.0, "stop": None, "seed": None,
+        "max_tokens": 256,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "stop": None,
+        "seed": None,
     }
     assert JobCreate.model_validate({"prompt": "x", "stop": "END"}).stop == ["END"]
 

