@@ -1,7 +1,7 @@
 """`tierq bench overhead`: the whole platform against the raw engine, same prompts, same machine.
 
-First N identical chat jobs go through the running platform (REST in, SSE-free polling,
-results from the database); then the same prompts go straight to vLLM's `LLM.chat` in this
+N identical chat jobs go through the running platform (REST in, polling for results,
+from the database); the same prompts go straight to vLLM's `LLM.chat` in this
 process with the same engine settings. Engine start-up is excluded on both sides: the
 platform's engine is already running, and the in-process engine is timed only around
 `chat()`. Tokens per second count generated tokens.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import time
 from typing import Any
 
@@ -66,45 +67,63 @@ async def _wait(client: httpx.AsyncClient, ids: list[str]) -> list[dict[str, Any
     return [done[i] for i in ids]
 
 
-def _engine(settings: Settings, n: int, max_tokens: int) -> dict[str, Any]:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
-    from vllm import LLM, SamplingParams
+class _RawEngine:
+    """vLLM's offline `LLM` in this process, with the worker's engine settings."""
 
-    from tierq.bundled_model import resolve_model_path
+    def __init__(self, settings: Settings) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
+        from vllm import LLM
 
-    llm = LLM(
-        model=resolve_model_path(settings),
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        enforce_eager=settings.enforce_eager,
-    )
-    conversation = [{"role": "user", "content": PROMPT}]
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    llm.chat([conversation], sampling, use_tqdm=False)  # warm-up, as on the platform side
-    started = time.perf_counter()
-    outputs = llm.chat([conversation] * n, sampling, use_tqdm=False)
-    elapsed = time.perf_counter() - started
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"tokens": tokens, "seconds": elapsed}
+        from tierq.bundled_model import resolve_model_path
+
+        self.llm = LLM(
+            model=resolve_model_path(settings),
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enforce_eager=settings.enforce_eager,
+        )
+
+    def run(self, n: int, max_tokens: int) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        conversation = [{"role": "user", "content": PROMPT}]
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        self.llm.chat([conversation], sampling, use_tqdm=False)  # warm-up, as on the platform
+        started = time.perf_counter()
+        outputs = self.llm.chat([conversation] * n, sampling, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return {"tokens": tokens, "seconds": elapsed}
 
 
 def run_overhead(
-    settings: Settings, url: str, key: str, n: int, max_tokens: int, tier: str
+    settings: Settings, url: str, key: str, n: int, max_tokens: int, tier: str, rounds: int = 3
 ) -> dict[str, Any]:
-    platform = asyncio.run(_platform(url, key, n, max_tokens, tier))
-    print(f"platform: {platform['tokens']} tokens in {platform['seconds']:.2f} s", flush=True)
-    engine = _engine(settings, n, max_tokens)
-    print(f"engine:   {engine['tokens']} tokens in {engine['seconds']:.2f} s", flush=True)
-    p = platform["tokens"] / platform["seconds"]
-    e = engine["tokens"] / engine["seconds"]
+    """Alternate platform and engine rounds (times drift here); compare the medians."""
+    engine = _RawEngine(settings)  # its start-up is not measured
+    platform_rates: list[float] = []
+    engine_rates: list[float] = []
+    for i in range(rounds):
+        p = asyncio.run(_platform(url, key, n, max_tokens, tier))
+        e = engine.run(n, max_tokens)
+        platform_rates.append(p["tokens"] / p["seconds"])
+        engine_rates.append(e["tokens"] / e["seconds"])
+        print(
+            f"round {i + 1}: platform {p['tokens']} tokens in {p['seconds']:.2f} s, "
+            f"engine {e['tokens']} tokens in {e['seconds']:.2f} s",
+            flush=True,
+        )
+    p_rate = statistics.median(platform_rates)
+    e_rate = statistics.median(engine_rates)
     return {
-        "platform_tokens_per_s": round(p, 2),
-        "engine_tokens_per_s": round(e, 2),
-        "ratio": round(p / e, 3),
+        "platform_tokens_per_s": round(p_rate, 2),
+        "engine_tokens_per_s": round(e_rate, 2),
+        "ratio": round(p_rate / e_rate, 3),
         "n": n,
         "max_tokens": max_tokens,
+        "rounds": rounds,
     }

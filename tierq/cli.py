@@ -160,12 +160,14 @@ def bench_overhead(
     max_tokens: int = typer.Option(64),
     key_file: Path = typer.Option(Path(".tierq/dev-api-key"), help="The tenant's API key."),
     tier: str = typer.Option("standard"),
+    rounds: int = typer.Option(3, help="Alternating rounds of each; medians are compared."),
 ) -> None:
     """Platform vs the raw engine (LLM.chat) on the same prompts; prints one JSON line last."""
     from tierq.bench_overhead import run_overhead
 
     setup_logging("WARNING")
-    result = run_overhead(get_settings(), url, key_file.read_text().strip(), n, max_tokens, tier)
+    key = key_file.read_text().strip()
+    result = run_overhead(get_settings(), url, key, n, max_tokens, tier, rounds)
     typer.echo(json.dumps(result))
 
 

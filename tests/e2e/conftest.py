@@ -1,0 +1,132 @@
+"""End-to-end fixtures: `tierq run` as a real process tree with the real vLLM engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+import migrations
+from tests.conftest import PG_ADMIN_URL, REDIS_TEST_URL, _admin, free_port
+
+READY_TIMEOUT_S = 420
+
+
+@dataclass
+class LivePlatform:
+    url: str
+    key: str
+    state_dir: Path
+    proc: subprocess.Popen[bytes]
+    output: Path
+    database_url: str | None
+
+    def pid_of(self, component: str) -> int:
+        return int((self.state_dir / "pids" / f"{component}.pid").read_text())
+
+    def processes(self) -> list[psutil.Process]:
+        """The supervisor and everything it started (children run in their own sessions)."""
+        pids = [self.proc.pid]
+        for pid_file in (self.state_dir / "pids").glob("*.pid"):
+            with contextlib.suppress(ValueError, OSError):
+                pids.append(int(pid_file.read_text()))
+        procs: list[psutil.Process] = []
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc = psutil.Process(pid)
+                procs.append(proc)
+                procs.extend(proc.children(recursive=True))
+        return procs
+
+    def stop(self, timeout: float = 60) -> list[psutil.Process]:
+        """Ctrl-C, as a user would; returns the processes still alive afterwards."""
+        before = self.processes()
+        self.proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=timeout)
+        time.sleep(1)
+        return [p for p in before if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    def kill_everything(self) -> None:
+        for p in self.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
+
+def start_platform(tmp: Path, env_extra: dict[str, str]) -> LivePlatform:
+    port = free_port()
+    state = tmp / "state"
+    env = {
+        **os.environ,
+        "STATE_DIR": str(state),
+        "API_PORT": str(port),
+        "HEARTBEAT_INTERVAL_S": "0.5",
+        "WORKER_DEAD_AFTER_S": "5",
+        "RECONCILE_INTERVAL_S": "5",
+        "MAX_NUM_SEQS": "16",
+        **env_extra,
+    }
+    for name in ("DATABASE_URL", "REDIS_URL"):
+        if name not in env_extra:
+            env.pop(name, None)
+    output = tmp / "tierq-run.out"
+    with open(output, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tierq.cli", "run"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    live = LivePlatform(url, "", state, proc, output, env_extra.get("DATABASE_URL"))
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tierq run exited early:\n{output.read_text()[-4000:]}")
+        if "tierq is ready" in output.read_text():
+            break
+        if time.monotonic() > deadline:
+            live.kill_everything()
+            logs = "".join(p.read_text()[-3000:] for p in (state / "logs").glob("*.log"))
+            raise RuntimeError(f"tierq run not ready in {READY_TIMEOUT_S} s:\n{logs}")
+        time.sleep(1)
+    live.key = (state / "dev-api-key").read_text().strip()
+    assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    return live
+
+
+@pytest.fixture(scope="module")
+def pg_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatform]:
+    """`tierq run` against the real PostgreSQL (a database of its own) and Redis."""
+    name = f"tierq_e2e_{uuid.uuid4().hex[:8]}"
+    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    migrations.upgrade(url)
+    live = start_platform(
+        tmp_path_factory.mktemp("pg-platform"),
+        {
+            "DATABASE_URL": url,
+            "REDIS_URL": REDIS_TEST_URL,
+            "REDIS_PREFIX": f"tierq-e2e-{uuid.uuid4().hex[:8]}",
+        },
+    )
+    try:
+        yield live
+    finally:
+        left = live.stop()
+        live.kill_everything()
+        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    assert left == [], f"processes left behind: {left}"

@@ -1,0 +1,140 @@
+"""The whole platform as real processes with the real vLLM engine and the bundled model.
+
+`tierq run` with the real PostgreSQL and Redis URLs: submit, poll, SSE with a late
+joiner, cancel of a long job, and a worker killed with SIGKILL mid-job whose job still
+finishes on the restarted worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from sqlalchemy import text
+
+from models.db import Database
+from tests.e2e.conftest import LivePlatform
+from tests.helpers import client, read_sse, wait_for
+
+pytestmark = pytest.mark.e2e
+
+PARIS = {
+    "tier": "interactive",
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "max_tokens": 32,
+    "temperature": 0,
+}
+STORY = {
+    "messages": [{"role": "user", "content": "Write a long story about a dragon and a knight."}],
+    "max_tokens": 300,
+    "temperature": 0,
+}
+
+
+async def test_submit_and_poll_gets_the_engines_answer(pg_platform: LivePlatform) -> None:
+    async with client(pg_platform.url, pg_platform.key) as c:
+        job = (await c.post("/v1/jobs", json=PARIS)).json()
+        done = await wait_for(c, job["id"], timeout=120)
+    assert done["status"] == "succeeded"
+    assert "Paris" in done["result"]["text"]
+    assert done["result"]["finish_reason"] == "stop"
+    assert done["usage"]["prompt_tokens"] > 10 and done["usage"]["completion_tokens"] > 3
+    assert done["model"] == "SmolLM2-135M-Instruct"
+
+
+async def test_jobs_of_all_tiers_run_together_in_one_engine(pg_platform: LivePlatform) -> None:
+    async with client(pg_platform.url, pg_platform.key) as c:
+        bodies = [{**STORY, "tier": t, "max_tokens": 24} for t in ("batch", "standard") * 4]
+        bodies.append({**PARIS})
+        ids = [
+            r.json()["id"]
+            for r in await asyncio.gather(*(c.post("/v1/jobs", json=b) for b in bodies))
+        ]
+        jobs = [await wait_for(c, i, timeout=180) for i in ids]
+    assert all(j["status"] == "succeeded" for j in jobs)
+    # Continuous batching: the jobs overlapped in the engine rather than running one by one.
+    starts = sorted(j["started_at"] for j in jobs)
+    ends = sorted(j["finished_at"] for j in jobs)
+    assert starts[-1] <= ends[0] + 1
+
+
+async def test_sse_live_reader_and_late_joiner_get_the_same_complete_stream(
+    pg_platform: LivePlatform,
+) -> None:
+    async with client(pg_platform.url, pg_platform.key, timeout=180) as c:
+        job = (await c.post("/v1/jobs", json={**STORY, "max_tokens": 64})).json()
+        live_task = asyncio.create_task(read_sse(c, f"/v1/jobs/{job['id']}/events"))
+        await wait_for(c, job["id"], ("running", "succeeded"), timeout=120)
+        await asyncio.sleep(1.0)
+        late = await read_sse(c, f"/v1/jobs/{job['id']}/events")
+        live = await live_task
+        final = (await c.get(f"/v1/jobs/{job['id']}")).json()
+    assert final["status"] == "succeeded"
+    assert live == late
+    assert live[-1]["event"] == "done" and live[-1]["data"] == final
+    assert [int(e["id"]) for e in live] == list(range(1, len(live) + 1))
+    assert "".join(e["data"]["text"] for e in live[:-1]) == final["result"]["text"]
+
+
+async def test_cancel_aborts_a_long_running_job(pg_platform: LivePlatform) -> None:
+    async with client(pg_platform.url, pg_platform.key, timeout=180) as c:
+        job = (
+            await c.post("/v1/jobs", json={**STORY, "max_tokens": 1500, "temperature": 1.0})
+        ).json()
+        first = await read_sse(c, f"/v1/jobs/{job['id']}/events", limit=1)
+        assert first[0]["event"] == "delta"
+        cancelled = (await c.post(f"/v1/jobs/{job['id']}/cancel")).json()
+        assert cancelled["status"] == "cancelled"
+        events = await read_sse(c, f"/v1/jobs/{job['id']}/events")
+        await asyncio.sleep(2)
+        after = (await c.get(f"/v1/jobs/{job['id']}")).json()
+        # The engine is free again: a new job runs to completion.
+        nxt = await wait_for(c, (await c.post("/v1/jobs", json=PARIS)).json()["id"], timeout=120)
+    assert events[-1]["event"] == "done" and events[-1]["data"]["status"] == "cancelled"
+    assert after["status"] == "cancelled" and after["result"] is None
+    assert nxt["status"] == "succeeded"
+
+
+async def test_a_worker_killed_mid_job_is_restarted_and_the_job_finishes_once(
+    pg_platform: LivePlatform,
+) -> None:
+    async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
+        job = (await c.post("/v1/jobs", json={**STORY, "max_tokens": 200})).json()
+        stream = asyncio.create_task(read_sse(c, f"/v1/jobs/{job['id']}/events"))
+        await read_sse(c, f"/v1/jobs/{job['id']}/events", limit=3)  # generation under way
+        os.killpg(pg_platform.pid_of("worker"), signal.SIGKILL)  # worker and its engine core
+        done = await wait_for(c, job["id"], timeout=300)
+        events = await stream
+    assert done["status"] == "succeeded"
+    assert "".join(e["data"]["text"] for e in events[:-1]) == done["result"]["text"]
+    assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
+    assert pg_platform.database_url is not None
+    db = Database(pg_platform.database_url)
+    try:
+        async with db.session() as s:
+            history = (
+                (
+                    await s.execute(
+                        text("SELECT status FROM job_transitions WHERE job_id = :id ORDER BY id"),
+                        {"id": job["id"]},
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            usage = (
+                (
+                    await s.execute(
+                        text("SELECT completion_tokens FROM usage_records WHERE job_id = :id"),
+                        {"id": job["id"]},
+                    )
+                )
+                .scalars()
+                .all()
+            )
+    finally:
+        await db.close()
+    assert list(history) == ["queued", "running", "running", "succeeded"]
+    assert list(usage) == [done["usage"]["completion_tokens"]]
