@@ -7,7 +7,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from models.records import TenantRecord
@@ -72,9 +72,3 @@ async def tenant_for_key(s: AsyncSession, secret: str) -> TenantRecord | None:
     )
     row = (await s.execute(stmt)).scalar_one_or_none()
     return None if row is None else TenantRecord.from_row(row)
-
-
-async def touch_key(s: AsyncSession, secret: str) -> None:
-    await s.execute(
-        update(ApiKey).where(ApiKey.key_hash == hash_key(secret)).values(last_used_at=utcnow())
-    )

@@ -94,6 +94,7 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
 
 
 def run_platform(settings: Settings, verbose: bool = False) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
     state = settings.state_dir
     state.mkdir(parents=True, exist_ok=True)
     logs = None if verbose else state / "logs"

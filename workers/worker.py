@@ -74,6 +74,7 @@ class Worker:
         self._entries: dict[str, str] = {}  # job id -> inbox entry id
         self._cancelled: set[str] = set()
         self._handed_back: set[str] = set()
+        self._slot_freed = asyncio.Event()
         self._stop_reading = asyncio.Event()
         self._stopped = asyncio.Event()
 
@@ -187,7 +188,8 @@ class Worker:
         while not self._stop_reading.is_set():
             free = self.capacity - len(self._tasks)
             if free <= 0:
-                await asyncio.sleep(0.01)
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
                 continue
             try:
                 await self._read_inbox(">", count=free, block_ms=1000)
@@ -248,6 +250,7 @@ class Worker:
             self._entries.pop(msg.job_id, None)
             self._cancelled.discard(msg.job_id)
             self._handed_back.discard(msg.job_id)
+            self._slot_freed.set()
             metrics.WORKER_RUNNING.set(len(self._tasks))
 
     async def _run_job(self, entry_id: str, msg: JobMessage) -> None:

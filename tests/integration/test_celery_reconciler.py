@@ -1,0 +1,69 @@
+"""The reconciler runs as Celery beat's periodic task, through a real Celery worker and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import Platform
+from tests.helpers import client
+
+pytestmark = pytest.mark.integration
+
+
+async def test_beat_re_enqueues_a_job_that_redis_lost(platform: Platform, tenant_key: str) -> None:
+    settings = platform.settings
+    names = platform.dispatcher.names
+    async with client(platform.url, tenant_key) as c:
+        job = (await c.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 3})).json()
+    stream = names.tier_stream("standard")
+    # Redis loses it: the stream entry and the marker are gone; the database still says queued.
+    await platform.r.delete(stream, names.inflight)
+    env = {
+        **os.environ,
+        "DATABASE_URL": settings.resolved_database_url,
+        "REDIS_URL": settings.resolved_redis_url,
+        "REDIS_PREFIX": settings.redis_prefix,
+        "RECONCILE_INTERVAL_S": "1",
+        "RECONCILE_GRACE_S": "0",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "workers.celery_app",
+            "worker",
+            "-B",
+            "--pool=solo",
+            "--loglevel=WARNING",
+            "-s",
+            str(settings.state_dir / "beat-schedule"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not await platform.r.sismember(names.inflight, job["id"]):
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "beat never re-enqueued the lost job"
+            await asyncio.sleep(0.2)
+        entries = await platform.r.xrange(stream)
+        assert [job["id"] in fields["job"] for _, fields in entries] == [True]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
