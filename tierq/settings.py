@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     cpu_kvcache_space_gib: int = 2
     enforce_eager: bool = True
 
+    # `tierq run` on the CPU engine: keep the API, dispatcher and Celery on the core that
+    # vLLM leaves to its front end, off the engine's compute cores.
+    pin_aux_processes: bool = True
+
     # --- worker -------------------------------------------------------------------------
     worker_id: str | None = None  # default: "<hostname>-<pid>"; set it to keep one inbox
     heartbeat_interval_s: float = 1.0
