@@ -1,11 +1,16 @@
 """The dispatcher loop: tier streams in, worker inboxes out, the policy in between.
 
-It reads each tier's stream with a consumer group (a bounded read-ahead per tier), asks
-the pure policy which jobs go to which worker against each worker's free slots (advertised
-capacity less the entries already in its inbox), then for each assignment XADDs the job to
-the worker's inbox and acknowledges the tier entry in one transaction. When there is
-nothing to do it waits on the wake list (pushed by admission and by workers that freed a
-slot) with a short timeout. It also reclaims the inboxes of workers whose heartbeat stopped.
+Each tier's queue is sharded per tenant (`stream:<tier>:<tenant>`), plus one head-of-tier
+stream for preempted jobs. The loop reads a bounded read-ahead from every shard with one
+consumer group, asks the policy which jobs go to which worker against each worker's free
+slots (capacity less the jobs in its inbox, and for standard and batch work the ceiling:
+capacity less the interactive reserve), then for each assignment XADDs the job to the
+worker's inbox, counts it in the worker's load, and acknowledges the source entry — in
+one transaction. Workers report each job's real token count on the `served` stream; the
+policy corrects its accounting with it. When interactive work waits and every slot is
+taken, the policy may name lower-tier jobs to preempt; the loop tells their workers.
+When there is nothing to do it waits on the wake list (pushed by admission and by workers
+that freed a slot). It also reclaims the inboxes of workers whose heartbeat stopped.
 """
 
 from __future__ import annotations
@@ -14,13 +19,26 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 
-from dispatcher.policy import QueuedJob, WorkerSlots, assign
+from dispatcher.policy import (
+    Assignment,
+    EnginePriorityPolicy,
+    FcfsPolicy,
+    Policy,
+    PolicyConfig,
+    QueuedJob,
+    RunningJob,
+    TierqPolicy,
+    WorkerSlots,
+)
 from tierq import metrics
-from tierq.messages import Heartbeat, JobMessage
+from tierq.messages import Heartbeat, JobMessage, Served
 from tierq.queue import claim_all, live_workers, read_group
 from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP, RedisNames
 from tierq.settings import Settings
@@ -29,112 +47,231 @@ from tierq.tiers import TIER_ORDER, Tier
 log = logging.getLogger(__name__)
 
 
+def policy_from_settings(settings: Settings) -> Policy:
+    if settings.dispatch_policy == "fcfs":
+        return FcfsPolicy()
+    if settings.dispatch_policy == "engine-priority":
+        return EnginePriorityPolicy()
+    return TierqPolicy(
+        PolicyConfig(
+            min_share={
+                Tier.STANDARD: settings.min_share_standard,
+                Tier.BATCH: settings.min_share_batch,
+            },
+            window_s=settings.share_window_s,
+            slo_s={
+                Tier.INTERACTIVE: settings.slo_interactive_s,
+                Tier.STANDARD: settings.slo_standard_s,
+                Tier.BATCH: settings.slo_batch_s,
+            },
+            urgency_fraction=settings.urgency_fraction,
+            tenant_weights=settings.tenant_weights,
+            max_preemptions=settings.max_preemptions,
+        )
+    )
+
+
+@dataclass
+class Buffered:
+    job: QueuedJob
+    msg: JobMessage
+    stream: str
+
+
 class Dispatcher:
-    def __init__(self, settings: Settings, r: aioredis.Redis, consumer: str = "dispatcher") -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        r: aioredis.Redis,
+        consumer: str = "dispatcher",
+        policy: Policy | None = None,
+    ) -> None:
         self.settings = settings
         self.r = r
         self.consumer = consumer
         self.names = RedisNames(settings.redis_prefix)
-        self.buffers: dict[Tier, dict[str, tuple[QueuedJob, JobMessage]]] = {
-            t: {} for t in TIER_ORDER
-        }
+        self.policy = policy or policy_from_settings(settings)
+        # tier -> tenant -> entry id -> buffered job (dicts keep read order: oldest first)
+        self.buffers: dict[Tier, dict[str, dict[str, Buffered]]] = {t: {} for t in TIER_ORDER}
+        self.running: dict[str, RunningJob] = {}
+        self.preempting: set[str] = set()
+        self._streams: set[str] = set()  # streams whose consumer group exists
+        self._buffered: dict[str, int] = {}  # stream -> entries of it in the buffers
+        self._served_cursor = "$"
         self._stop = asyncio.Event()
+        self.decision_seconds: list[float] = []  # for benchmarks; bounded below
 
     def request_stop(self) -> None:
         self._stop.set()
 
-    async def _ensure_groups(self) -> None:
-        for tier in TIER_ORDER:
+    # --- streams ------------------------------------------------------------------------
+    async def _source_streams(self) -> list[str]:
+        async with self.r.pipeline(transaction=False) as pipe:
+            for tier in TIER_ORDER:
+                pipe.smembers(self.names.tier_tenants(tier))
+            members = await pipe.execute()
+        streams = [self.names.preempted_stream(t) for t in TIER_ORDER]
+        for tier, tenants in zip(TIER_ORDER, members, strict=True):
+            streams.extend(self.names.tier_stream(tier, tenant) for tenant in sorted(tenants))
+        new = [s for s in streams if s not in self._streams]
+        for stream in new:
             with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists
-                await self.r.xgroup_create(
-                    self.names.tier_stream(tier), DISPATCH_GROUP, id="0", mkstream=True
-                )
+                await self.r.xgroup_create(stream, DISPATCH_GROUP, id="0", mkstream=True)
+            self._streams.add(stream)
+        return streams
 
-    async def run(self) -> None:
-        await self._ensure_groups()
-        await self._read_tiers("0")  # entries this dispatcher held when it last stopped
-        last_reclaim = 0.0
-        while not self._stop.is_set():
-            try:
-                now = time.time()
-                alive, dead = await live_workers(
-                    self.r, self.names, self.settings.worker_dead_after_s
-                )
-                if dead and now - last_reclaim > 1.0:
-                    await self.reclaim(dead)
-                    last_reclaim = now
-                moved = await self.step(alive)
-            except redis.ConnectionError:
-                log.warning("Redis unreachable; retrying", exc_info=True)
-                await asyncio.sleep(1.0)
-                with contextlib.suppress(redis.RedisError):
-                    await self._ensure_groups()  # a restarted Redis has no groups
-                continue
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                await self._ensure_groups()
-                continue
-            if moved == 0:
-                await self.r.blpop(
-                    [self.names.dispatch_wake], timeout=self.settings.dispatch_idle_wait_s
-                )
-
-    async def _read_tiers(self, start: str) -> None:
-        want = {
-            self.names.tier_stream(t): start
-            for t in TIER_ORDER
-            if len(self.buffers[t]) < self.settings.dispatch_read_ahead
-        }
+    async def _read(self, start: str) -> None:
+        """Top up every shard's read-ahead with one XREADGROUP (COUNT applies per stream)."""
+        streams = await self._source_streams()
+        ahead = self.settings.dispatch_read_ahead
+        want = {s: start for s in streams if self._buffered.get(s, 0) <= ahead // 2}
         if not want:
             return
-        got = await read_group(
-            self.r, DISPATCH_GROUP, self.consumer, want, count=self.settings.dispatch_read_ahead
-        )
+        got = await read_group(self.r, DISPATCH_GROUP, self.consumer, want, count=ahead)
         for stream, entries in got:
             for entry_id, fields in entries:
                 if not fields:
                     await self.r.xack(stream, DISPATCH_GROUP, entry_id)
                     continue
                 msg = JobMessage.decode(fields)
-                job = QueuedJob(entry_id, msg.job_id, msg.tier, msg.tenant_id, msg.enqueued_at)
-                self.buffers[msg.tier][entry_id] = (job, msg)
+                job = QueuedJob(
+                    entry_id,
+                    msg.job_id,
+                    msg.tier,
+                    msg.tenant_id,
+                    msg.enqueued_at,
+                    msg.cost,
+                    msg.preemptions,
+                )
+                self.buffers[msg.tier].setdefault(msg.tenant_id, {})[entry_id] = Buffered(
+                    job, msg, stream
+                )
+                self._buffered[stream] = self._buffered.get(stream, 0) + 1
 
+    def _queues(self) -> dict[Tier, dict[str, list[QueuedJob]]]:
+        queues: dict[Tier, dict[str, list[QueuedJob]]] = {}
+        for tier, tenants in self.buffers.items():
+            per: dict[str, list[QueuedJob]] = {}
+            for tenant, entries in tenants.items():
+                if entries:
+                    # Preempted jobs first (head of the tier), then in arrival order.
+                    jobs = [b.job for b in entries.values()]
+                    jobs.sort(key=lambda j: (j.preemptions == 0, j.enqueued_at))
+                    per[tenant] = jobs
+            queues[tier] = per
+        return queues
+
+    # --- workers ------------------------------------------------------------------------
     async def _free_slots(self, alive: list[Heartbeat]) -> list[WorkerSlots]:
         usable = [hb for hb in alive if not hb.draining]
         if not usable:
             return []
         async with self.r.pipeline(transaction=False) as pipe:
             for hb in usable:
-                pipe.xlen(self.names.inbox(hb.worker_id))
-            lengths = await pipe.execute()
-        return [
-            WorkerSlots(hb.worker_id, hb.capacity - int(n))
-            for hb, n in zip(usable, lengths, strict=True)
-        ]
+                pipe.hgetall(self.names.worker_load(hb.worker_id))
+            loads = await pipe.execute()
+        slots = []
+        for hb, load in zip(usable, loads, strict=True):
+            counts = {t: int(load.get(t.value, 0)) for t in TIER_ORDER}
+            total = sum(counts.values())
+            lower = counts[Tier.STANDARD] + counts[Tier.BATCH]
+            free = hb.capacity - total
+            free_lower = min(free, hb.capacity - hb.reserve - lower)
+            slots.append(WorkerSlots(hb.worker_id, free, free_lower))
+        return slots
+
+    # --- the loop -----------------------------------------------------------------------
+    async def run(self) -> None:
+        await self._read("0")  # entries this dispatcher held when it last stopped
+        last_reclaim = 0.0
+        while not self._stop.is_set():
+            try:
+                now = time.time()
+                alive, dead = await live_workers(
+                    self.r, self.names, self.settings.worker_dead_after_s, now
+                )
+                if dead and now - last_reclaim > 1.0:
+                    await self.reclaim(dead)
+                    last_reclaim = now
+                await self._take_served_reports()
+                moved = await self.step(alive)
+            except redis.ConnectionError:
+                log.warning("Redis unreachable; retrying", exc_info=True)
+                await asyncio.sleep(1.0)
+                self._streams.clear()  # a restarted Redis has no groups
+                continue
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                self._streams.clear()
+                continue
+            if moved == 0:
+                await self.r.blpop(
+                    [self.names.dispatch_wake], timeout=self.settings.dispatch_idle_wait_s
+                )
+
+    async def _take_served_reports(self) -> None:
+        got: Any = await self.r.xread({self.names.served: self._served_cursor}, count=1000)
+        now = time.time()
+        for _stream, entries in got or []:
+            for entry_id, fields in entries:
+                self._served_cursor = entry_id
+                report = Served.decode(fields)
+                self.running.pop(report.job_id, None)
+                self.preempting.discard(report.job_id)
+                correction = report.actual - report.estimated
+                if correction:
+                    self.policy.charge(report.tier, report.tenant_id, correction, now)
 
     async def step(self, alive: list[Heartbeat]) -> int:
-        """One round: read ahead, decide, hand out. Returns how many jobs moved."""
+        """One round: read ahead, decide, hand out, maybe preempt. Returns jobs moved."""
         slots = await self._free_slots(alive)
-        if not any(w.free > 0 for w in slots):
+        if not slots:
             return 0
-        await self._read_tiers(">")
-        queues = {t: [job for job, _ in self.buffers[t].values()] for t in TIER_ORDER}
+        await self._read(">")
+        queues = self._queues()
+        now = time.time()
         started = time.perf_counter()
-        decisions = assign(queues, slots)
-        metrics.DISPATCH_DECISION.observe(time.perf_counter() - started)
-        if not decisions:
-            return 0
-        async with self.r.pipeline(transaction=True) as pipe:
-            for d in decisions:
-                _, msg = self.buffers[d.job.tier].pop(d.job.entry_id)
-                pipe.xadd(self.names.inbox(d.worker_id), msg.encode())  # type: ignore[arg-type]
-                pipe.xack(self.names.tier_stream(d.job.tier), DISPATCH_GROUP, d.job.entry_id)
-                pipe.xdel(self.names.tier_stream(d.job.tier), d.job.entry_id)
-                metrics.JOBS_DISPATCHED.labels(d.job.tier.value).inc()
-            await pipe.execute()
+        decisions = self.policy.assign(queues, slots, now) if any(w.free > 0 for w in slots) else []
+        elapsed = time.perf_counter() - started
+        if decisions:
+            metrics.DISPATCH_DECISION.observe(elapsed)
+            if len(self.decision_seconds) < 100_000:
+                self.decision_seconds.append(elapsed)
+            async with self.r.pipeline(transaction=True) as pipe:
+                for d in decisions:
+                    b = self.buffers[d.job.tier][d.job.tenant_id].pop(d.job.entry_id)
+                    self._buffered[b.stream] -= 1
+                    pipe.xadd(self.names.inbox(d.worker_id), b.msg.encode())  # type: ignore[arg-type]
+                    pipe.hincrby(self.names.worker_load(d.worker_id), d.job.tier.value, 1)
+                    pipe.xack(b.stream, DISPATCH_GROUP, d.job.entry_id)
+                    pipe.xdel(b.stream, d.job.entry_id)
+                    metrics.JOBS_DISPATCHED.labels(d.job.tier.value).inc()
+                    self.running[d.job.job_id] = RunningJob(
+                        d.job.job_id, d.job.tier, d.worker_id, now, d.job.preemptions
+                    )
+                await pipe.execute()
+        await self._maybe_preempt(slots, decisions)
         return len(decisions)
 
+    async def _maybe_preempt(self, slots: list[WorkerSlots], decisions: list[Assignment]) -> None:
+        waiting = sum(len(e) for e in self.buffers[Tier.INTERACTIVE].values())
+        if not waiting:
+            return
+        taken = Counter(d.worker_id for d in decisions)
+        after = [WorkerSlots(w.worker_id, w.free - taken[w.worker_id], w.free_lower) for w in slots]
+        victims = self.policy.preempt(
+            waiting,
+            [r for r in self.running.values() if r.job_id not in self.preempting],
+            after,
+            len(self.preempting),
+        )
+        for victim in victims:
+            self.preempting.add(victim.job_id)
+            await self.r.publish(self.names.preempt_channel(victim.worker_id), victim.job_id)
+            log.info("preempting %s on %s", victim.job_id, victim.worker_id)
+
+    # --- dead workers -------------------------------------------------------------------
     async def reclaim(self, dead: list[Heartbeat]) -> None:
         """Move every entry of a dead worker's inbox back to its tier's stream."""
         for hb in dead:
@@ -152,9 +289,12 @@ class Dispatcher:
                 for entry_id, fields in entries:
                     moved += await self._requeue(inbox, entry_id, fields)
             async with self.r.pipeline(transaction=True) as pipe:
-                pipe.delete(inbox)
+                pipe.delete(inbox, self.names.worker_load(hb.worker_id))
                 pipe.hdel(self.names.workers, hb.worker_id)
                 await pipe.execute()
+            for job_id in [j for j, r in self.running.items() if r.worker_id == hb.worker_id]:
+                del self.running[job_id]
+                self.preempting.discard(job_id)
             if moved:
                 metrics.JOBS_RECLAIMED.inc(moved)
             log.warning("worker %s is dead; %d jobs moved back to their tiers", hb.worker_id, moved)
@@ -163,7 +303,7 @@ class Dispatcher:
         async with self.r.pipeline(transaction=True) as pipe:
             if fields:
                 msg = JobMessage.decode(fields)
-                pipe.xadd(self.names.tier_stream(msg.tier), msg.encode())  # type: ignore[arg-type]
+                pipe.xadd(self.names.tier_stream(msg.tier, msg.tenant_id), msg.encode())  # type: ignore[arg-type]
             pipe.xack(inbox, WORKER_GROUP, entry_id)
             pipe.xdel(inbox, entry_id)
             await pipe.execute()

@@ -1,34 +1,70 @@
-"""The scheduling policy: a pure function of the queue state and the workers' free slots.
+"""The scheduling policy: which queued job goes to which worker slot, and what to preempt.
 
-No I/O, no clock of its own: the loop builds a `QueueState`, asks `assign()`, and carries
-out the answer. Today: strict priority across tiers (interactive, then standard, then
-batch), first come first served inside a tier, and each job to the worker with the most
-free slots (spreading load). Minimum shares, tenant fairness and the interactive reserve
-build on this same signature.
+No I/O and no clock of its own: the dispatcher loop hands it the queues (per tier, per
+tenant, each oldest first), the workers' free slots and the time, and carries out its
+answer. Its only state is its own accounting (tokens served per tier over a sliding
+window, a virtual token counter per tenant), so it is deterministic and unit-testable
+with hand-built states.
+
+The rules, in the order they apply to each free slot:
+
+1. **Minimum shares.** A lower tier that is backlogged and has received less than its
+   configured share of the tokens served over the window is served next (the most
+   deprived first), so no backlogged tier starves. Otherwise:
+2. **Strict priority** across tiers: interactive, then standard, then batch. When higher
+   tiers are idle a lower tier may use every slot (work-conserving).
+3. **Urgency within a tier.** A job that has waited longer than `urgency_fraction` of its
+   tier's SLO goes before younger ones of its tier (oldest urgent first).
+4. **Tenant fairness within a tier** (VTC, "Fairness in Serving Large Language Models",
+   OSDI 2024): each tenant has a virtual counter of the tokens (prompt + generated) it was
+   served, divided by its weight; the backlogged tenant with the smallest counter goes
+   next. A tenant that becomes backlogged is lifted to the smallest counter of those
+   already backlogged, so idle time earns no credit.
+5. **Capacity.** A job goes only to a worker with a free slot; standard and batch work
+   only below each worker's ceiling (capacity less the interactive reserve), so an
+   arriving interactive job finds a slot at once. The freest worker is chosen.
+
+Preemption: when interactive jobs wait and no worker has any free slot, the policy names
+running lower-tier jobs to abort and re-queue at the head of their tier — batch before
+standard, the most recently started first (the least work lost), never a job already
+preempted `max_preemptions` times (no livelock).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierq.tiers import TIER_ORDER, Tier
 
 
 @dataclass(frozen=True)
 class QueuedJob:
-    entry_id: str  # id of the tier-stream entry (the dispatcher acknowledges it)
+    entry_id: str  # id of the stream entry (the dispatcher acknowledges it)
     job_id: str
     tier: Tier
     tenant_id: str
     enqueued_at: float
+    cost: int = 1  # estimated tokens: prompt + max_tokens, corrected when the job finishes
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
 class WorkerSlots:
     worker_id: str
-    free: int  # slots the worker advertised, less the jobs already in its inbox
+    free: int  # slots free for any tier
+    free_lower: int  # slots free for standard and batch (below the ceiling)
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    job_id: str
+    tier: Tier
+    worker_id: str
+    started_at: float
+    preemptions: int
 
 
 @dataclass(frozen=True)
@@ -37,20 +73,287 @@ class Assignment:
     worker_id: str
 
 
-def assign(
-    queues: Mapping[Tier, Sequence[QueuedJob]], workers: Sequence[WorkerSlots]
-) -> list[Assignment]:
-    """Hand queued jobs to free worker slots, highest tier first, oldest first within a tier."""
-    # Max-heap on free slots (ties by worker id, so the answer is deterministic).
-    heap = [(-w.free, w.worker_id) for w in workers if w.free > 0]
-    heapq.heapify(heap)
-    out: list[Assignment] = []
-    for tier in TIER_ORDER:
-        for job in sorted(queues.get(tier, ()), key=lambda j: (j.enqueued_at, j.entry_id)):
-            if not heap:
+@dataclass(frozen=True)
+class PolicyConfig:
+    min_share: Mapping[Tier, float] = field(
+        default_factory=lambda: {Tier.STANDARD: 0.20, Tier.BATCH: 0.10}
+    )
+    window_s: float = 60.0
+    slo_s: Mapping[Tier, float] = field(
+        default_factory=lambda: {Tier.INTERACTIVE: 5.0, Tier.STANDARD: 300.0, Tier.BATCH: 86400.0}
+    )
+    urgency_fraction: float = 0.8
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    max_preemptions: int = 2
+
+
+class ServedWindow:
+    """Tokens served per tier over the last `window_s` seconds."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, Tier, float]] = deque()
+        self.totals: dict[Tier, float] = dict.fromkeys(TIER_ORDER, 0.0)
+
+    def add(self, now: float, tier: Tier, tokens: float) -> None:
+        self._events.append((now, tier, tokens))
+        self.totals[tier] += tokens
+
+    def expire(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._events and self._events[0][0] < horizon:
+            _, tier, tokens = self._events.popleft()
+            self.totals[tier] -= tokens
+
+    def shares(self) -> dict[Tier, float]:
+        total = sum(max(0.0, v) for v in self.totals.values())
+        if total <= 0:
+            return dict.fromkeys(TIER_ORDER, 0.0)
+        return {t: max(0.0, v) / total for t, v in self.totals.items()}
+
+
+class TierqPolicy:
+    """Minimum shares, strict priority, urgency, VTC fairness, reserve and preemption."""
+
+    name = "tierq"
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self.window = ServedWindow(self.config.window_s)
+        self.counters: dict[Tier, dict[str, float]] = {t: {} for t in TIER_ORDER}
+        self._backlogged: dict[Tier, set[str]] = {t: set() for t in TIER_ORDER}
+
+    # --- accounting ---------------------------------------------------------------------
+    def charge(self, tier: Tier, tenant_id: str, tokens: float, now: float) -> None:
+        """Count tokens served (at dispatch, estimated; later the correction, +/-)."""
+        self.window.add(now, tier, tokens)
+        weight = self.config.tenant_weights.get(tenant_id, 1.0)
+        counters = self.counters[tier]
+        counters[tenant_id] = counters.get(tenant_id, 0.0) + tokens / weight
+
+    # --- decisions ----------------------------------------------------------------------
+    def assign(
+        self,
+        queues: Mapping[Tier, Mapping[str, Sequence[QueuedJob]]],
+        workers: Sequence[WorkerSlots],
+        now: float,
+    ) -> list[Assignment]:
+        self.window.expire(now)
+        free = {w.worker_id: [max(0, w.free), max(0, min(w.free, w.free_lower))] for w in workers}
+        any_heap = [(-f[0], wid) for wid, f in free.items() if f[0] > 0]
+        lower_heap = [(-f[1], wid) for wid, f in free.items() if f[1] > 0]
+        heapq.heapify(any_heap)
+        heapq.heapify(lower_heap)
+
+        pickers = {t: _TierPicker(t, queues.get(t, {}), self, now) for t in TIER_ORDER}
+        out: list[Assignment] = []
+        while True:
+            any_free = any(f[0] > 0 for f in free.values())
+            lower_free = any(f[1] > 0 for f in free.values())
+            tier = self._next_tier(pickers, any_free, lower_free)
+            if tier is None:
                 return out
-            neg_free, worker_id = heapq.heappop(heap)
+            worker_id = _take_slot(free, any_heap, lower_heap, tier == Tier.INTERACTIVE)
+            job = pickers[tier].pop()
             out.append(Assignment(job, worker_id))
-            if neg_free + 1 < 0:
-                heapq.heappush(heap, (neg_free + 1, worker_id))
-    return out
+            self.charge(tier, job.tenant_id, job.cost, now)
+
+    def _next_tier(
+        self, pickers: Mapping[Tier, _TierPicker], any_free: bool, lower_free: bool
+    ) -> Tier | None:
+        def placeable(t: Tier) -> bool:
+            return bool(pickers[t]) and (any_free if t == Tier.INTERACTIVE else lower_free)
+
+        candidates = [t for t in TIER_ORDER if placeable(t)]
+        if not candidates:
+            return None
+        shares = self.window.shares()
+        if not any(shares.values()):  # nothing served in the window yet: no share to defend
+            return candidates[0]
+        deprived = [
+            (shares[t] / self.config.min_share[t], t)
+            for t in candidates
+            if self.config.min_share.get(t, 0) > 0 and shares[t] < self.config.min_share[t]
+        ]
+        if deprived:
+            return min(deprived, key=lambda x: (x[0], TIER_ORDER.index(x[1])))[1]
+        return candidates[0]
+
+    def preempt(
+        self,
+        waiting_interactive: int,
+        running: Sequence[RunningJob],
+        workers: Sequence[WorkerSlots],
+        in_progress: int,
+    ) -> list[RunningJob]:
+        """Lower-tier jobs to abort so that waiting interactive jobs get slots."""
+        if waiting_interactive <= 0 or any(w.free > 0 for w in workers):
+            return []
+        wanted = waiting_interactive - in_progress
+        if wanted <= 0:
+            return []
+        victims = [
+            r
+            for r in running
+            if r.tier != Tier.INTERACTIVE and r.preemptions < self.config.max_preemptions
+        ]
+        victims.sort(key=lambda r: (-TIER_ORDER.index(r.tier), -r.started_at))
+        return victims[:wanted]
+
+
+class _TierPicker:
+    """The next job of one tier: urgent first (oldest), else the tenant with the least service."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        tenants: Mapping[str, Sequence[QueuedJob]],
+        policy: TierqPolicy,
+        now: float,
+    ) -> None:
+        self.tier = tier
+        self.queues = {t: q for t, q in tenants.items() if q}
+        self.heads = dict.fromkeys(self.queues, 0)
+        self.counters = policy.counters[tier]
+        self.policy = policy
+        backlogged = set(self.queues)
+        known = policy._backlogged[tier]
+        floor = min((self.counters.get(t, 0.0) for t in backlogged & known), default=None)
+        if floor is None:
+            floor = min((self.counters.get(t, 0.0) for t in backlogged), default=0.0)
+        for tenant in backlogged - known:  # newly backlogged: no credit for idle time
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        policy._backlogged[tier] = backlogged
+        self.fair = [(self.counters.get(t, 0.0), t) for t in self.queues]
+        heapq.heapify(self.fair)
+        slo = policy.config.slo_s.get(tier)
+        self.urgent_before = (
+            now - slo * policy.config.urgency_fraction if slo is not None else float("-inf")
+        )
+        # Heads by (not preempted, age): a preempted job goes back to the head of its tier.
+        self.by_age = [(_age_key(q[0]), t) for t, q in self.queues.items()]
+        heapq.heapify(self.by_age)
+        self.left = sum(len(q) for q in self.queues.values())
+
+    def __bool__(self) -> bool:
+        return self.left > 0
+
+    def _head(self, tenant: str) -> QueuedJob | None:
+        i = self.heads[tenant]
+        q = self.queues[tenant]
+        return q[i] if i < len(q) else None
+
+    def pop(self) -> QueuedJob:
+        # Urgent: a preempted head, else the oldest head if it is past the urgency line.
+        while self.by_age:
+            key, tenant = self.by_age[0]
+            head = self._head(tenant)
+            if head is None or _age_key(head) != key:
+                heapq.heappop(self.by_age)  # stale
+                if head is not None:
+                    heapq.heappush(self.by_age, (_age_key(head), tenant))
+                continue
+            if head.preemptions > 0 or head.enqueued_at <= self.urgent_before:
+                return self._take(tenant)
+            break
+        # Fair: the tenant with the smallest virtual counter.
+        while True:
+            counter, tenant = self.fair[0]
+            if self._head(tenant) is None:
+                heapq.heappop(self.fair)
+                continue
+            if counter != self.counters.get(tenant, 0.0):
+                heapq.heapreplace(self.fair, (self.counters.get(tenant, 0.0), tenant))
+                continue
+            return self._take(tenant)
+
+    def _take(self, tenant: str) -> QueuedJob:
+        job = self.queues[tenant][self.heads[tenant]]
+        self.heads[tenant] += 1
+        self.left -= 1
+        head = self._head(tenant)
+        if head is not None:
+            heapq.heappush(self.by_age, (_age_key(head), tenant))
+        # The counter grows in charge(); the heap entry is refreshed lazily in pop().
+        return job
+
+
+def _age_key(job: QueuedJob) -> tuple[bool, float]:
+    return (job.preemptions == 0, job.enqueued_at)
+
+
+def _take_slot(
+    free: dict[str, list[int]],
+    any_heap: list[tuple[int, str]],
+    lower_heap: list[tuple[int, str]],
+    interactive: bool,
+) -> str:
+    """Take one slot on the freest suitable worker. `free[w]` is [any tier, lower tiers]."""
+    heap, col = (any_heap, 0) if interactive else (lower_heap, 1)
+    while True:
+        neg, worker_id = heapq.heappop(heap)
+        current = free[worker_id][col]
+        if current > 0 and -neg == current:
+            break
+        if current > 0:  # a stale entry: put the worker back with its true count
+            heapq.heappush(heap, (-current, worker_id))
+    slots = free[worker_id]
+    slots[0] -= 1
+    slots[1] = min(slots[1] - (0 if interactive else 1), slots[0])
+    if slots[0] > 0:
+        heapq.heappush(any_heap, (-slots[0], worker_id))
+    if slots[1] > 0:
+        heapq.heappush(lower_heap, (-slots[1], worker_id))
+    return worker_id
+
+
+class FcfsPolicy:
+    """Baseline: one queue, first come first served, no reserve, no preemption."""
+
+    name = "fcfs"
+
+    def charge(self, tier: Tier, tenant_id: str, tokens: float, now: float) -> None:
+        """FCFS keeps no accounting."""
+
+    def assign(
+        self,
+        queues: Mapping[Tier, Mapping[str, Sequence[QueuedJob]]],
+        workers: Sequence[WorkerSlots],
+        now: float,
+    ) -> list[Assignment]:
+        jobs = [j for tenants in queues.values() for q in tenants.values() for j in q]
+        jobs.sort(key=lambda j: (j.enqueued_at, j.entry_id))
+        heap = [(-w.free, w.worker_id) for w in workers if w.free > 0]
+        heapq.heapify(heap)
+        out: list[Assignment] = []
+        for job in jobs:
+            if not heap:
+                break
+            neg, worker_id = heapq.heappop(heap)
+            out.append(Assignment(job, worker_id))
+            if neg + 1 < 0:
+                heapq.heappush(heap, (neg + 1, worker_id))
+        return out
+
+    def preempt(
+        self,
+        waiting_interactive: int,
+        running: Sequence[RunningJob],
+        workers: Sequence[WorkerSlots],
+        in_progress: int,
+    ) -> list[RunningJob]:
+        return []
+
+
+class EnginePriorityPolicy(FcfsPolicy):
+    """Baseline: everything straight into the engine, which orders by vLLM priority.
+
+    This is what `vllm serve --scheduling-policy priority` gives: the dispatcher hands
+    every job on at once (the workers advertise unbounded capacity for it), and the
+    engine admits by priority number when a slot frees; nothing is ever preempted.
+    """
+
+    name = "engine-priority"
+
+
+Policy = TierqPolicy | FcfsPolicy

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from models.tables import Job, Tenant
-from tierq.messages import JobMessage
+from tierq.messages import JobMessage, estimate_tokens
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 
@@ -96,6 +96,7 @@ class JobRecord:
             prompt=self.prompt,
             params=self.params,
             enqueued_at=self.created_at.timestamp(),
+            cost=estimate_tokens(self.messages, self.prompt, int(self.params.get("max_tokens", 1))),
         )
 
     def to_api(self) -> dict[str, Any]:

@@ -21,6 +21,8 @@ class JobMessage:
     prompt: str | None
     params: dict[str, Any] = field(default_factory=dict)  # max_tokens, temperature, ...
     enqueued_at: float = 0.0
+    cost: int = 1  # estimated tokens (prompt + max_tokens), what the scheduler charges
+    preemptions: int = 0  # times it was aborted to make room for interactive work
 
     def encode(self) -> dict[str, str]:
         body = asdict(self)
@@ -33,6 +35,40 @@ class JobMessage:
         if raw is None:
             raise ValueError("stream entry carries no 'job' field")
         body = json.loads(raw)
+        body["tier"] = Tier(body["tier"])
+        return cls(**body)
+
+
+def estimate_tokens(
+    messages: list[dict[str, Any]] | None, prompt: str | None, max_tokens: int
+) -> int:
+    """A tokenizer-free estimate of a job's cost: about four characters a prompt token."""
+    if prompt is not None:
+        chars = len(prompt)
+    else:
+        chars = sum(len(str(m.get("content", ""))) + 8 for m in messages or [])
+    return max(1, chars // 4) + max_tokens
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a worker reports when a job leaves its engine: the scheduler's correction."""
+
+    job_id: str
+    tenant_id: str
+    tier: Tier
+    estimated: int
+    actual: int  # prompt + generated tokens actually served (0 if it never ran)
+    outcome: str  # succeeded | failed | cancelled | preempted | handed_back | skipped
+
+    def encode(self) -> dict[str, str]:
+        body = asdict(self)
+        body["tier"] = self.tier.value
+        return {"served": json.dumps(body, separators=(",", ":"))}
+
+    @classmethod
+    def decode(cls, fields: dict[Any, Any]) -> Served:
+        body = json.loads(fields["served"])
         body["tier"] = Tier(body["tier"])
         return cls(**body)
 
@@ -62,6 +98,7 @@ class Heartbeat:
     running: int
     ts: float
     draining: bool = False
+    reserve: int = 0  # slots kept for the interactive tier
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

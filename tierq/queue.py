@@ -25,10 +25,19 @@ return n
 """
 
 
-async def enqueue(r: aioredis.Redis, names: RedisNames, msg: JobMessage) -> str:
-    """XADD a job to its tier's stream, mark it as held by Redis, and wake the dispatcher."""
+async def enqueue(
+    r: aioredis.Redis, names: RedisNames, msg: JobMessage, *, head_of_tier: bool = False
+) -> str:
+    """XADD a job to its tier's stream (its tenant's shard, or the head-of-tier stream for a
+    preempted job), mark it as held by Redis, and wake the dispatcher."""
+    if head_of_tier:
+        stream = names.preempted_stream(msg.tier)
+    else:
+        stream = names.tier_stream(msg.tier, msg.tenant_id)
     async with r.pipeline(transaction=True) as pipe:
-        pipe.xadd(names.tier_stream(msg.tier), msg.encode())  # type: ignore[arg-type]
+        pipe.xadd(stream, msg.encode())  # type: ignore[arg-type]
+        if not head_of_tier:
+            pipe.sadd(names.tier_tenants(msg.tier), msg.tenant_id)
         pipe.sadd(names.inflight, msg.job_id)
         pipe.lpush(names.dispatch_wake, "1")
         pipe.ltrim(names.dispatch_wake, 0, 0)

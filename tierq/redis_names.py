@@ -18,8 +18,29 @@ WORKER_GROUP = "worker"  # consumer group on every worker inbox
 class RedisNames:
     prefix: str = "tierq"
 
-    def tier_stream(self, tier: Tier | str) -> str:
-        return f"{self.prefix}:stream:{Tier(tier).value}"
+    def tier_stream(self, tier: Tier | str, tenant_id: str) -> str:
+        """A tier's queue is sharded per tenant, so fairness can look past a long backlog."""
+        return f"{self.prefix}:stream:{Tier(tier).value}:{tenant_id}"
+
+    def preempted_stream(self, tier: Tier | str) -> str:
+        """Jobs aborted to make room for interactive work: served first within their tier."""
+        return f"{self.prefix}:preempted:{Tier(tier).value}"
+
+    def tier_tenants(self, tier: Tier | str) -> str:
+        """Set of tenant ids that have a stream in this tier."""
+        return f"{self.prefix}:tenants:{Tier(tier).value}"
+
+    def worker_load(self, worker_id: str) -> str:
+        """Hash tier -> jobs in the worker's inbox (running or not yet read)."""
+        return f"{self.prefix}:load:{worker_id}"
+
+    def preempt_channel(self, worker_id: str) -> str:
+        return f"{self.prefix}:preempt:{worker_id}"
+
+    @property
+    def served(self) -> str:
+        """Stream of Served reports from workers to the dispatcher."""
+        return f"{self.prefix}:served"
 
     def inbox(self, worker_id: str) -> str:
         return f"{self.prefix}:inbox:{worker_id}"

@@ -56,9 +56,20 @@ class Settings(BaseSettings):
     max_deliveries: int = 3
     drain_timeout_s: float = 30.0
 
-    # --- dispatcher ---------------------------------------------------------------------
-    dispatch_read_ahead: int = 64
+    # --- dispatcher and its policy (README.md documents each) ----------------------------
+    dispatch_policy: Literal["tierq", "fcfs", "engine-priority"] = "tierq"
+    dispatch_read_ahead: int = 32  # entries held per tenant shard of a tier
     dispatch_idle_wait_s: float = 0.2
+    min_share_standard: float = 0.20  # of tokens served over the window, while backlogged
+    min_share_batch: float = 0.10
+    share_window_s: float = 60.0
+    slo_interactive_s: float = 5.0  # deadlines, from admission; urgency acts before them
+    slo_standard_s: float = 300.0
+    slo_batch_s: float = 86_400.0
+    urgency_fraction: float = 0.8
+    tenant_weights: dict[str, float] = Field(default_factory=dict)  # tenant id -> weight
+    interactive_reserve: int = 8  # slots per worker that standard and batch never take
+    max_preemptions: int = 2  # a job is preempted at most this often
 
     # --- streaming ----------------------------------------------------------------------
     replay_ttl_s: int = 3600

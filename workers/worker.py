@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
@@ -27,11 +28,10 @@ import redis.asyncio as aioredis
 from models import jobs as job_repo
 from models.db import Database
 from tierq import metrics
-from tierq.messages import Heartbeat, JobEvent, JobMessage
+from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
 from tierq.queue import (
     EventLog,
     enqueue,
-    forget_inflight,
     read_group,
     wake_dispatcher,
     write_heartbeat,
@@ -59,6 +59,7 @@ class Worker:
         r: aioredis.Redis,
         engine: Engine,
         worker_id: str | None = None,
+        capacity: int | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -69,11 +70,16 @@ class Worker:
         self.inbox = self.names.inbox(self.worker_id)
         self.events = EventLog(r, self.names, settings.replay_ttl_s)
         self.publisher = EventPublisher(self.events)
-        self.capacity = settings.max_num_seqs
+        # Slots advertised to the dispatcher: the engine's, unless told otherwise (the
+        # engine-priority baseline of the QoS benchmark hands everything to the engine).
+        self.capacity = capacity or settings.max_num_seqs
+        # Slots standard and batch work never take; at most half of them.
+        self.reserve = min(settings.interactive_reserve, self.capacity // 2)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # job id -> its task
         self._entries: dict[str, str] = {}  # job id -> inbox entry id
         self._cancelled: set[str] = set()
         self._handed_back: set[str] = set()
+        self._preempted: set[str] = set()
         self._slot_freed = asyncio.Event()
         self._stop_reading = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -97,7 +103,7 @@ class Worker:
         tasks = [
             asyncio.create_task(self._inbox_loop(), name="inbox"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-            asyncio.create_task(self._cancel_listener(), name="cancel-listener"),
+            asyncio.create_task(self._control_listener(), name="control-listener"),
             asyncio.create_task(self.publisher.run(), name="event-publisher"),
         ]
         stop = asyncio.create_task(self._stop_reading.wait(), name="stop")
@@ -159,7 +165,9 @@ class Worker:
 
     # --- side tasks -------------------------------------------------------------------
     async def _heartbeat(self, draining: bool = False) -> None:
-        hb = Heartbeat(self.worker_id, self.capacity, len(self._tasks), time.time(), draining)
+        hb = Heartbeat(
+            self.worker_id, self.capacity, len(self._tasks), time.time(), draining, self.reserve
+        )
         await write_heartbeat(self.r, self.names, hb)
 
     async def _heartbeat_loop(self) -> None:
@@ -167,19 +175,26 @@ class Worker:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
             await self._heartbeat(draining=self._stop_reading.is_set())
 
-    async def _cancel_listener(self) -> None:
+    async def _control_listener(self) -> None:
+        """Cancellations (from the API) and preemptions (from the dispatcher)."""
         pubsub = self.r.pubsub()
-        await pubsub.subscribe(self.names.cancel_channel)
+        preempt = self.names.preempt_channel(self.worker_id)
+        await pubsub.subscribe(self.names.cancel_channel, preempt)
         try:
             while True:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if msg is None:
                     continue
                 job_id = str(msg["data"])
-                if job_id in self._tasks:
+                if job_id not in self._tasks:
+                    continue
+                if msg["channel"] == preempt:
+                    log.info("preempting job %s", job_id)
+                    self._preempted.add(job_id)
+                else:
                     log.info("aborting cancelled job %s", job_id)
                     self._cancelled.add(job_id)
-                    await self.engine.abort(job_id)
+                await self.engine.abort(job_id)
         finally:
             await pubsub.aclose()
 
@@ -223,21 +238,36 @@ class Worker:
             self._tasks[msg.job_id] = asyncio.create_task(self._run(entry_id, msg), name=msg.job_id)
         metrics.WORKER_RUNNING.set(len(self._tasks))
 
-    async def _done_with_entry(self, entry_id: str, job_id: str, forget: bool) -> None:
+    async def _done_with_entry(
+        self, entry_id: str, msg: JobMessage, outcome: str, actual_tokens: int = 0
+    ) -> None:
+        """Let go of an inbox entry: acknowledge it, free its slot, report what it cost."""
+        report = Served(msg.job_id, msg.tenant_id, msg.tier, msg.cost, actual_tokens, outcome)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.xack(self.inbox, WORKER_GROUP, entry_id)
             pipe.xdel(self.inbox, entry_id)
+            pipe.hincrby(self.names.worker_load(self.worker_id), msg.tier.value, -1)
+            pipe.xadd(self.names.served, report.encode(), maxlen=100_000, approximate=True)  # type: ignore[arg-type]
+            if outcome not in ("preempted", "handed_back"):
+                pipe.srem(self.names.inflight, msg.job_id)
+            pipe.lpush(self.names.dispatch_wake, "1")
+            pipe.ltrim(self.names.dispatch_wake, 0, 0)
             await pipe.execute()
-        if forget:
-            await forget_inflight(self.r, self.names, [job_id])
-        await wake_dispatcher(self.r, self.names)
 
-    async def _hand_back(self, entry_id: str, msg: JobMessage, why: str) -> None:
-        """Put a job back on its tier's stream, then let go of the inbox entry."""
+    async def _hand_back(
+        self, entry_id: str, msg: JobMessage, why: str, tokens: int = 0, preempted: bool = False
+    ) -> None:
+        """Put a job back on its tier's stream (preempted: at its head), then let go of it."""
         async with self.db.transaction() as s:
             await job_repo.requeue_job(s, msg.job_id, why)
-        await enqueue(self.r, self.names, msg)
-        await self._done_with_entry(entry_id, msg.job_id, forget=False)
+        if preempted:
+            again = dataclasses.replace(msg, preemptions=msg.preemptions + 1)
+            await enqueue(self.r, self.names, again, head_of_tier=True)
+        else:
+            await enqueue(self.r, self.names, msg)
+        await self._done_with_entry(
+            entry_id, msg, "preempted" if preempted else "handed_back", tokens
+        )
 
     # --- one job ----------------------------------------------------------------------
     async def _run(self, entry_id: str, msg: JobMessage) -> None:
@@ -250,20 +280,21 @@ class Worker:
             self._entries.pop(msg.job_id, None)
             self._cancelled.discard(msg.job_id)
             self._handed_back.discard(msg.job_id)
+            self._preempted.discard(msg.job_id)
             self._slot_freed.set()
             metrics.WORKER_RUNNING.set(len(self._tasks))
 
     async def _run_job(self, entry_id: str, msg: JobMessage) -> None:
         async with self.db.transaction() as s:
             job = await job_repo.start_job(
-                s, msg.job_id, self.worker_id, self.settings.max_deliveries
+                s, msg.job_id, self.worker_id, self.settings.max_deliveries + msg.preemptions
             )
         if job is None:  # finished, cancelled or dead-lettered meanwhile: nothing to run
             async with self.db.session() as s:
                 current = await job_repo.get_job(s, msg.job_id)
             if current is not None and current.status == JobStatus.FAILED:
                 await self.publisher.send(msg.job_id, JobEvent("error", current.to_api()))
-            await self._done_with_entry(entry_id, msg.job_id, forget=True)
+            await self._done_with_entry(entry_id, msg, "skipped")
             return
         redelivered = job.deliveries > 1
         already = await self._streamed_text(job.id) if redelivered else ""
@@ -298,11 +329,17 @@ class Worker:
         except EngineRequestError as exc:
             await self._finish(entry_id, msg, JobStatus.FAILED, exc.code, str(exc))
             return
+        served = prompt_tokens + completion_tokens
         if msg.job_id in self._handed_back:
-            await self._hand_back(entry_id, msg, "worker shutting down")
+            await self._hand_back(entry_id, msg, "worker shutting down", served)
             return
-        if finish_reason is None:  # aborted: cancelled by its tenant (the API closed it)
-            await self._done_with_entry(entry_id, msg.job_id, forget=True)
+        if msg.job_id in self._preempted and finish_reason in (None, "abort"):
+            # Its partial output is discarded in the engine; a client following the job
+            # loses nothing: the re-run streams only what goes beyond what it already has.
+            await self._hand_back(entry_id, msg, "preempted", served, preempted=True)
+            return
+        if finish_reason in (None, "abort"):  # cancelled by its tenant (the API closed it)
+            await self._done_with_entry(entry_id, msg, "cancelled", served)
             return
         async with self.db.transaction() as s:
             finished = await job_repo.finish_job(
@@ -319,7 +356,7 @@ class Worker:
             metrics.TOKENS_SERVED.labels(job.tier.value, "prompt").inc(prompt_tokens)
             metrics.TOKENS_SERVED.labels(job.tier.value, "completion").inc(completion_tokens)
             await self.publisher.send(job.id, JobEvent("done", finished.to_api()))
-        await self._done_with_entry(entry_id, msg.job_id, forget=True)
+        await self._done_with_entry(entry_id, msg, "succeeded", served)
 
     async def _finish(
         self, entry_id: str, msg: JobMessage, status: JobStatus, code: str, message: str
@@ -329,7 +366,7 @@ class Worker:
         if failed is not None:
             metrics.JOBS_FINISHED.labels(msg.tier.value, status.value).inc()
             await self.publisher.send(msg.job_id, JobEvent("error", failed.to_api()))
-        await self._done_with_entry(entry_id, msg.job_id, forget=True)
+        await self._done_with_entry(entry_id, msg, "failed")
 
     async def _streamed_text(self, job_id: str) -> str:
         """The text a previous delivery of this job already streamed to clients."""

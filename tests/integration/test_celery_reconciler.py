@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client
 
@@ -22,7 +23,10 @@ async def test_beat_re_enqueues_a_job_that_redis_lost(platform: Platform, tenant
     names = platform.dispatcher.names
     async with client(platform.url, tenant_key) as c:
         job = (await c.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 3})).json()
-    stream = names.tier_stream("standard")
+    async with platform.db.session() as s:
+        record = await job_repo.get_job(s, job["id"])
+    assert record is not None
+    stream = names.tier_stream("standard", record.tenant_id)
     # Redis loses it: the stream entry and the marker are gone; the database still says queued.
     await platform.r.delete(stream, names.inflight)
     env = {

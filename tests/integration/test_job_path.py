@@ -50,7 +50,10 @@ async def test_many_jobs_run_concurrently_in_one_engine(
     _, _, engine = platform.workers["w1"]
     peak = 0
     async with client(platform.url, tenant_key) as c:
-        posts = [c.post("/v1/jobs", json={**CHAT, "max_tokens": 40}) for _ in range(8)]
+        posts = [
+            c.post("/v1/jobs", json={**CHAT, "max_tokens": 40, "tier": "interactive"})
+            for _ in range(8)
+        ]
         ids = [resp.json()["id"] for resp in await asyncio.gather(*posts)]
         for _ in range(200):
             peak = max(peak, engine.running)
@@ -58,6 +61,28 @@ async def test_many_jobs_run_concurrently_in_one_engine(
         jobs = [await wait_for(c, i) for i in ids]
     assert all(j["status"] == "succeeded" for j in jobs)
     assert peak == worker.capacity == 8  # continuous batching: all eight at once
+
+
+async def test_lower_tiers_leave_the_interactive_reserve_free(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.start_dispatcher()
+    worker = await platform.start_worker("w1", cost=CostModel(slots=8))
+    _, _, engine = platform.workers["w1"]
+    assert worker.reserve == 4  # min(INTERACTIVE_RESERVE, half of the 8 slots)
+    async with client(platform.url, tenant_key) as c:
+        posts = [c.post("/v1/jobs", json={**CHAT, "max_tokens": 60, "tier": t}) for t in ("batch", "standard") * 5]
+        lower = [r.json()["id"] for r in await asyncio.gather(*posts)]
+        await wait_for(c, lower[0], ("running",))
+        await asyncio.sleep(0.2)
+        assert engine.running == 4
+        inter = (await c.post("/v1/jobs", json={**CHAT, "tier": "interactive"})).json()
+        done = await wait_for(c, inter["id"])
+        still_running = [(await c.get(f"/v1/jobs/{i}")).json()["status"] for i in lower]
+        assert done["status"] == "succeeded"
+        assert "running" in still_running  # it did not wait for the lower tiers to drain
+        for i in lower:
+            await wait_for(c, i)
 
 
 async def test_tiers_are_served_highest_first(platform: Platform, tenant_key: str) -> None:
@@ -118,10 +143,13 @@ async def test_a_tenant_sees_only_its_own_jobs(
 async def test_idempotency_key_returns_the_same_job_and_enqueues_once(
     platform: Platform, tenant_key: str
 ) -> None:
-    stream = platform.dispatcher.names.tier_stream("standard")
     async with client(platform.url, tenant_key) as c:
         headers = {"Idempotency-Key": "order-42"}
         first = await c.post("/v1/jobs", json=CHAT, headers=headers)
+        async with platform.db.session() as s:
+            job = await job_repo.get_job(s, first.json()["id"])
+        assert job is not None
+        stream = platform.dispatcher.names.tier_stream("standard", job.tenant_id)
         again = await c.post("/v1/jobs", json=CHAT, headers=headers)
         assert first.status_code == again.status_code == 202
         assert first.json()["id"] == again.json()["id"]

@@ -38,12 +38,13 @@ def test_events_and_heartbeats_round_trip() -> None:
 
 def test_names_are_prefixed_and_job_keys_share_a_cluster_slot() -> None:
     names = RedisNames("p")
-    assert names.tier_stream("batch") == "p:stream:batch"
+    assert names.tier_stream("batch", "ten_1") == "p:stream:batch:ten_1"
+    assert names.preempted_stream("batch") == "p:preempted:batch"
     assert names.inbox("w1") == "p:inbox:w1"
     assert names.job_events("job_1") == "p:job:{job_1}:events"
     assert names.job_channel("job_1") == "p:job:{job_1}:live"
     with pytest.raises(ValueError):
-        names.tier_stream("gold")
+        names.tier_stream("gold", "ten_1")
 
 
 def test_tiers_map_to_vllm_priorities_in_serving_order() -> None:
