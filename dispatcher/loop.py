@@ -172,12 +172,10 @@ class Dispatcher:
             loads = await pipe.execute()
         slots = []
         for hb, load in zip(usable, loads, strict=True):
-            counts = {t: int(load.get(t.value, 0)) for t in TIER_ORDER}
-            total = sum(counts.values())
-            lower = counts[Tier.STANDARD] + counts[Tier.BATCH]
-            free = hb.capacity - total
-            free_lower = min(free, hb.capacity - hb.reserve - lower)
-            slots.append(WorkerSlots(hb.worker_id, free, free_lower))
+            free = hb.capacity - sum(int(load.get(t.value, 0)) for t in TIER_ORDER)
+            # Standard and batch work is admitted only below the ceiling: `reserve` slots
+            # stay free for interactive work, which preemption backs up when they run out.
+            slots.append(WorkerSlots(hb.worker_id, free, free - hb.reserve))
         return slots
 
     # --- the loop -----------------------------------------------------------------------

@@ -21,8 +21,8 @@ The rules, in the order they apply to each free slot:
    next. A tenant that becomes backlogged is lifted to the smallest counter of those
    already backlogged, so idle time earns no credit.
 5. **Capacity.** A job goes only to a worker with a free slot; standard and batch work
-   only below each worker's ceiling (capacity less the interactive reserve), so an
-   arriving interactive job finds a slot at once. The freest worker is chosen.
+   only below each worker's ceiling (the reserve's slots stay free), so an arriving
+   interactive job finds a slot at once. The freest worker is chosen.
 
 Preemption: when interactive jobs wait and no worker has any free slot, the policy names
 running lower-tier jobs to abort and re-queue at the head of their tier — batch before

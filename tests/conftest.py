@@ -74,6 +74,7 @@ def settings(pg_database: str, tmp_path: object) -> Settings:
         drain_timeout_s=5.0,
         reconcile_grace_s=0.0,
         max_num_seqs=8,
+        interactive_reserve=4,
         state_dir=tmp_path,  # type: ignore[arg-type]
         _env_file=None,  # type: ignore[call-arg]
     )

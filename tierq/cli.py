@@ -153,6 +153,15 @@ def create_tenant(
     typer.echo(json.dumps({"tenant": name, "key": key}))
 
 
+@app.command()
+def calibrate() -> None:
+    """Fit the simulated engine's cost model to the real engine here (tierq/calibration.json)."""
+    from tierq.calibration import calibrate as run_calibration
+
+    setup_logging("WARNING")
+    typer.echo(json.dumps(run_calibration(get_settings()), indent=2))
+
+
 @bench_app.command("overhead")
 def bench_overhead(
     url: str = typer.Option("http://127.0.0.1:8000", help="The running platform."),
@@ -169,6 +178,21 @@ def bench_overhead(
     key = key_file.read_text().strip()
     result = run_overhead(get_settings(), url, key, n, max_tokens, tier, rounds)
     typer.echo(json.dumps(result))
+
+
+@bench_app.command("qos")
+def bench_qos(
+    engine: str = typer.Option("simulated", help="simulated (calibrated) or vllm (scaled down)."),
+    speedup: float = typer.Option(20.0, help="Time compression of the simulated engine."),
+    seed: int = typer.Option(1),
+    duration: float | None = typer.Option(None, help="Simulated seconds of arrivals."),
+) -> None:
+    """tierq vs fcfs vs engine-priority on one seeded workload; prints one JSON line last."""
+    from tierq.bench_qos import run_qos
+
+    setup_logging("WARNING")
+    result = asyncio.run(run_qos(get_settings(), engine, speedup, seed, duration))
+    typer.echo(json.dumps(result, separators=(",", ":")))
 
 
 def main() -> None:

@@ -68,7 +68,9 @@ class Settings(BaseSettings):
     slo_batch_s: float = 86_400.0
     urgency_fraction: float = 0.8
     tenant_weights: dict[str, float] = Field(default_factory=dict)  # tenant id -> weight
-    interactive_reserve: int = 8  # slots per worker that standard and batch never take
+    # Slots per worker that standard and batch work leave free (capped at half the slots).
+    # Small on purpose: reserved slots idle while work waits; preemption covers bursts.
+    interactive_reserve: int = 1
     max_preemptions: int = 2  # a job is preempted at most this often
 
     # --- streaming ----------------------------------------------------------------------

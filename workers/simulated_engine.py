@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from workers.engine import Chunk, EngineRequestError
@@ -27,6 +29,23 @@ class CostModel:
     decode_step_per_seq_s: float = 0.0025
     slots: int = 64
     max_model_len: int = 2048
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> CostModel:
+        """The cost model `tierq calibrate` fitted to the real engine on this machine."""
+        from tierq.calibration import CALIBRATION_FILE
+
+        raw = json.loads((path or CALIBRATION_FILE).read_text())
+        return cls(
+            prefill_s_per_token=raw["prefill_s_per_token"],
+            decode_step_base_s=raw["decode_step_base_s"],
+            decode_step_per_seq_s=raw["decode_step_per_seq_s"],
+            slots=raw["slots"],
+            max_model_len=raw["max_model_len"],
+        )
+
+    def step_s(self, batch: int) -> float:
+        return self.decode_step_base_s + self.decode_step_per_seq_s * batch
 
     def scaled(self, speedup: float) -> CostModel:
         return CostModel(

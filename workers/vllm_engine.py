@@ -73,6 +73,7 @@ class VllmEngine:
             top_p=params.get("top_p", 1.0),
             stop=params.get("stop"),
             seed=params.get("seed"),
+            ignore_eos=bool(params.get("ignore_eos", False)),  # benchmarks only
             output_kind=RequestOutputKind.DELTA,
         )
         text = self.render(messages, prompt)
