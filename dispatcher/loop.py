@@ -97,7 +97,7 @@ class Dispatcher:
         self.preempting: set[str] = set()
         self._streams: set[str] = set()  # streams whose consumer group exists
         self._buffered: dict[str, int] = {}  # stream -> entries of it in the buffers
-        self._served_cursor = "$"
+        self._served_cursor = "0-0"
         self._stop = asyncio.Event()
         self.decision_seconds: list[float] = []  # for benchmarks; bounded below
 
@@ -180,6 +180,9 @@ class Dispatcher:
 
     # --- the loop -----------------------------------------------------------------------
     async def run(self) -> None:
+        # Reports from before this start concern jobs some earlier process dispatched.
+        last: Any = await self.r.xrevrange(self.names.served, count=1)
+        self._served_cursor = str(last[0][0]) if last else "0-0"
         await self._read("0")  # entries this dispatcher held when it last stopped
         last_reclaim = 0.0
         while not self._stop.is_set():

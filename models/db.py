@@ -28,6 +28,15 @@ def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
             cur.execute("PRAGMA busy_timeout=30000")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
+            # Let SQLAlchemy, not the driver, begin transactions (see _begin).
+            dbapi_conn.isolation_level = None
+
+        @event.listens_for(engine.sync_engine, "begin")
+        def _begin(conn: Any) -> None:
+            # Take the write lock up front: two deferred transactions that both read, then
+            # both write, deadlock in SQLite (one fails at once with "database is locked");
+            # immediate ones queue on busy_timeout instead.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     kwargs.setdefault("pool_size", 10)

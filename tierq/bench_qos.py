@@ -75,7 +75,7 @@ class Shape:
     batch_backlog: float = 2.0  # of capacity x duration, enqueued at the start
 
 
-SIMULATED = Shape(600.0, 120.0, (60, 48), (150, 128), (200, 192))
+SIMULATED = Shape(300.0, 60.0, (60, 48), (150, 128), (200, 192))
 REAL = Shape(60.0, 15.0, (60, 32), (100, 64), (100, 96))
 
 
@@ -180,8 +180,8 @@ async def _run_policy(
     shared_engine: Engine | None = None,
 ) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
-    db_url = f"sqlite+aiosqlite:///{workdir / f'{policy_name}-{tag}.db'}"
-    migrations.upgrade(db_url)
+    db_url = await _scratch_database(base, workdir, f"{policy_name.replace('-', '_')}_{tag}")
+    await asyncio.to_thread(migrations.upgrade, db_url)  # Alembic runs its own event loop
     baseline = policy_name != "tierq"
     settings = base.model_copy(
         update={
@@ -226,24 +226,33 @@ async def _run_policy(
             trace.samples.append((now, engine.active, len(arrived_wall)))
             await asyncio.sleep(0.02)
 
-    sampler = asyncio.create_task(sample())
-    t0 = time.monotonic()
-    for arrival in arrivals:
-        delay = t0 + arrival.at / speedup - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        new = job_repo.NewJob(
+    def new_job(arrival: Arrival) -> job_repo.NewJob:
+        word = "abcd" if engine_kind == "simulated" else "word "
+        return job_repo.NewJob(
             tenant_id=tenants[arrival.tenant],
             tier=arrival.tier,
             model=settings.served_model_name,
             messages=None,
-            prompt="word " * arrival.prompt_tokens
-            if engine_kind != "simulated"
-            else "abcd" * arrival.prompt_tokens,
+            prompt=word * arrival.prompt_tokens,
             params={"max_tokens": arrival.max_tokens, "temperature": 0.0, "ignore_eos": True},
         )
+
+    # The backlog that is there at the start is written before the clock starts.
+    initial = [a for a in arrivals if a.at < 0.01]
+    async with db.transaction() as s:
+        backlog = [(a, (await job_repo.create_job(s, new_job(a)))[0]) for a in initial]
+    t0 = time.monotonic()
+    for arrival, job in backlog:
+        job_meta[job.id] = (arrival, t0)
+        arrived_wall.append(t0)
+        await enqueue(r, dispatcher.names, job.to_message())
+    sampler = asyncio.create_task(sample())
+    for arrival in arrivals[len(initial) :]:
+        delay = t0 + arrival.at / speedup - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
         async with db.transaction() as s:
-            job, _ = await job_repo.create_job(s, new)
+            job, _ = await job_repo.create_job(s, new_job(arrival))
         wall = time.monotonic()
         job_meta[job.id] = (arrival, wall)
         arrived_wall.append(wall)
@@ -264,7 +273,42 @@ async def _run_policy(
         await r.delete(*keys)
     await r.aclose()
     await db.close()
+    await _drop_scratch_database(db_url)
     return _metrics(policy_name, trace, job_meta, t0, shape, cost, speedup, dispatcher, settings)
+
+
+async def _scratch_database(base: Settings, workdir: Path, name: str) -> str:
+    """A fresh database for one run: on the PostgreSQL server of DATABASE_URL if one is
+    set (the platform's real setting), else a SQLite file."""
+    url = base.database_url
+    if not url or not url.startswith("postgresql"):
+        return f"sqlite+aiosqlite:///{workdir / f'{name}.db'}"
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    server = url.rsplit("/", 1)[0]
+    admin = create_async_engine(f"{server}/postgres", isolation_level="AUTOCOMMIT")
+    try:
+        async with admin.connect() as conn:
+            await conn.execute(text(f'CREATE DATABASE "tierq_bench_{name}"'))
+    finally:
+        await admin.dispose()
+    return f"{server}/tierq_bench_{name}"
+
+
+async def _drop_scratch_database(url: str) -> None:
+    if not url.startswith("postgresql"):
+        return
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    server, name = url.rsplit("/", 1)
+    admin = create_async_engine(f"{server}/postgres", isolation_level="AUTOCOMMIT")
+    try:
+        async with admin.connect() as conn:
+            await conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        await admin.dispose()
 
 
 def _p95(values: list[float]) -> float | None:
@@ -402,7 +446,7 @@ def decision_microbench(jobs: int = 10_000, tenants: int = 100, calls: int = 200
 async def run_qos(
     base: Settings,
     engine_kind: str = "simulated",
-    speedup: float = 20.0,
+    speedup: float = 5.0,
     seed: int = 1,
     duration_s: float | None = None,
 ) -> dict[str, Any]:

@@ -183,7 +183,7 @@ def bench_overhead(
 @bench_app.command("qos")
 def bench_qos(
     engine: str = typer.Option("simulated", help="simulated (calibrated) or vllm (scaled down)."),
-    speedup: float = typer.Option(20.0, help="Time compression of the simulated engine."),
+    speedup: float = typer.Option(5.0, help="Time compression of the simulated engine."),
     seed: int = typer.Option(1),
     duration: float | None = typer.Option(None, help="Simulated seconds of arrivals."),
 ) -> None:
