@@ -82,6 +82,7 @@ class _RawEngine:
             dtype=settings.dtype,
             max_model_len=settings.max_model_len,
             max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
             tensor_parallel_size=settings.tensor_parallel_size,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             enforce_eager=settings.enforce_eager,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import json
 import random
 import tempfile
@@ -90,7 +91,7 @@ def make_workload(shape: Shape, cost: CostModel, seed: int) -> list[Arrival]:
     arrivals: list[Arrival] = []
 
     def poisson(tier: Tier, tenant: str, load: float, size: tuple[int, int]) -> None:
-        rate = load * cap / size[1]  # jobs per second
+        rate = load * cap / (size[0] + size[1])  # jobs per second (prompt + generated tokens)
         t = rng.expovariate(rate)
         while t < shape.duration_s:
             arrivals.append(Arrival(t, tier, tenant, size[0], size[1]))
@@ -98,7 +99,7 @@ def make_workload(shape: Shape, cost: CostModel, seed: int) -> list[Arrival]:
 
     poisson(Tier.INTERACTIVE, "chat", shape.interactive_load, shape.interactive)
     poisson(Tier.STANDARD, "apps", shape.standard_load, shape.standard)
-    backlog_jobs = int(shape.batch_backlog * cap * shape.duration_s / shape.batch[1])
+    backlog_jobs = int(shape.batch_backlog * cap * shape.duration_s / sum(shape.batch))
     small = max(1, backlog_jobs // 11)
     for i in range(backlog_jobs - small):
         arrivals.append(Arrival(i * 1e-4, Tier.BATCH, "bulk-big", *shape.batch))
@@ -368,8 +369,8 @@ def _metrics(
     entered_by_tier: dict[Tier, list[float]] = defaultdict(list)
     for j, (a, wall) in job_meta.items():
         arrivals_by_tier[a.tier].append(wall)
-        if j in trace.called:
-            entered_by_tier[a.tier].append(trace.called[j])
+        if j in trace.first_token:  # served from its first token on, whatever the engine
+            entered_by_tier[a.tier].append(trace.first_token[j])
     for values in (*arrivals_by_tier.values(), *entered_by_tier.values()):
         values.sort()
     for (t, active, arrived), (t_next, _, _) in zip(trace.samples, trace.samples[1:], strict=False):
@@ -450,7 +451,7 @@ async def run_qos(
     seed: int = 1,
     duration_s: float | None = None,
 ) -> dict[str, Any]:
-    cost = CostModel.load()
+    cost = dataclasses.replace(CostModel.load(), max_batched_tokens=base.max_num_batched_tokens)
     shape = SIMULATED if engine_kind == "simulated" else REAL
     if engine_kind != "simulated":
         speedup = 1.0

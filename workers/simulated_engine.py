@@ -22,13 +22,14 @@ from workers.engine import Chunk, EngineRequestError
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per prompt token of prefill; decode step = base + per_seq * batch size."""
+    """Step time = base + per_seq * decoding sequences + prefill_per_token * prefill tokens."""
 
     prefill_s_per_token: float = 0.0004
     decode_step_base_s: float = 0.030
     decode_step_per_seq_s: float = 0.0025
     slots: int = 64
     max_model_len: int = 2048
+    max_batched_tokens: int = 2048  # vLLM's per-step token budget (chunked prefill)
 
     @classmethod
     def load(cls, path: Path | None = None) -> CostModel:
@@ -42,6 +43,7 @@ class CostModel:
             decode_step_per_seq_s=raw["decode_step_per_seq_s"],
             slots=raw["slots"],
             max_model_len=raw["max_model_len"],
+            max_batched_tokens=raw.get("max_batched_tokens", 2048),
         )
 
     def step_s(self, batch: int) -> float:
@@ -54,6 +56,7 @@ class CostModel:
             self.decode_step_per_seq_s / speedup,
             self.slots,
             self.max_model_len,
+            self.max_batched_tokens,
         )
 
 
@@ -66,7 +69,7 @@ class _Request:
     max_tokens: int = field(compare=False)
     out: asyncio.Queue[Chunk | None] = field(compare=False)
     generated: int = field(default=0, compare=False)
-    prefilled: bool = field(default=False, compare=False)
+    prefill_left: int = field(default=0, compare=False)
 
 
 def count_tokens(messages: list[dict[str, Any]] | None, prompt: str | None) -> int:
@@ -115,6 +118,7 @@ class SimulatedEngine:
         req = _Request(
             priority, next(self._arrivals), request_id, prompt_tokens, max_tokens, asyncio.Queue()
         )
+        req.prefill_left = prompt_tokens
         self._waiting.append(req)
         self._waiting.sort()
         self._wake.set()
@@ -152,19 +156,34 @@ class SimulatedEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = list(self._running.values())
-            # One engine step: prefill the newcomers, then one decode token for everyone.
-            prefill = sum(r.prompt_tokens for r in batch if not r.prefilled)
+            batch = sorted(self._running.values())  # priority, then arrival
+            # One engine step, as vLLM's chunked prefill does it: every prefilled sequence
+            # decodes one token, and what is left of the token budget goes to prefill
+            # chunks in priority order. A sequence's first token comes out of the step
+            # that finishes its prefill.
+            budget = self.cost.max_batched_tokens
+            decoding = [r for r in batch if r.prefill_left == 0]
+            budget -= len(decoding)
+            chunks: list[tuple[_Request, int]] = []
+            for req in batch:
+                if req.prefill_left and budget > 0:
+                    take = min(req.prefill_left, budget)
+                    chunks.append((req, take))
+                    budget -= take
             step = (
-                prefill * self.cost.prefill_s_per_token
-                + self.cost.decode_step_base_s
-                + self.cost.decode_step_per_seq_s * len(batch)
+                self.cost.decode_step_base_s
+                + self.cost.decode_step_per_seq_s * len(decoding)
+                + self.cost.prefill_s_per_token * sum(n for _, n in chunks)
             )
             await asyncio.sleep(step)
-            for req in batch:
+            emitting = list(decoding)
+            for req, take in chunks:
+                req.prefill_left -= take
+                if req.prefill_left == 0:
+                    emitting.append(req)
+            for req in emitting:
                 if self._running.get(req.request_id) is not req:
                     continue  # aborted during the step
-                req.prefilled = True
                 req.generated += 1
                 done = req.generated >= req.max_tokens
                 req.out.put_nowait(

@@ -39,6 +39,7 @@ class VllmEngine:
             dtype=s.dtype,
             max_model_len=s.max_model_len,
             max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
             tensor_parallel_size=s.tensor_parallel_size,
             gpu_memory_utilization=s.gpu_memory_utilization,
             enforce_eager=s.enforce_eager,

@@ -138,3 +138,27 @@ async def test_a_worker_killed_mid_job_is_restarted_and_the_job_finishes_once(
         await db.close()
     assert list(history) == ["queued", "running", "running", "succeeded"]
     assert list(usage) == [done["usage"]["completion_tokens"]]
+
+
+async def test_an_interactive_job_behind_a_full_engine_of_batch_work_starts_at_once(
+    pg_platform: LivePlatform,
+) -> None:
+    """16 slots, one kept free: 20 long batch jobs fill the rest; two interactive jobs then
+    get their first token while every batch job is still unfinished — the first through the
+    reserve, the second by preempting a batch job."""
+    long_job = {**STORY, "tier": "batch", "max_tokens": 400, "temperature": 0.8}
+    async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
+        posts = await asyncio.gather(*(c.post("/v1/jobs", json=long_job) for _ in range(20)))
+        batch = [p.json()["id"] for p in posts]
+        for job_id in batch[:15]:
+            await wait_for(c, job_id, ("running", "succeeded"), timeout=120)
+        chats = [(await c.post("/v1/jobs", json=PARIS)).json()["id"] for _ in range(2)]
+        firsts = await asyncio.gather(
+            *(read_sse(c, f"/v1/jobs/{i}/events", limit=1) for i in chats)
+        )
+        statuses = [(await c.get(f"/v1/jobs/{b}")).json()["status"] for b in batch]
+        assert all(f[0]["event"] == "delta" for f in firsts)
+        assert "succeeded" not in statuses, statuses
+        for job_id in batch:  # leave the engine empty for the tests after this one
+            await c.post(f"/v1/jobs/{job_id}/cancel")
+        assert all((await wait_for(c, i, timeout=120))["status"] == "succeeded" for i in chats)
