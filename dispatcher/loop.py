@@ -71,6 +71,11 @@ def policy_from_settings(settings: Settings) -> Policy:
     )
 
 
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 @dataclass
 class Buffered:
     job: QueuedJob
@@ -197,6 +202,8 @@ class Dispatcher:
                 await self._take_served_reports()
                 moved = await self.step(alive)
             except redis.ConnectionError:
+                if _being_cancelled():  # redis-py may turn a cancelled read into this
+                    raise
                 log.warning("Redis unreachable; retrying", exc_info=True)
                 await asyncio.sleep(1.0)
                 self._streams.clear()  # a restarted Redis has no groups

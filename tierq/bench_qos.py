@@ -261,9 +261,13 @@ async def _run_policy(
     end = t0 + shape.duration_s / speedup
     await asyncio.sleep(max(0.0, end - time.monotonic()))
     sampler.cancel()
+    dispatcher.request_stop()
     for task in tasks:
         task.cancel()
-    await asyncio.gather(sampler, *tasks, return_exceptions=True)
+    for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+        if isinstance(outcome, Exception):
+            print(f"warning: a component failed during the run: {outcome!r}", flush=True)
+    await asyncio.gather(sampler, return_exceptions=True)
     if shared_engine is None:
         await engine.shutdown()
     else:  # the real engine serves the next run: empty it first
@@ -278,38 +282,33 @@ async def _run_policy(
     return _metrics(policy_name, trace, job_meta, t0, shape, cost, speedup, dispatcher, settings)
 
 
+async def _admin_sql(server: str, sql: str) -> None:
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    admin = create_async_engine(f"{server}/postgres", isolation_level="AUTOCOMMIT")
+    try:
+        async with admin.connect() as conn:
+            await conn.execute(text(sql))
+    finally:
+        await admin.dispose()
+
+
 async def _scratch_database(base: Settings, workdir: Path, name: str) -> str:
     """A fresh database for one run: on the PostgreSQL server of DATABASE_URL if one is
     set (the platform's real setting), else a SQLite file."""
     url = base.database_url
     if not url or not url.startswith("postgresql"):
         return f"sqlite+aiosqlite:///{workdir / f'{name}.db'}"
-    from sqlalchemy import text
-    from sqlalchemy.ext.asyncio import create_async_engine
-
     server = url.rsplit("/", 1)[0]
-    admin = create_async_engine(f"{server}/postgres", isolation_level="AUTOCOMMIT")
-    try:
-        async with admin.connect() as conn:
-            await conn.execute(text(f'CREATE DATABASE "tierq_bench_{name}"'))
-    finally:
-        await admin.dispose()
+    await _admin_sql(server, f'CREATE DATABASE "tierq_bench_{name}"')
     return f"{server}/tierq_bench_{name}"
 
 
 async def _drop_scratch_database(url: str) -> None:
-    if not url.startswith("postgresql"):
-        return
-    from sqlalchemy import text
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    server, name = url.rsplit("/", 1)
-    admin = create_async_engine(f"{server}/postgres", isolation_level="AUTOCOMMIT")
-    try:
-        async with admin.connect() as conn:
-            await conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    finally:
-        await admin.dispose()
+    if url.startswith("postgresql"):
+        server, name = url.rsplit("/", 1)
+        await _admin_sql(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _p95(values: list[float]) -> float | None:

@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     # vLLM's per-step token budget. Chunked prefill spreads long prompts over steps; on a
     # compute-bound CPU every step's length is its token count, so a small budget keeps
     # interactive jobs' first token from waiting behind other jobs' prefill.
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 128
 
     # `tierq run` on the CPU engine: keep the API, dispatcher and Celery on the core that
     # vLLM leaves to its front end, off the engine's compute cores.
