@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ from typing import Any
 import httpx
 
 from tierq.bootstrap import ensure_tenant_key
+from tierq.engine_build import vllm_cpu_build
 from tierq.settings import Settings
 
 log = logging.getLogger("tierq.run")
@@ -76,11 +76,7 @@ def aux_cpus(settings: Settings) -> set[int] | None:
     they preempt the engine's compute threads. None when there is nothing to pin (GPU
     engine, one core, or pinning turned off).
     """
-    if not settings.pin_aux_processes or settings.engine != "vllm":
-        return None
-    try:
-        importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
+    if not settings.pin_aux_processes or settings.engine != "vllm" or not vllm_cpu_build():
         return None
     cores = sorted(os.sched_getaffinity(0))
     return {cores[-1]} if len(cores) >= 2 else None

