@@ -44,10 +44,10 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_space_gib: int = 2
     enforce_eager: bool = True
-    # vLLM's per-step token budget. Chunked prefill spreads long prompts over steps; on a
-    # compute-bound CPU every step's length is its token count, so a small budget keeps
-    # interactive jobs' first token from waiting behind other jobs' prefill.
-    max_num_batched_tokens: int = 128
+    # vLLM's per-step token budget (its default). On a compute-bound CPU every step lasts as
+    # long as its token count: a small budget (128) keeps interactive first tokens from
+    # waiting behind other jobs' prefill, at a cost in throughput (README, Benchmarks).
+    max_num_batched_tokens: int = 2048
 
     # `tierq run` on the CPU engine: keep the API, dispatcher and Celery on the core that
     # vLLM leaves to its front end, off the engine's compute cores.
