@@ -9,8 +9,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors, health
+from api.batches.router import router as batches_router
+from api.files.router import router as files_router
 from api.jobs.router import router as jobs_router
 from api.limits import BodySizeLimit
+from api.openai.router import router as openai_router
 from models.db import Database
 from tierq import __version__
 from tierq.queue import EventLog
@@ -39,7 +42,15 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.names = RedisNames(settings.redis_prefix)
     errors.install(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        # uploads: the file plus a little for the multipart framing and the purpose field
+        large={"/v1/files": settings.max_upload_bytes + 64 * 1024},
+    )
     app.include_router(health.router)
     app.include_router(jobs_router)
+    app.include_router(openai_router)
+    app.include_router(files_router)
+    app.include_router(batches_router)
     return app

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tierq.requests import Refused
+
 log = logging.getLogger(__name__)
 
 
@@ -37,8 +39,12 @@ class APIError(Exception):
         *,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
+        if retry_after_s is not None:
+            # 429 and 503 carry Retry-After: the OpenAI SDKs wait that long before retrying.
+            headers = {**(headers or {}), "Retry-After": str(retry_after_s)}
         self.status = status
         self.message = message
         self.code = code
@@ -82,6 +88,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers)
+
+    @app.exception_handler(Refused)
+    async def _refused(_: Request, exc: Refused) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -275,18 +275,22 @@ async def requeue_job(s: AsyncSession, job_id: str, detail: str) -> JobRecord | 
 
 
 async def unfinished_jobs(
-    s: AsyncSession, older_than: datetime, limit: int = 1000
+    s: AsyncSession,
+    older_than: datetime,
+    limit: int = 1000,
+    after: tuple[datetime, str] | None = None,
 ) -> list[JobRecord]:
-    """Queued or running jobs created before `older_than` (the reconciler's candidates)."""
-    stmt = (
-        select(Job)
-        .where(
-            Job.status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value]),
-            Job.created_at < older_than,
-        )
-        .order_by(Job.created_at)
-        .limit(limit)
+    """Queued or running jobs created before `older_than` (the reconciler's candidates),
+    oldest first, one page after `after` (the (created_at, id) of the previous page's last)."""
+    stmt = select(Job).where(
+        Job.status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value]),
+        Job.created_at < older_than,
     )
+    if after is not None:
+        stmt = stmt.where(
+            or_(Job.created_at > after[0], and_(Job.created_at == after[0], Job.id > after[1]))
+        )
+    stmt = stmt.order_by(Job.created_at, Job.id).limit(limit)
     return [JobRecord.from_row(r) for r in (await s.execute(stmt)).scalars()]
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from models.tables import Job, Tenant
+from models.tables import Batch, File, Job, Tenant
 from tierq.messages import JobMessage, estimate_tokens
 from tierq.states import JobStatus
 from tierq.tiers import Tier
@@ -30,10 +30,19 @@ class TenantRecord:
     name: str
     status: str
     created_at: datetime
+    allowed_tiers: tuple[Tier, ...] = (Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH)
+    default_tier: Tier = Tier.STANDARD
 
     @classmethod
     def from_row(cls, row: Tenant) -> TenantRecord:
-        return cls(row.id, row.name, row.status, as_utc(row.created_at) or row.created_at)
+        return cls(
+            row.id,
+            row.name,
+            row.status,
+            as_utc(row.created_at) or row.created_at,
+            allowed_tiers=tuple(Tier(t) for t in row.allowed_tiers or ()),
+            default_tier=Tier(row.default_tier),
+        )
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,9 @@ class JobRecord:
     error_message: str | None
     deliveries: int
     worker_id: str | None
+    batch_id: str | None = None
+    batch_line: int | None = None
+    custom_id: str | None = None
 
     @classmethod
     def from_row(cls, row: Job) -> JobRecord:
@@ -84,6 +96,9 @@ class JobRecord:
             error_message=row.error_message,
             deliveries=row.deliveries,
             worker_id=row.worker_id,
+            batch_id=row.batch_id,
+            batch_line=row.batch_line,
+            custom_id=row.custom_id,
         )
 
     def to_message(self) -> JobMessage:
@@ -97,6 +112,7 @@ class JobRecord:
             params=self.params,
             enqueued_at=self.created_at.timestamp(),
             cost=estimate_tokens(self.messages, self.prompt, int(self.params.get("max_tokens", 1))),
+            batch_id=self.batch_id,
         )
 
     def to_api(self) -> dict[str, Any]:
@@ -126,5 +142,135 @@ class JobRecord:
             "result": result,
             "usage": usage,
             "error": error,
+            "metadata": self.metadata,
+        }
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    id: str
+    tenant_id: str
+    purpose: str
+    filename: str
+    bytes: int
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: File) -> FileRecord:
+        return cls(
+            row.id,
+            row.tenant_id,
+            row.purpose,
+            row.filename,
+            row.bytes,
+            as_utc(row.created_at) or row.created_at,
+        )
+
+    def to_api(self) -> dict[str, Any]:
+        """OpenAI's file object."""
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": unix(self.created_at),
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+            "expires_at": None,
+        }
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    id: str
+    tenant_id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    metadata: dict[str, Any] | None
+    errors: list[dict[str, Any]] | None
+    output_file_id: str | None
+    error_file_id: str | None
+    request_total: int
+    request_completed: int
+    request_failed: int
+    next_line: int
+    next_offset: int
+    created_at: datetime
+    expires_at: datetime
+    in_progress_at: datetime | None
+    finalizing_at: datetime | None
+    completed_at: datetime | None
+    failed_at: datetime | None
+    expired_at: datetime | None
+    cancelling_at: datetime | None
+    cancelled_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Batch) -> BatchRecord:
+        return cls(
+            id=row.id,
+            tenant_id=row.tenant_id,
+            endpoint=row.endpoint,
+            input_file_id=row.input_file_id,
+            completion_window=row.completion_window,
+            status=row.status,
+            metadata=row.metadata_,
+            errors=row.errors,
+            output_file_id=row.output_file_id,
+            error_file_id=row.error_file_id,
+            request_total=row.request_total,
+            request_completed=row.request_completed,
+            request_failed=row.request_failed,
+            next_line=row.next_line,
+            next_offset=row.next_offset,
+            created_at=as_utc(row.created_at) or row.created_at,
+            expires_at=as_utc(row.expires_at) or row.expires_at,
+            in_progress_at=as_utc(row.in_progress_at),
+            finalizing_at=as_utc(row.finalizing_at),
+            completed_at=as_utc(row.completed_at),
+            failed_at=as_utc(row.failed_at),
+            expired_at=as_utc(row.expired_at),
+            cancelling_at=as_utc(row.cancelling_at),
+            cancelled_at=as_utc(row.cancelled_at),
+        )
+
+    def to_api(self, counts: tuple[int, int] | None = None) -> dict[str, Any]:
+        """OpenAI's batch object; `counts` (completed, failed) are live ones while it runs."""
+        completed, failed = (
+            counts
+            if counts is not None
+            else (
+                self.request_completed,
+                self.request_failed,
+            )
+        )
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "errors": None if not self.errors else {"object": "list", "data": self.errors},
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "status": self.status,
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+            "created_at": unix(self.created_at),
+            "in_progress_at": unix(self.in_progress_at),
+            "expires_at": unix(self.expires_at),
+            "finalizing_at": unix(self.finalizing_at),
+            "completed_at": unix(self.completed_at),
+            "failed_at": unix(self.failed_at),
+            # While it runs, a set expired_at only marks the window as passed (still winding up).
+            "expired_at": unix(self.expired_at) if self.status == "expired" else None,
+            "cancelling_at": unix(self.cancelling_at),
+            "cancelled_at": unix(self.cancelled_at),
+            "request_counts": {
+                "total": self.request_total,
+                "completed": completed,
+                "failed": failed,
+            },
             "metadata": self.metadata,
         }

@@ -18,6 +18,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from tierq.tiers import DEFAULT_TIER, TIER_ORDER
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -33,6 +35,11 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     status: Mapped[str] = mapped_column(String(20), default="active")
+    # The tiers the tenant may use, and the one used when a request names none.
+    allowed_tiers: Mapped[list[Any]] = mapped_column(
+        JSON, default=lambda: [t.value for t in TIER_ORDER]
+    )
+    default_tier: Mapped[str] = mapped_column(String(20), default=DEFAULT_TIER.value)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -55,6 +62,9 @@ class Job(Base):
         UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency"),
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         Index("ix_jobs_status_created", "status", "created_at"),
+        # One job per line of a batch: expanding a batch twice cannot run a line twice.
+        UniqueConstraint("batch_id", "batch_line", name="uq_jobs_batch_line"),
+        Index("ix_jobs_batch_status", "batch_id", "status"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -79,6 +89,12 @@ class Job(Base):
     error_message: Mapped[str | None] = mapped_column(Text)
     deliveries: Mapped[int] = mapped_column(Integer, default=0)
     worker_id: Mapped[str | None] = mapped_column(String(200))
+    # Set for the jobs a batch expands into: the batch, the input line (0-based), its custom_id.
+    batch_id: Mapped[str | None] = mapped_column(
+        ForeignKey("batches.id", ondelete="CASCADE", name="fk_jobs_batch_id_batches")
+    )
+    batch_line: Mapped[int | None] = mapped_column(Integer)
+    custom_id: Mapped[str | None] = mapped_column(String(512))
 
 
 class JobTransition(Base):
@@ -108,3 +124,53 @@ class UsageRecord(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class File(Base):
+    """An uploaded or generated file; its bytes live on the files volume, not in the database."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    purpose: Mapped[str] = mapped_column(String(40))
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Batch(Base):
+    """An OpenAI-style batch: its status, timestamps, counts and the expansion cursor."""
+
+    __tablename__ = "batches"
+    __table_args__ = (
+        Index("ix_batches_tenant_created", "tenant_id", "created_at"),
+        Index("ix_batches_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    endpoint: Mapped[str] = mapped_column(String(40))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(10))
+    status: Mapped[str] = mapped_column(String(20))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list[Any] | None] = mapped_column(JSON)
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    request_total: Mapped[int] = mapped_column(Integer, default=0)
+    request_completed: Mapped[int] = mapped_column(Integer, default=0)
+    request_failed: Mapped[int] = mapped_column(Integer, default=0)
+    # Expansion cursor: the next input line to turn into a job, and its byte offset.
+    next_line: Mapped[int] = mapped_column(Integer, default=0)
+    next_offset: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -23,6 +23,7 @@ class JobMessage:
     enqueued_at: float = 0.0
     cost: int = 1  # estimated tokens (prompt + max_tokens), what the scheduler charges
     preemptions: int = 0  # times it was aborted to make room for interactive work
+    batch_id: str | None = None  # the batch it belongs to: its end advances the batch
 
     def encode(self) -> dict[str, str]:
         body = asdict(self)

@@ -31,3 +31,5 @@ DISPATCH_DECISION = Histogram(
     "Time the scheduling policy takes for one decision",
     buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2),
 )
+BATCHES = Counter("tierq_batches_total", "Batches that entered a status", ["status"])
+FILES_UPLOADED_BYTES = Counter("tierq_files_uploaded_bytes_total", "Bytes uploaded to /v1/files")

@@ -70,3 +70,16 @@ class RedisNames:
 
     def job_channel(self, job_id: str) -> str:
         return f"{self.prefix}:job:{{{job_id}}}:live"
+
+    @property
+    def celery_queue(self) -> str:
+        """The Celery queue (a Redis list) that this deployment's Celery workers consume."""
+        return f"{self.prefix}-celery"
+
+    def batch_poke(self, batch_id: str) -> str:
+        """Set while an advance of the batch is requested and not yet started (debounce)."""
+        return f"{self.prefix}:batch:{batch_id}:poke"
+
+    def batch_lock(self, batch_id: str) -> str:
+        """Held by the Celery worker advancing the batch."""
+        return f"{self.prefix}:batch:{batch_id}:lock"

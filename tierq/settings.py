@@ -29,6 +29,10 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     max_body_bytes: int = 1_000_000
+    # Uploads to /v1/files may be this large (streamed to disk, never held in memory).
+    max_upload_bytes: int = 512 * 1024 * 1024
+    # Uploaded and generated files live here; None means `<state_dir>/files`.
+    files_dir: Path | None = None
     max_prompt_chars: int = 200_000
     list_page_max: int = 100
 
@@ -80,6 +84,16 @@ class Settings(BaseSettings):
     # --- streaming ----------------------------------------------------------------------
     replay_ttl_s: int = 3600
 
+    # --- batches (OpenAI's Files and Batches) --------------------------------------------
+    batch_max_requests: int = 50_000  # lines per input file
+    batch_max_bytes: int = 200 * 1024 * 1024  # bytes per input file
+    # Jobs of one batch queued or running at once: the expansion tops up to this, so a
+    # 50,000-line file never floods Redis; enough to keep every worker's slots busy.
+    batch_max_outstanding: int = 512
+    batch_window_s: float = 86_400.0  # what completion_window "24h" means
+    batch_tick_s: float = 2.0  # Celery beat re-drives every active batch this often
+    batch_error_limit: int = 1000  # validation errors reported per batch, at most
+
     # --- Celery -------------------------------------------------------------------------
     reconcile_interval_s: float = 30.0
     reconcile_grace_s: float = 10.0
@@ -130,6 +144,10 @@ class Settings(BaseSettings):
         if url.startswith("unix://"):
             return "redis+socket://" + url[len("unix://") :]
         return url
+
+    @property
+    def resolved_files_dir(self) -> Path:
+        return (self.files_dir or self.state_dir / "files").resolve()
 
     @property
     def resolved_worker_id(self) -> str:

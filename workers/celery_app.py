@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from tierq.redis_names import RedisNames
 from tierq.settings import get_settings
 
 settings = get_settings()
@@ -21,7 +22,8 @@ app.conf.update(
     task_acks_late=True,  # a task interrupted by a worker restart runs again
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
-    task_default_queue=f"{settings.redis_prefix}-celery",
+    task_default_queue=RedisNames(settings.redis_prefix).celery_queue,
+    task_ignore_result=True,
     result_expires=3600,
     broker_connection_retry_on_startup=True,
     beat_schedule={
@@ -29,6 +31,11 @@ app.conf.update(
             "task": "tierq.reconcile",
             "schedule": settings.reconcile_interval_s,
             "options": {"expires": settings.reconcile_interval_s},
+        },
+        "batches": {
+            "task": "tierq.batches.tick",
+            "schedule": settings.batch_tick_s,
+            "options": {"expires": settings.batch_tick_s},
         },
     },
 )

@@ -23,15 +23,23 @@ from tierq.states import JobStatus
 
 log = logging.getLogger(__name__)
 
+PAGE = 1000
+
 
 async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list[str]:
     """Re-enqueue lost jobs; returns their ids."""
     names = RedisNames(settings.redis_prefix)
     cutoff = datetime.now(UTC) - timedelta(seconds=settings.reconcile_grace_s)
-    async with db.session() as s:
-        candidates = await job_repo.unfinished_jobs(s, cutoff)
-    held = await held_by_redis(r, names, [job.id for job in candidates])
-    lost = [job for job, is_held in zip(candidates, held, strict=True) if not is_held]
+    lost = []
+    after = None
+    while True:  # page through every candidate: a large backlog must not hide the lost ones
+        async with db.session() as s:
+            page = await job_repo.unfinished_jobs(s, cutoff, PAGE, after)
+        held = await held_by_redis(r, names, [job.id for job in page])
+        lost += [job for job, is_held in zip(page, held, strict=True) if not is_held]
+        if len(page) < PAGE:
+            break
+        after = (page[-1].created_at, page[-1].id)
     requeued: list[str] = []
     for job in lost:
         if job.status == JobStatus.RUNNING:
@@ -44,15 +52,3 @@ async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list
         metrics.JOBS_REENQUEUED.inc(len(requeued))
         log.warning("reconciler re-enqueued %d jobs lost by Redis", len(requeued))
     return requeued
-
-
-async def reconcile_once(settings: Settings) -> list[str]:
-    from tierq.redis_conn import connect
-
-    db = Database(settings.resolved_database_url)
-    r = await connect(settings, attempts=3)
-    try:
-        return await reconcile(settings, db, r)
-    finally:
-        await r.aclose()
-        await db.close()

@@ -81,6 +81,8 @@ class VllmEngine:
             top_p=params.get("top_p", 1.0),
             stop=params.get("stop"),
             seed=seed,
+            presence_penalty=params.get("presence_penalty", 0.0),
+            frequency_penalty=params.get("frequency_penalty", 0.0),
             ignore_eos=bool(params.get("ignore_eos", False)),  # benchmarks only
             output_kind=RequestOutputKind.DELTA,
         )

@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 
 from models import jobs as job_repo
 from models.db import Database
-from tierq import metrics
+from tierq import batch_signal, metrics
 from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
 from tierq.queue import (
     EventLog,
@@ -80,6 +80,7 @@ class Worker:
         self._cancelled: set[str] = set()
         self._handed_back: set[str] = set()
         self._preempted: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()  # batch advance requests
         self._slot_freed = asyncio.Event()
         self._stop_reading = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -253,6 +254,13 @@ class Worker:
             pipe.lpush(self.names.dispatch_wake, "1")
             pipe.ltrim(self.names.dispatch_wake, 0, 0)
             await pipe.execute()
+        if msg.batch_id is not None and outcome not in ("preempted", "handed_back"):
+            # Its batch may top up its outstanding jobs, or be finished: ask Celery now.
+            task = asyncio.create_task(
+                batch_signal.poke(self.settings, self.r, self.names, msg.batch_id)
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _hand_back(
         self, entry_id: str, msg: JobMessage, why: str, tokens: int = 0, preempted: bool = False

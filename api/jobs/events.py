@@ -43,11 +43,24 @@ async def job_event_stream(
     job: JobRecord,
     last_seq: int,
 ) -> AsyncIterator[dict[str, Any]]:
+    async for seq, event in follow_job(db, r, names, events, job, last_seq):
+        yield _sse(seq, event)
+
+
+async def follow_job(
+    db: Database,
+    r: aioredis.Redis,
+    names: RedisNames,
+    events: EventLog,
+    job: JobRecord,
+    last_seq: int = 0,
+) -> AsyncIterator[tuple[int, JobEvent]]:
+    """A job's events after `last_seq`, numbered, up to and including the terminal one."""
     pubsub = r.pubsub()
     await pubsub.subscribe(names.job_channel(job.id))  # before the replay: no gap between them
     try:
         for seq, event in await events.since(job.id, last_seq):
-            yield _sse(seq, event)
+            yield seq, event
             last_seq = seq
             if event.kind in TERMINAL_KINDS:
                 return
@@ -63,7 +76,7 @@ async def job_event_stream(
                 if current is None or current.status in TERMINAL:
                     # Take what the buffer holds first, then close from the database.
                     for seq, event in await events.since(job.id, last_seq):
-                        yield _sse(seq, event)
+                        yield seq, event
                         last_seq = seq
                         if event.kind in TERMINAL_KINDS:
                             return
@@ -78,8 +91,8 @@ async def job_event_stream(
                 for gap_seq, gap_event in await events.since(job.id, last_seq):
                     if gap_seq >= seq:
                         break
-                    yield _sse(gap_seq, gap_event)
-            yield _sse(seq, event)
+                    yield gap_seq, gap_event
+            yield seq, event
             last_seq = seq
             if event.kind in TERMINAL_KINDS:
                 return
@@ -90,7 +103,7 @@ async def job_event_stream(
 
 async def _finish_from_database(
     db: Database, job_id: str, last_seq: int
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[tuple[int, JobEvent]]:
     """Close a stream whose terminal event is not in the buffer (expired, or never written)."""
     async with db.session() as s:
         job = await job_repo.get_job(s, job_id)
@@ -99,5 +112,5 @@ async def _finish_from_database(
     if last_seq == 0 and job.result_text:
         # The replay buffer expired: the whole text as one delta, so the client still has it.
         last_seq += 1
-        yield _sse(last_seq, JobEvent("delta", {"text": job.result_text}))
-    yield _sse(last_seq + 1, _final_event(job))
+        yield last_seq, JobEvent("delta", {"text": job.result_text})
+    yield last_seq + 1, _final_event(job)

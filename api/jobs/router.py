@@ -12,8 +12,8 @@ from api.deps import DbDep, EventsDep, NamesDep, RedisDep, SettingsDep, TenantDe
 from api.errors import APIError, not_found
 from api.jobs import service
 from api.jobs.events import job_event_stream
-from api.jobs.schemas import JobCreate
 from models import jobs as job_repo
+from tierq.requests import JobCreate
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 

@@ -10,7 +10,6 @@ import redis
 import redis.asyncio as aioredis
 
 from api.errors import APIError, not_found
-from api.jobs.schemas import JobCreate
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord, TenantRecord
@@ -18,15 +17,21 @@ from tierq import metrics
 from tierq.messages import JobEvent
 from tierq.queue import EventLog, enqueue, forget_inflight
 from tierq.redis_names import RedisNames
+from tierq.requests import JobCreate, Refused, check
 from tierq.settings import Settings
 from tierq.states import JobStatus
+from tierq.tiers import Tier
 
 log = logging.getLogger(__name__)
 
 
+QUEUE_RETRY_AFTER_S = 2
+
+
 def _refuse(status: int, message: str, code: str, param: str | None = None) -> APIError:
     metrics.JOBS_REFUSED.labels(code=code).inc()
-    return APIError(status, message, code, param=param)
+    retry_after = QUEUE_RETRY_AFTER_S if status in (429, 503) else None
+    return APIError(status, message, code, param=param, retry_after_s=retry_after)
 
 
 def request_hash(body: JobCreate) -> str:
@@ -35,26 +40,26 @@ def request_hash(body: JobCreate) -> str:
 
 
 def validate(body: JobCreate, settings: Settings) -> str:
-    """Checks that need the deployment's settings; returns the model name to run."""
-    model = body.model or settings.served_model_name
-    if model != settings.served_model_name:
-        raise _refuse(404, f"The model '{model}' does not exist.", "model_not_found", "model")
-    if body.max_tokens >= settings.max_model_len:
+    """The deployment's limits (tierq.requests.check), counted in the refusal metrics."""
+    try:
+        return check(body, settings)
+    except Refused as exc:
+        raise _refuse(exc.status, exc.message, exc.code, exc.param) from None
+
+
+def resolve_tier(tenant: TenantRecord, requested: Tier | None) -> Tier:
+    """The tier a request runs in: the one it names, else the tenant's default; refused
+    (never silently downgraded) when the tenant may not use it."""
+    tier = requested or tenant.default_tier
+    if tier not in tenant.allowed_tiers:
         raise _refuse(
-            400,
-            f"max_tokens={body.max_tokens} leaves no room for a prompt in this model's "
-            f"maximum context length of {settings.max_model_len} tokens.",
-            "context_length_exceeded",
-            "max_tokens",
+            403,
+            f"This tenant may not use the '{tier.value}' tier "
+            f"(allowed: {', '.join(t.value for t in tenant.allowed_tiers) or 'none'}).",
+            "tier_not_allowed",
+            "tier",
         )
-    if body.input_chars() > settings.max_prompt_chars:
-        raise _refuse(
-            400,
-            f"The input is longer than {settings.max_prompt_chars} characters.",
-            "context_length_exceeded",
-            "messages" if body.messages is not None else "prompt",
-        )
-    return model
+    return tier
 
 
 async def submit(
@@ -65,16 +70,23 @@ async def submit(
     tenant: TenantRecord,
     body: JobCreate,
     idempotency_key: str | None,
+    *,
+    online: bool = False,
 ) -> tuple[JobRecord, bool]:
-    """Write the job row (the source of truth), then put it on its tier's stream."""
+    """Write the job row (the source of truth), then put it on its tier's stream.
+
+    When Redis refuses the XADD, an asynchronous job stays accepted (the reconciler enqueues
+    it); an `online` one — a client waiting on the line — is cancelled and refused with 503.
+    """
     model = validate(body, settings)
+    tier = resolve_tier(tenant, body.tier)
     if idempotency_key is not None and not 0 < len(idempotency_key) <= 255:
         raise _refuse(
             400, "Idempotency-Key must be 1 to 255 characters.", "invalid_idempotency_key"
         )
     new = job_repo.NewJob(
         tenant_id=tenant.id,
-        tier=body.tier,
+        tier=tier,
         model=model,
         messages=[m.model_dump(exclude_none=True) for m in body.messages]
         if body.messages
@@ -99,8 +111,18 @@ async def submit(
         try:
             await enqueue(r, names, job.to_message())
         except (redis.RedisError, OSError):
-            # The row is committed, so the job is accepted: the reconciler enqueues it.
-            log.exception("enqueue failed; the reconciler will enqueue %s", job.id)
+            if not online:
+                # The row is committed, so the job is accepted: the reconciler enqueues it.
+                log.exception("enqueue failed; the reconciler will enqueue %s", job.id)
+                return job, created
+            log.exception("enqueue failed; refusing the online request %s", job.id)
+            async with db.transaction() as s:
+                await job_repo.cancel_job(s, job.id)
+            raise _refuse(
+                503,
+                "The queue is unavailable. Retry after a moment.",
+                "service_unavailable",
+            ) from None
     return job, created
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from api.jobs.schemas import JobCreate
+from tierq.requests import JobCreate
 from tierq.settings import Settings
-from tierq.tiers import Tier
 
 
 def make(**kw: object) -> Settings:
@@ -41,13 +40,15 @@ def test_database_urls_get_async_drivers(given: str, expected: str) -> None:
 
 def test_job_defaults_and_params() -> None:
     body = JobCreate.model_validate({"prompt": "hi"})
-    assert body.tier == Tier.STANDARD and body.max_tokens == 256
+    assert body.tier is None and body.max_tokens == 256  # None: the tenant's default tier
     assert body.params() == {
         "max_tokens": 256,
         "temperature": 1.0,
         "top_p": 1.0,
         "stop": None,
         "seed": None,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
     }
     assert JobCreate.model_validate({"prompt": "x", "stop": "END"}).stop == ["END"]
 

@@ -1,4 +1,7 @@
-"""Request bodies of the native job API (responses are JobRecord.to_api())."""
+"""A generation request, normalised: the native job API's body, and what the OpenAI surface
+and batch lines are translated into before admission. `check` applies the deployment's
+limits; a refusal is `Refused`, which the API answers in OpenAI's error shape and a batch
+writes to its error file."""
 
 from __future__ import annotations
 
@@ -6,7 +9,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tierq.tiers import DEFAULT_TIER, Tier
+from tierq.settings import Settings
+from tierq.tiers import Tier
+
+
+class Refused(Exception):
+    """A request the platform will not take: an HTTP status and an OpenAI error code."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
 
 
 class ChatMessage(BaseModel):
@@ -20,7 +35,7 @@ class ChatMessage(BaseModel):
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tier: Tier = DEFAULT_TIER
+    tier: Tier | None = None  # None: the tenant's default tier
     model: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     prompt: str | None = None
@@ -29,6 +44,8 @@ class JobCreate(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     metadata: dict[str, str] | None = None
 
     @field_validator("stop")
@@ -68,9 +85,34 @@ class JobCreate(BaseModel):
             "top_p": self.top_p,
             "stop": self.stop,
             "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
         }
 
     def input_chars(self) -> int:
         if self.prompt is not None:
             return len(self.prompt)
         return sum(len(m.content) for m in self.messages or [])
+
+
+def check(body: JobCreate, settings: Settings) -> str:
+    """The checks that need the deployment's settings; returns the model name to run."""
+    model = body.model or settings.served_model_name
+    if model != settings.served_model_name:
+        raise Refused(404, f"The model '{model}' does not exist.", "model_not_found", "model")
+    if body.max_tokens >= settings.max_model_len:
+        raise Refused(
+            400,
+            f"max_tokens={body.max_tokens} leaves no room for a prompt in this model's "
+            f"maximum context length of {settings.max_model_len} tokens.",
+            "context_length_exceeded",
+            "max_tokens",
+        )
+    if body.input_chars() > settings.max_prompt_chars:
+        raise Refused(
+            400,
+            f"The input is longer than {settings.max_prompt_chars} characters.",
+            "context_length_exceeded",
+            "messages" if body.messages is not None else "prompt",
+        )
+    return model

@@ -1,0 +1,150 @@
+"""OpenAI's Batches API. The work itself is Celery's (workers/batches.py); these routes
+create, show, list and cancel batches, and ask Celery to advance one when it changed."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, TenantDep
+from api.errors import APIError, not_found
+from models import batches as batch_repo
+from models import files as file_repo
+from tierq import batch_signal, metrics
+from tierq.openai_compat import ENDPOINTS
+from tierq.tiers import Tier
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if v not in ENDPOINTS:
+            raise ValueError(f"must be one of {', '.join(ENDPOINTS)}")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and (
+            len(v) > 16 or any(len(k) > 64 or len(val) > 512 for k, val in v.items())
+        ):
+            raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
+        return v
+
+
+@router.post("")
+async def create_batch(
+    body: BatchCreate,
+    tenant: TenantDep,
+    db: DbDep,
+    r: RedisDep,
+    names: NamesDep,
+    settings: SettingsDep,
+) -> dict[str, Any]:
+    if Tier.BATCH not in tenant.allowed_tiers:
+        raise APIError(403, "This tenant may not use the batch tier.", "tier_not_allowed")
+    async with db.transaction() as s:
+        source = await file_repo.get_file(s, body.input_file_id, tenant.id)
+        if source is None:
+            raise APIError(
+                404,
+                f"No file found with id '{body.input_file_id}'.",
+                "file_not_found",
+                param="input_file_id",
+            )
+        if source.purpose != "batch":
+            raise APIError(
+                400,
+                f"The input file's purpose is '{source.purpose}'; a batch reads 'batch' files.",
+                "invalid_input_file",
+                param="input_file_id",
+            )
+        batch = await batch_repo.create_batch(
+            s,
+            tenant.id,
+            body.endpoint,
+            body.input_file_id,
+            body.completion_window,
+            body.metadata,
+            datetime.now(UTC) + timedelta(seconds=settings.batch_window_s),
+        )
+    metrics.BATCHES.labels(status=batch_repo.VALIDATING).inc()
+    await batch_signal.poke(settings, r, names, batch.id)
+    return batch.to_api()
+
+
+@router.get("")
+async def list_batches(
+    tenant: TenantDep,
+    db: DbDep,
+    settings: SettingsDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1)] = 20,
+) -> dict[str, Any]:
+    limit = min(limit, settings.list_page_max)
+    async with db.session() as s:
+        page, has_more = await batch_repo.list_batches(s, tenant.id, after=after, limit=limit)
+        data = [b.to_api(await batch_repo.live_counts(s, b)) for b in page]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+@router.get("/{batch_id}")
+async def get_batch(batch_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]:
+    async with db.session() as s:
+        batch = await batch_repo.get_batch(s, batch_id, tenant.id)
+        if batch is None:
+            raise not_found("batch", batch_id)
+        return batch.to_api(await batch_repo.live_counts(s, batch))
+
+
+@router.post("/{batch_id}/cancel")
+async def cancel_batch(
+    batch_id: str,
+    tenant: TenantDep,
+    db: DbDep,
+    r: RedisDep,
+    names: NamesDep,
+    settings: SettingsDep,
+) -> dict[str, Any]:
+    async with db.transaction() as s:
+        batch = await batch_repo.get_batch(s, batch_id, tenant.id)
+        if batch is None:
+            raise not_found("batch", batch_id)
+        if batch.status in (batch_repo.CANCELLING, batch_repo.CANCELLED):
+            return batch.to_api(await batch_repo.live_counts(s, batch))  # harmless twice
+        moved = await batch_repo.transition(
+            s,
+            batch_id,
+            batch_repo.CANCELLING,
+            (batch_repo.VALIDATING, batch_repo.IN_PROGRESS),
+            cancelling_at=datetime.now(UTC),
+        )
+        if moved is None:
+            raise APIError(
+                409,
+                f"The batch is {batch.status} and can no longer be cancelled.",
+                "batch_not_cancellable",
+            )
+        result = moved.to_api(await batch_repo.live_counts(s, moved))
+    metrics.BATCHES.labels(status=batch_repo.CANCELLING).inc()
+    await batch_signal.poke(settings, r, names, batch_id)
+    return result

@@ -1,0 +1,242 @@
+"""OpenAI's online endpoints: models, chat completions and completions.
+
+A request becomes a job in its tier's queue like any other (never around it); the
+response follows the job's events — streamed as OpenAI's SSE chunks, or awaited whole.
+A client that goes away takes its job with it: the job is cancelled and its slot freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from api.deps import DbDep, EventsDep, NamesDep, RedisDep, SettingsDep, TenantDep
+from api.errors import APIError, error_body
+from api.jobs import service
+from api.jobs.events import follow_job
+from models import jobs as job_repo
+from models.db import Database
+from models.records import JobRecord, TenantRecord
+from tierq import openai_compat as oa
+from tierq.queue import EventLog
+from tierq.redis_names import RedisNames
+from tierq.states import TERMINAL
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+DISCONNECT_POLL_S = 1.0
+RETRY_AFTER_S = 2
+_background: set[asyncio.Task[Any]] = set()
+
+
+@router.get("/models")
+async def list_models(_: TenantDep, settings: SettingsDep) -> dict[str, Any]:
+    return {"object": "list", "data": [_model(settings.served_model_name)]}
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, _: TenantDep, settings: SettingsDep) -> dict[str, Any]:
+    if model_id != settings.served_model_name:
+        raise APIError(
+            404, f"The model '{model_id}' does not exist.", "model_not_found", param="model"
+        )
+    return _model(model_id)
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tierq"}
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    body: oa.ChatCompletionRequest,
+    request: Request,
+    tenant: TenantDep,
+    db: DbDep,
+    r: RedisDep,
+    names: NamesDep,
+    events: EventsDep,
+    settings: SettingsDep,
+) -> JSONResponse | StreamingResponse:
+    ctx = _Context(request, tenant, db, r, names, events)
+    return await _complete(ctx, body, True, settings)
+
+
+@router.post("/completions", response_model=None)
+async def completions(
+    body: oa.CompletionRequest,
+    request: Request,
+    tenant: TenantDep,
+    db: DbDep,
+    r: RedisDep,
+    names: NamesDep,
+    events: EventsDep,
+    settings: SettingsDep,
+) -> JSONResponse | StreamingResponse:
+    ctx = _Context(request, tenant, db, r, names, events)
+    return await _complete(ctx, body, False, settings)
+
+
+class _Context:
+    def __init__(
+        self,
+        request: Request,
+        tenant: TenantRecord,
+        db: Database,
+        r: Any,
+        names: RedisNames,
+        events: EventLog,
+    ) -> None:
+        self.request = request
+        self.tenant = tenant
+        self.db = db
+        self.r = r
+        self.names = names
+        self.events = events
+
+    def cancel_later(self, job_id: str) -> None:
+        """Cancel a job whose client went away (in a task of its own: the request's own
+        scope is being cancelled)."""
+
+        async def cancel() -> None:
+            try:
+                await service.cancel(self.db, self.r, self.names, self.events, self.tenant, job_id)
+            except APIError:
+                pass  # it finished meanwhile
+            except Exception:
+                log.exception("could not cancel %s after its client left", job_id)
+
+        task = asyncio.create_task(cancel())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+    async def job(self, job_id: str) -> JobRecord:
+        async with self.db.session() as s:
+            job = await job_repo.get_job(s, job_id)
+        assert job is not None
+        return job
+
+
+async def _complete(
+    ctx: _Context,
+    body: oa.ChatCompletionRequest | oa.CompletionRequest,
+    chat: bool,
+    settings: Any,
+) -> JSONResponse | StreamingResponse:
+    try:
+        job_body = body.to_job()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise APIError(400, f"{first['msg']}.", "invalid_request") from None
+    job, _ = await service.submit(
+        ctx.db, ctx.r, ctx.names, settings, ctx.tenant, job_body, None, online=True
+    )
+    headers = {"x-request-id": job.id}
+    if body.stream:
+        return StreamingResponse(
+            _stream(ctx, job, chat, body.include_usage),
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    final = await _await_final(ctx, job)
+    if final.status.value == "succeeded":
+        return JSONResponse(oa.completion_body(final, chat), headers=headers)
+    status = oa.failure_status(final)
+    message = final.error_message or "The request failed."
+    return JSONResponse(
+        error_body(status, message, final.error_code or "server_error"), status, headers=headers
+    )
+
+
+async def _last_event(ctx: _Context, job: JobRecord) -> None:
+    async for _seq, _event in follow_job(ctx.db, ctx.r, ctx.names, ctx.events, job):
+        pass
+
+
+async def _await_final(ctx: _Context, job: JobRecord) -> JobRecord:
+    """Wait for the job to end, watching the client: one that hangs up cancels its job."""
+    waiter = asyncio.create_task(_last_event(ctx, job))
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
+            if done:
+                waiter.result()
+                break
+            if await ctx.request.is_disconnected():
+                ctx.cancel_later(job.id)
+                raise APIError(499, "The client closed the request.", "client_closed_request")
+    except (redis.RedisError, OSError):
+        log.exception("lost the event stream of %s", job.id)
+        raise APIError(
+            503,
+            "The queue is unavailable; the request was not completed.",
+            "service_unavailable",
+            retry_after_s=RETRY_AFTER_S,
+        ) from None
+    finally:
+        waiter.cancel()
+    final = await ctx.job(job.id)
+    if final.status not in TERMINAL:  # the stream ended without a terminal state
+        raise APIError(
+            503, "The job did not finish.", "service_unavailable", retry_after_s=RETRY_AFTER_S
+        )
+    return final
+
+
+def _data(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stream(
+    ctx: _Context, job: JobRecord, chat: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        if chat:
+            yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
+        async for _seq, event in follow_job(ctx.db, ctx.r, ctx.names, ctx.events, job):
+            if event.kind == "delta":
+                text = event.data.get("text", "")
+                if text:
+                    yield _data(oa.chunk(job, chat, text=text, include_usage=include_usage))
+                continue
+            finished = True
+            final = await ctx.job(job.id)
+            if final.status.value == "succeeded":
+                yield _data(
+                    oa.chunk(
+                        final,
+                        chat,
+                        finish_reason=final.finish_reason or "stop",
+                        include_usage=include_usage,
+                    )
+                )
+                if include_usage:
+                    yield _data(oa.usage_chunk(final, chat))
+            else:
+                status = oa.failure_status(final)
+                message = final.error_message or "The request failed."
+                yield _data(error_body(status, message, final.error_code or "server_error"))
+            break
+        else:
+            finished = True
+            yield _data(error_body(503, "The job's stream ended early.", "service_unavailable"))
+        yield b"data: [DONE]\n\n"
+    except (redis.RedisError, OSError):
+        finished = True
+        log.exception("lost the event stream of %s", job.id)
+        yield _data(error_body(503, "The queue became unavailable.", "service_unavailable"))
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client went away mid-stream
+            ctx.cancel_later(job.id)

@@ -1,0 +1,255 @@
+"""Batches and the jobs they expand into: every SQL statement about them.
+
+Status changes are conditional UPDATEs, like jobs': two Celery workers that both try to
+move one batch cannot both succeed, so every step of a batch can be retried safely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from models.records import BatchRecord, JobRecord
+from models.tables import Batch, Job, JobTransition, utcnow
+from models.tenants import new_id
+from tierq.states import JobStatus
+from tierq.tiers import Tier
+
+# OpenAI's batch statuses.
+VALIDATING = "validating"
+FAILED = "failed"
+IN_PROGRESS = "in_progress"
+FINALIZING = "finalizing"
+COMPLETED = "completed"
+EXPIRED = "expired"
+CANCELLING = "cancelling"
+CANCELLED = "cancelled"
+ACTIVE = (VALIDATING, IN_PROGRESS, FINALIZING, CANCELLING)
+TERMINAL = (FAILED, COMPLETED, EXPIRED, CANCELLED)
+
+
+async def create_batch(
+    s: AsyncSession,
+    tenant_id: str,
+    endpoint: str,
+    input_file_id: str,
+    completion_window: str,
+    metadata: dict[str, Any] | None,
+    expires_at: datetime,
+) -> BatchRecord:
+    row = Batch(
+        id=new_id("batch"),
+        tenant_id=tenant_id,
+        endpoint=endpoint,
+        input_file_id=input_file_id,
+        completion_window=completion_window,
+        status=VALIDATING,
+        metadata_=metadata,
+        created_at=utcnow(),
+        expires_at=expires_at,
+        request_total=0,
+        request_completed=0,
+        request_failed=0,
+        next_line=0,
+        next_offset=0,
+    )
+    s.add(row)
+    await s.flush()
+    return BatchRecord.from_row(row)
+
+
+async def get_batch(
+    s: AsyncSession, batch_id: str, tenant_id: str | None = None
+) -> BatchRecord | None:
+    stmt = select(Batch).where(Batch.id == batch_id)
+    if tenant_id is not None:
+        stmt = stmt.where(Batch.tenant_id == tenant_id)
+    row = (await s.execute(stmt)).scalar_one_or_none()
+    return None if row is None else BatchRecord.from_row(row)
+
+
+async def list_batches(
+    s: AsyncSession, tenant_id: str, *, after: str | None = None, limit: int = 20
+) -> tuple[list[BatchRecord], bool]:
+    """Newest first; `after` is the id of the last batch of the previous page."""
+    stmt = select(Batch).where(Batch.tenant_id == tenant_id)
+    if after is not None:
+        anchor = await get_batch(s, after, tenant_id)
+        if anchor is None:
+            return [], False
+        stmt = stmt.where(
+            or_(
+                Batch.created_at < anchor.created_at,
+                and_(Batch.created_at == anchor.created_at, Batch.id < anchor.id),
+            )
+        )
+    stmt = stmt.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
+    rows = list((await s.execute(stmt)).scalars())
+    return [BatchRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
+
+
+async def active_batch_ids(s: AsyncSession) -> list[str]:
+    stmt = select(Batch.id).where(Batch.status.in_(ACTIVE)).order_by(Batch.created_at)
+    return list((await s.execute(stmt)).scalars())
+
+
+async def active_batch_reading(s: AsyncSession, file_id: str) -> str | None:
+    """The id of an active batch whose input is this file, if any."""
+    stmt = select(Batch.id).where(Batch.input_file_id == file_id, Batch.status.in_(ACTIVE))
+    return (await s.execute(stmt.limit(1))).scalar_one_or_none()
+
+
+async def transition(
+    s: AsyncSession, batch_id: str, dst: str, sources: Sequence[str], **values: Any
+) -> BatchRecord | None:
+    """Move a batch to `dst` if it is in one of `sources`; None when it was not."""
+    stmt = (
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status.in_(list(sources)))
+        .values(status=dst, **values)
+        .returning(Batch)
+        .execution_options(synchronize_session=False)
+    )
+    row = (await s.execute(stmt)).scalar_one_or_none()
+    return None if row is None else BatchRecord.from_row(row)
+
+
+async def mark_expired(s: AsyncSession, batch_id: str) -> bool:
+    """Note that the window passed (once); the batch winds up and then becomes `expired`."""
+    stmt = (
+        update(Batch)
+        .where(
+            Batch.id == batch_id,
+            Batch.status.in_((VALIDATING, IN_PROGRESS)),
+            Batch.expired_at.is_(None),
+        )
+        .values(expired_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    return bool((await s.execute(stmt)).rowcount)  # type: ignore[attr-defined]
+
+
+async def job_counts(s: AsyncSession, batch_id: str) -> dict[JobStatus, int]:
+    stmt = select(Job.status, func.count()).where(Job.batch_id == batch_id).group_by(Job.status)
+    return {JobStatus(status): int(n) for status, n in (await s.execute(stmt)).all()}
+
+
+async def live_counts(s: AsyncSession, batch: BatchRecord) -> tuple[int, int]:
+    """(completed, failed) as request_counts shows them while the batch runs."""
+    if batch.status in TERMINAL:
+        return batch.request_completed, batch.request_failed
+    counts = await job_counts(s, batch.id)
+    return counts.get(JobStatus.SUCCEEDED, 0), counts.get(JobStatus.FAILED, 0)
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One input line, ready to become a job (or, when its body was refused, a failed one)."""
+
+    line: int
+    custom_id: str
+    model: str
+    messages: list[dict[str, Any]] | None
+    prompt: str | None
+    params: dict[str, Any]
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+async def expand(
+    s: AsyncSession,
+    batch: BatchRecord,
+    lines: Sequence[BatchLine],
+    next_line: int,
+    next_offset: int,
+) -> list[JobRecord] | None:
+    """Insert the lines' jobs and move the cursor past them, in the caller's transaction.
+
+    None when the cursor moved meanwhile (another expander won): the caller rolls back.
+    Returns the queued jobs, for the caller to put on the stream after committing.
+    """
+    moved = await s.execute(
+        update(Batch)
+        .where(
+            Batch.id == batch.id,
+            Batch.status == IN_PROGRESS,
+            Batch.next_line == batch.next_line,
+        )
+        .values(next_line=next_line, next_offset=next_offset)
+        .execution_options(synchronize_session=False)
+    )
+    if not moved.rowcount:  # type: ignore[attr-defined]
+        return None
+    now = utcnow()
+    rows: list[Job] = []
+    for item in lines:
+        status = JobStatus.QUEUED if item.error_code is None else JobStatus.FAILED
+        row = Job(
+            id=new_id("job"),
+            tenant_id=batch.tenant_id,
+            tier=Tier.BATCH.value,
+            model=item.model,
+            status=status.value,
+            messages=item.messages,
+            prompt=item.prompt,
+            params=item.params,
+            created_at=now,
+            finished_at=None if item.error_code is None else now,
+            error_code=item.error_code,
+            error_message=item.error_message,
+            deliveries=0,
+            batch_id=batch.id,
+            batch_line=item.line,
+            custom_id=item.custom_id,
+        )
+        rows.append(row)
+        s.add(row)
+        s.add(JobTransition(job_id=row.id, status=status.value, at=now, detail=batch.id))
+    await s.flush()
+    return [JobRecord.from_row(r) for r in rows if r.status == JobStatus.QUEUED.value]
+
+
+async def batch_jobs(
+    s: AsyncSession, batch_id: str, after_line: int, limit: int
+) -> list[JobRecord]:
+    """The batch's jobs in input order, one page after `after_line`."""
+    stmt = (
+        select(Job)
+        .where(Job.batch_id == batch_id, Job.batch_line > after_line)
+        .order_by(Job.batch_line)
+        .limit(limit)
+    )
+    return [JobRecord.from_row(r) for r in (await s.execute(stmt)).scalars()]
+
+
+async def stop_unfinished(
+    s: AsyncSession, batch_id: str, code: str, message: str
+) -> tuple[list[str], list[str]]:
+    """Cancel the batch's queued and running jobs; returns (was_queued, was_running) ids."""
+    stmt = (
+        update(Job)
+        .where(
+            Job.batch_id == batch_id,
+            Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
+        )
+        .values(
+            status=JobStatus.CANCELLED.value,
+            finished_at=utcnow(),
+            error_code=code,
+            error_message=message,
+        )
+        .returning(Job.id, Job.started_at)
+        .execution_options(synchronize_session=False)
+    )
+    queued: list[str] = []
+    running: list[str] = []
+    now = utcnow()
+    for job_id, started_at in (await s.execute(stmt)).all():
+        (running if started_at is not None else queued).append(job_id)
+        s.add(JobTransition(job_id=job_id, status=JobStatus.CANCELLED.value, at=now, detail=code))
+    return queued, running

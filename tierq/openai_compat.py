@@ -1,0 +1,297 @@
+"""OpenAI's request and response shapes, translated to and from tierq's jobs.
+
+The online endpoints (`/v1/chat/completions`, `/v1/completions`) and the lines of a batch
+file share these, so a request means the same thing either way and a batch's output body
+is exactly what the online endpoint would have answered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from models.records import JobRecord, unix
+from tierq.requests import ChatMessage, JobCreate
+from tierq.tiers import Tier
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
+
+# service_tier -> tier; None means the tenant's default tier.
+_TIER_BY_SERVICE_TIER: dict[str, Tier | None] = {
+    "auto": None,
+    "default": None,
+    "flex": Tier.STANDARD,
+    "priority": Tier.INTERACTIVE,
+}
+# The service_tier a response echoes: the OpenAI name of the tier the job ran in.
+SERVICE_TIER_BY_TIER = {Tier.INTERACTIVE: "priority", Tier.STANDARD: "default", Tier.BATCH: "batch"}
+
+# Parameters OpenAI defines that this server does not implement: refused with a clear 400
+# rather than silently ignored.
+_UNSUPPORTED = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "logit_bias",
+    "top_logprobs",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+    "suffix",
+)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class OpenAIMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def plain(self) -> ChatMessage:
+        text = (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(part.text for part in self.content)
+        )
+        return ChatMessage(role=self.role, content=text, name=self.name)
+
+
+class _Common(BaseModel):
+    """What chat and text completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int | None = Field(default=None, ge=1, le=1)  # one choice per request
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in _UNSUPPORTED:
+                if data.get(name) not in (None, False):
+                    raise ValueError(f"'{name}' is not supported by this server")
+            if data.get("logprobs") not in (None, False, 0):
+                raise ValueError("'logprobs' is not supported by this server")
+        return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Common:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        return self
+
+    @property
+    def tier(self) -> Tier | None:
+        return _TIER_BY_SERVICE_TIER[self.service_tier or "auto"]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _job(self, max_tokens: int, **inputs: Any) -> JobCreate:
+        optional: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": self.stop,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "metadata": self.metadata,
+        }
+        fields = {k: v for k, v in optional.items() if v is not None}
+        return JobCreate.model_validate(
+            {"tier": self.tier, "model": self.model, "max_tokens": max_tokens, **inputs, **fields}
+        )
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[OpenAIMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    parallel_tool_calls: bool | None = None
+
+    def to_job(self) -> JobCreate:
+        max_tokens = self.max_completion_tokens or self.max_tokens or 256
+        return self._job(max_tokens, messages=[m.plain() for m in self.messages])
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=1)
+    logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise ValueError("'prompt' must be one string (one completion per request)")
+        if self.echo:
+            raise ValueError("'echo' is not supported by this server")
+        return self
+
+    def to_job(self) -> JobCreate:
+        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        return self._job(self.max_tokens or 16, prompt=prompt)
+
+
+def parse(endpoint: str, body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
+    """A request body for `endpoint` (one of ENDPOINTS); pydantic's ValidationError if bad."""
+    if endpoint == CHAT_ENDPOINT:
+        return ChatCompletionRequest.model_validate(body)
+    return CompletionRequest.model_validate(body)
+
+
+# --- responses ----------------------------------------------------------------------------
+
+
+def usage(job: JobRecord) -> dict[str, int]:
+    prompt = job.prompt_tokens or 0
+    completion = job.completion_tokens or 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def response_id(job: JobRecord, chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + job.id
+
+
+def chat_completion(job: JobRecord) -> dict[str, Any]:
+    return {
+        "id": response_id(job, True),
+        "object": "chat.completion",
+        "created": unix(job.created_at),
+        "model": job.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": job.result_text or "", "refusal": None},
+                "logprobs": None,
+                "finish_reason": job.finish_reason or "stop",
+            }
+        ],
+        "usage": usage(job),
+        "service_tier": SERVICE_TIER_BY_TIER[job.tier],
+        "system_fingerprint": None,
+    }
+
+
+def text_completion(job: JobRecord) -> dict[str, Any]:
+    return {
+        "id": response_id(job, False),
+        "object": "text_completion",
+        "created": unix(job.created_at),
+        "model": job.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": job.result_text or "",
+                "logprobs": None,
+                "finish_reason": job.finish_reason or "stop",
+            }
+        ],
+        "usage": usage(job),
+        "service_tier": SERVICE_TIER_BY_TIER[job.tier],
+        "system_fingerprint": None,
+    }
+
+
+def completion_body(job: JobRecord, chat: bool) -> dict[str, Any]:
+    return chat_completion(job) if chat else text_completion(job)
+
+
+def chunk(
+    job: JobRecord,
+    chat: bool,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    """One streamed chunk (chat.completion.chunk, or a text_completion piece)."""
+    if chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None or role:
+            delta["content"] = text or ""
+        choice: dict[str, Any] = {"index": 0, "delta": delta}
+    else:
+        choice = {"index": 0, "text": text or ""}
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish_reason
+    body: dict[str, Any] = {
+        "id": response_id(job, chat),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": unix(job.created_at),
+        "model": job.model,
+        "choices": [choice],
+        "service_tier": SERVICE_TIER_BY_TIER[job.tier],
+        "system_fingerprint": None,
+    }
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(job: JobRecord, chat: bool) -> dict[str, Any]:
+    """The last chunk when stream_options.include_usage is set: no choices, the usage."""
+    return {
+        "id": response_id(job, chat),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": unix(job.created_at),
+        "model": job.model,
+        "choices": [],
+        "service_tier": SERVICE_TIER_BY_TIER[job.tier],
+        "system_fingerprint": None,
+        "usage": usage(job),
+    }
+
+
+# Failure codes of a job that are the request's fault (400); the rest are the server's (500).
+CLIENT_ERROR_CODES = frozenset({"context_length_exceeded", "invalid_request", "model_not_found"})
+
+
+def failure_status(job: JobRecord) -> int:
+    if job.error_code == "cancelled":
+        return 409
+    return 400 if job.error_code in CLIENT_ERROR_CODES else 500

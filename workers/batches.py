@@ -1,0 +1,443 @@
+"""The life of a batch, driven by Celery: validate, expand, finalise, cancel, expire.
+
+`BatchRunner.advance(batch_id)` looks at the batch in the database and does the next
+thing its status calls for. Every step is idempotent and keeps its progress in the
+database (the status, the expansion cursor, the jobs keyed by (batch, line)), so a Celery
+worker killed at any point leaves nothing that the next advance cannot pick up: beat's
+tick advances every active batch, and workers and the API ask for an advance when
+something changed.
+
+- validating: the input file is read once, line by line; structural problems fail the
+  batch with `errors` naming the lines (OpenAI's contract).
+- in_progress: lines become batch-tier jobs a chunk at a time, keeping at most
+  `batch_max_outstanding` of the batch queued or running. A line whose body is refused
+  (unknown model, too long) becomes a failed job: it answers in the error file.
+- finalising: output and error files are written from the jobs in input order (streamed,
+  a page at a time) and the batch completes.
+- cancelling: queued jobs are dropped, running ones aborted; finished results are kept.
+- expiry: when the completion window passes, unfinished work is stopped and every request
+  that did not finish gets a `batch_expired` line in the error file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from models import batches as batch_repo
+from models import files as file_repo
+from models.batches import BatchLine
+from models.db import Database
+from models.records import BatchRecord, JobRecord
+from models.tenants import new_id
+from tierq import metrics, openai_compat
+from tierq.queue import enqueue, forget_inflight
+from tierq.redis_names import RedisNames
+from tierq.requests import Refused, check
+from tierq.settings import Settings
+from tierq.states import JobStatus
+from workers.batch_file import RawLine, read_requests, validate_file
+
+log = logging.getLogger(__name__)
+
+EXPAND_CHUNK = 500  # lines per transaction
+FINALIZE_PAGE = 1000  # jobs read per query while writing the output
+LOCK_MS = 600_000
+MAX_STEPS = 20  # status changes in one advance (validating -> in_progress -> ... -> done)
+
+
+def file_path(settings: Settings, file_id: str) -> Path:
+    return settings.resolved_files_dir / file_id
+
+
+class BatchRunner:
+    def __init__(self, settings: Settings, db: Database, r: aioredis.Redis) -> None:
+        self.settings = settings
+        self.db = db
+        self.r = r
+        self.names = RedisNames(settings.redis_prefix)
+
+    async def tick(self) -> None:
+        """Advance every active batch (beat runs this periodically)."""
+        async with self.db.session() as s:
+            ids = await batch_repo.active_batch_ids(s)
+        for batch_id in ids:
+            try:
+                await self.advance(batch_id)
+            except Exception:
+                log.exception("advancing batch %s failed; the next tick retries", batch_id)
+
+    async def advance(self, batch_id: str) -> None:
+        await self.r.delete(self.names.batch_poke(batch_id))  # later requests start anew
+        token = secrets.token_hex(8)
+        lock = self.names.batch_lock(batch_id)
+        if not await self.r.set(lock, token, nx=True, px=LOCK_MS):
+            return  # another Celery worker is on it; it loops until nothing changes
+        try:
+            for _ in range(MAX_STEPS):
+                if not await self._step(batch_id):
+                    break
+        finally:
+            # Release only our own lock (it may have expired and been taken meanwhile).
+            await self.r.eval(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+                "return redis.call('DEL', KEYS[1]) end return 0",
+                1,
+                lock,
+                token,
+            )
+
+    async def _step(self, batch_id: str) -> bool:
+        """Do what the batch's status calls for; True when its status changed."""
+        async with self.db.session() as s:
+            batch = await batch_repo.get_batch(s, batch_id)
+        if batch is None or batch.status in batch_repo.TERMINAL:
+            return False
+        if batch.status == batch_repo.VALIDATING:
+            return await self._validate(batch)
+        if batch.status == batch_repo.CANCELLING:
+            return await self._wind_up(batch, batch_repo.CANCELLED, "batch_cancelled")
+        if batch.status == batch_repo.FINALIZING:
+            return await self._finalize(batch, batch_repo.COMPLETED)
+        # in_progress
+        if batch.expired_at is None and datetime.now(UTC) >= batch.expires_at:
+            async with self.db.transaction() as s:
+                await batch_repo.mark_expired(s, batch.id)
+            return True
+        if batch.expired_at is not None:
+            return await self._wind_up(batch, batch_repo.EXPIRED, "batch_expired")
+        return await self._pump(batch)
+
+    # --- validating --------------------------------------------------------------------
+
+    async def _validate(self, batch: BatchRecord) -> bool:
+        async with self.db.session() as s:
+            source = await file_repo.get_file(s, batch.input_file_id, batch.tenant_id)
+        if source is None or not file_path(self.settings, source.id).exists():
+            return await self._fail(
+                batch, [_error("file_not_found", "The input file no longer exists.")]
+            )
+        if source.bytes > self.settings.batch_max_bytes:
+            return await self._fail(
+                batch,
+                [
+                    _error(
+                        "file_too_large",
+                        f"The input file has {source.bytes} bytes; a batch may read at most "
+                        f"{self.settings.batch_max_bytes}.",
+                    )
+                ],
+            )
+        result = await asyncio.to_thread(
+            validate_file,
+            file_path(self.settings, source.id),
+            batch.endpoint,
+            max_requests=self.settings.batch_max_requests,
+            max_errors=self.settings.batch_error_limit,
+        )
+        if result.errors:
+            return await self._fail(batch, result.errors)
+        async with self.db.transaction() as s:
+            moved = await batch_repo.transition(
+                s,
+                batch.id,
+                batch_repo.IN_PROGRESS,
+                (batch_repo.VALIDATING,),
+                in_progress_at=datetime.now(UTC),
+                request_total=result.requests,
+            )
+        if moved is not None:
+            metrics.BATCHES.labels(status=batch_repo.IN_PROGRESS).inc()
+        return moved is not None
+
+    async def _fail(self, batch: BatchRecord, errors: list[dict[str, Any]]) -> bool:
+        async with self.db.transaction() as s:
+            moved = await batch_repo.transition(
+                s,
+                batch.id,
+                batch_repo.FAILED,
+                (batch_repo.VALIDATING,),
+                failed_at=datetime.now(UTC),
+                errors=errors,
+            )
+        if moved is not None:
+            metrics.BATCHES.labels(status=batch_repo.FAILED).inc()
+        return moved is not None
+
+    # --- in_progress -------------------------------------------------------------------
+
+    async def _pump(self, batch: BatchRecord) -> bool:
+        """Top the batch's outstanding jobs up to the bound; finalise when all are done."""
+        async with self.db.session() as s:
+            source = await file_repo.get_file(s, batch.input_file_id)
+            counts = await batch_repo.job_counts(s, batch.id)
+        size = source.bytes if source is not None else batch.next_offset
+        outstanding = counts.get(JobStatus.QUEUED, 0) + counts.get(JobStatus.RUNNING, 0)
+        while batch.next_offset < size and outstanding < self.settings.batch_max_outstanding:
+            room = min(EXPAND_CHUNK, self.settings.batch_max_outstanding - outstanding)
+            raw, offset, line = await asyncio.to_thread(
+                read_requests,
+                file_path(self.settings, batch.input_file_id),
+                batch.next_offset,
+                batch.next_line,
+                room,
+                batch.endpoint,
+            )
+            lines = [self._line(batch, item) for item in raw]
+            async with self.db.transaction() as s:
+                queued = await batch_repo.expand(s, batch, lines, line, offset)
+                if queued is None:
+                    await s.rollback()
+                    return False  # someone else expanded meanwhile
+            for job in queued:
+                await enqueue(self.r, self.names, job.to_message())
+            outstanding += len(queued)
+            async with self.db.session() as s:
+                current = await batch_repo.get_batch(s, batch.id)
+            if current is None:
+                return False
+            batch = current
+        if batch.next_offset >= size and outstanding == 0:
+            async with self.db.session() as s:
+                counts = await batch_repo.job_counts(s, batch.id)
+            if counts.get(JobStatus.QUEUED, 0) + counts.get(JobStatus.RUNNING, 0) == 0:
+                async with self.db.transaction() as s:
+                    moved = await batch_repo.transition(
+                        s,
+                        batch.id,
+                        batch_repo.FINALIZING,
+                        (batch_repo.IN_PROGRESS,),
+                        finalizing_at=datetime.now(UTC),
+                    )
+                return moved is not None
+        return False
+
+    def _line(self, batch: BatchRecord, item: RawLine) -> BatchLine:
+        """A line's job, or the refusal that its error line will carry."""
+        body = {k: v for k, v in item.body.items() if k not in ("stream", "stream_options")}
+        body.pop("service_tier", None)  # a batch's requests run in the batch tier
+        try:
+            job = openai_compat.parse(batch.endpoint, body).to_job()
+            model = check(job, self.settings)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            message = f"Invalid value for '{where}': {first['msg']}." if where else first["msg"]
+            return _refused_line(item, body, "invalid_request", message)
+        except Refused as exc:
+            return _refused_line(item, body, exc.code, exc.message)
+        return BatchLine(
+            line=item.number,
+            custom_id=item.custom_id,
+            model=model,
+            messages=[m.model_dump(exclude_none=True) for m in job.messages]
+            if job.messages
+            else None,
+            prompt=job.prompt,
+            params=job.params(),
+        )
+
+    # --- cancelling and expiry ---------------------------------------------------------
+
+    async def _wind_up(self, batch: BatchRecord, final: str, code: str) -> bool:
+        """Stop what is unfinished, then write what finished and close the batch."""
+        reason = "the batch was cancelled" if code == "batch_cancelled" else "the batch expired"
+        async with self.db.transaction() as s:
+            queued, running = await batch_repo.stop_unfinished(s, batch.id, code, reason)
+        stopped = queued + running
+        if stopped:
+            await forget_inflight(self.r, self.names, stopped)
+            async with self.r.pipeline(transaction=False) as pipe:
+                for job_id in running:
+                    pipe.publish(self.names.cancel_channel, job_id)
+                await pipe.execute()
+        return await self._finalize(batch, final)
+
+    # --- finalising --------------------------------------------------------------------
+
+    async def _finalize(self, batch: BatchRecord, final: str) -> bool:
+        """Write the output and error files (in input order) and close the batch."""
+        files_dir = self.settings.resolved_files_dir
+        files_dir.mkdir(parents=True, exist_ok=True)
+        out_tmp = files_dir / f"{batch.id}.output.part"
+        err_tmp = files_dir / f"{batch.id}.errors.part"
+        completed = failed = 0
+        with out_tmp.open("w", encoding="utf-8") as out, err_tmp.open("w", encoding="utf-8") as err:
+            after = -1
+            while True:
+                async with self.db.session() as s:
+                    page = await batch_repo.batch_jobs(s, batch.id, after, FINALIZE_PAGE)
+                if not page:
+                    break
+                after = page[-1].batch_line or after
+                c, f = _write_results(page, batch.endpoint, out, err)
+                completed, failed = completed + c, failed + f
+            if final == batch_repo.EXPIRED:
+                failed += await asyncio.to_thread(_write_unexpanded, self.settings, batch, err)
+        output_id = await asyncio.to_thread(_keep, self.settings, batch, out_tmp, "output")
+        error_id = await asyncio.to_thread(_keep, self.settings, batch, err_tmp, "errors")
+        now = datetime.now(UTC)
+        stamp = {
+            batch_repo.COMPLETED: "completed_at",
+            batch_repo.CANCELLED: "cancelled_at",
+            batch_repo.EXPIRED: "expired_at",
+        }[final]
+        sources = {
+            batch_repo.COMPLETED: (batch_repo.FINALIZING,),
+            batch_repo.CANCELLED: (batch_repo.CANCELLING,),
+            batch_repo.EXPIRED: (batch_repo.IN_PROGRESS, batch_repo.VALIDATING),
+        }[final]
+        values: dict[str, Any] = {
+            "output_file_id": output_id[0] if output_id else None,
+            "error_file_id": error_id[0] if error_id else None,
+            "request_completed": completed,
+            "request_failed": failed,
+        }
+        if final != batch_repo.EXPIRED or batch.expired_at is None:
+            values[stamp] = now
+        async with self.db.transaction() as s:
+            moved = await batch_repo.transition(s, batch.id, final, sources, **values)
+            if moved is not None:
+                for kept in (output_id, error_id):
+                    if kept is not None:
+                        await file_repo.add_file(
+                            s, kept[0], batch.tenant_id, "batch_output", kept[1], kept[2]
+                        )
+        if moved is None:  # someone else closed it meanwhile: our copies are not needed
+            for kept in (output_id, error_id):
+                if kept is not None:
+                    file_path(self.settings, kept[0]).unlink(missing_ok=True)
+            return False
+        metrics.BATCHES.labels(status=final).inc()
+        log.info("batch %s %s: %d completed, %d failed", batch.id, final, completed, failed)
+        return True
+
+
+def _keep(
+    settings: Settings, batch: BatchRecord, tmp: Path, kind: str
+) -> tuple[str, str, int] | None:
+    """Give a written .part file a file id: (id, filename, bytes); None (and removed) if empty."""
+    size = tmp.stat().st_size
+    if size == 0:
+        tmp.unlink(missing_ok=True)
+        return None
+    file_id = new_id("file")
+    tmp.rename(file_path(settings, file_id))
+    return file_id, f"{batch.id}_{kind}.jsonl", size
+
+
+def _error(code: str, message: str, line: int | None = None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": None, "line": line}
+
+
+def _refused_line(item: RawLine, body: dict[str, Any], code: str, message: str) -> BatchLine:
+    model = body.get("model")
+    return BatchLine(
+        line=item.number,
+        custom_id=item.custom_id,
+        model=str(model)[:200] if model is not None else "",
+        messages=None,
+        prompt=None,
+        params={},
+        error_code=code,
+        error_message=message,
+    )
+
+
+def _dump(line: dict[str, Any]) -> str:
+    return json.dumps(line, separators=(",", ":"), ensure_ascii=False) + "\n"
+
+
+def _write_results(
+    jobs: Iterable[JobRecord], endpoint: str, out: IO[str], err: IO[str]
+) -> tuple[int, int]:
+    """Output lines for succeeded jobs, error lines for failed and expired ones."""
+    chat = endpoint == openai_compat.CHAT_ENDPOINT
+    completed = failed = 0
+    for job in jobs:
+        request_id = "batch_req_" + job.id.removeprefix("job_")
+        if job.status == JobStatus.SUCCEEDED:
+            completed += 1
+            response = {
+                "status_code": 200,
+                "request_id": job.id,
+                "body": openai_compat.completion_body(job, chat),
+            }
+            out.write(
+                _dump(
+                    {
+                        "id": request_id,
+                        "custom_id": job.custom_id,
+                        "response": response,
+                        "error": None,
+                    }
+                )
+            )
+        elif job.status == JobStatus.FAILED or job.error_code == "batch_expired":
+            failed += 1
+            code = job.error_code or "server_error"
+            message = job.error_message or "The request failed."
+            response = None
+            if job.status == JobStatus.FAILED:
+                status = openai_compat.failure_status(job)
+                response = {
+                    "status_code": status,
+                    "request_id": job.id,
+                    "body": {
+                        "error": {
+                            "message": message,
+                            "type": "invalid_request_error" if status < 500 else "server_error",
+                            "code": code,
+                            "param": None,
+                        }
+                    },
+                }
+            err.write(
+                _dump(
+                    {
+                        "id": request_id,
+                        "custom_id": job.custom_id,
+                        "response": response,
+                        "error": {"code": code, "message": message},
+                    }
+                )
+            )
+        # cancelled with the batch: neither output nor error (OpenAI keeps only results)
+    return completed, failed
+
+
+def _write_unexpanded(settings: Settings, batch: BatchRecord, err: IO[str]) -> int:
+    """Error lines for the requests an expired batch never got to (past its cursor)."""
+    source = file_path(settings, batch.input_file_id)
+    if not source.exists():
+        return 0
+    written = 0
+    offset, line = batch.next_offset, batch.next_line
+    while True:
+        raw, offset, line = read_requests(source, offset, line, FINALIZE_PAGE, batch.endpoint)
+        if not raw:
+            return written
+        for item in raw:
+            written += 1
+            err.write(
+                _dump(
+                    {
+                        "id": f"batch_req_{batch.id.removeprefix('batch_')}_{item.number}",
+                        "custom_id": item.custom_id,
+                        "response": None,
+                        "error": {
+                            "code": "batch_expired",
+                            "message": "The batch expired before this request was run.",
+                        },
+                    }
+                )
+            )
