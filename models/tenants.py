@@ -72,3 +72,21 @@ async def tenant_for_key(s: AsyncSession, secret: str) -> TenantRecord | None:
     )
     row = (await s.execute(stmt)).scalar_one_or_none()
     return None if row is None else TenantRecord.from_row(row)
+
+
+async def set_tiers(
+    s: AsyncSession, tenant_id: str, allowed: list[str], default_tier: str
+) -> TenantRecord | None:
+    """The tiers a tenant may use and the one its requests get when they name none."""
+    row = await s.get(Tenant, tenant_id)
+    if row is None:
+        return None
+    row.allowed_tiers = list(allowed)
+    row.default_tier = default_tier
+    await s.flush()
+    return TenantRecord.from_row(row)
+
+
+async def get_tenant(s: AsyncSession, tenant_id: str) -> TenantRecord | None:
+    row = await s.get(Tenant, tenant_id)
+    return None if row is None else TenantRecord.from_row(row)

@@ -1,0 +1,70 @@
+"""A real Celery worker (with beat) as a subprocess, configured like the test's platform."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tierq.settings import Settings
+
+
+class CeleryWorker:
+    def __init__(self, settings: Settings, **env: str) -> None:
+        self.settings = settings
+        self.env = {
+            **os.environ,
+            "DATABASE_URL": settings.resolved_database_url,
+            "REDIS_URL": settings.resolved_redis_url,
+            "REDIS_PREFIX": settings.redis_prefix,
+            "STATE_DIR": str(settings.state_dir),
+            "RECONCILE_GRACE_S": "2",
+            "RECONCILE_INTERVAL_S": "2",
+            "BATCH_TICK_S": "0.5",
+            **env,
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = Path(settings.state_dir) / "celery.log"
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "workers.celery_app",
+                    "worker",
+                    "-B",
+                    "--pool=solo",
+                    "--loglevel=INFO",
+                    "-s",
+                    str(Path(self.settings.state_dir) / "beat-schedule"),
+                ],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash or an OOM kill would: no clean shutdown, tasks unacknowledged."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def output(self) -> str:
+        return self.log.read_text()[-5000:] if self.log.exists() else ""

@@ -1,0 +1,245 @@
+"""The official `openai` SDK against tierq's OpenAI-compatible endpoints (simulated engine).
+
+Requests go through the tiered queue like every job: admission, Redis, the dispatcher,
+a worker. The SDK is used unchanged but for its base URL and key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from models import jobs as job_repo
+from models import tenants as tenant_repo
+from tests.conftest import Platform
+from tests.helpers import assert_openai_error
+from workers.simulated_engine import CostModel
+
+pytestmark = pytest.mark.integration
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def sdk(platform: Platform, key: str, **kwargs: object) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=key, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def running(platform: Platform) -> Platform:
+    platform.start_dispatcher()
+    await platform.start_worker("w1")
+    return platform
+
+
+async def _job(platform: Platform, job_id: str) -> job_repo.JobRecord:
+    async with platform.db.session() as s:
+        job = await job_repo.get_job(s, job_id)
+    assert job is not None
+    return job
+
+
+async def test_models_lists_the_served_model(running: Platform, tenant_key: str) -> None:
+    client = sdk(running, tenant_key)
+    models = [m.id async for m in client.models.list()]
+    assert models == [running.settings.served_model_name]
+    assert (await client.models.retrieve(models[0])).id == models[0]
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("gpt-4o")
+
+
+async def test_chat_completion_runs_as_a_job_of_the_default_tier(
+    running: Platform, tenant_key: str
+) -> None:
+    client = sdk(running, tenant_key)
+    raw = await client.chat.completions.with_raw_response.create(
+        model=running.settings.served_model_name, messages=HELLO, max_tokens=12
+    )
+    completion = raw.parse()
+    assert completion.object == "chat.completion"
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert completion.usage is not None and completion.usage.completion_tokens > 0
+    assert completion.usage.total_tokens == (
+        completion.usage.prompt_tokens + completion.usage.completion_tokens
+    )
+    assert completion.service_tier == "default"
+    job = await _job(running, raw.headers["x-request-id"])
+    assert job.tier.value == "standard" and job.status.value == "succeeded"
+    assert job.result_text == choice.message.content
+    assert job.completion_tokens == completion.usage.completion_tokens
+
+
+async def test_service_tier_selects_the_tier_and_is_echoed(
+    running: Platform, tenant_key: str
+) -> None:
+    client = sdk(running, tenant_key)
+    expected = {"priority": ("interactive", "priority"), "flex": ("standard", "default")}
+    for asked, (tier, echoed) in expected.items():
+        raw = await client.chat.completions.with_raw_response.create(
+            model=running.settings.served_model_name,
+            messages=HELLO,
+            max_tokens=4,
+            service_tier=asked,  # type: ignore[arg-type]
+        )
+        assert raw.parse().service_tier == echoed
+        assert (await _job(running, raw.headers["x-request-id"])).tier.value == tier
+
+
+async def test_a_tier_the_tenant_may_not_use_is_refused_not_downgraded(
+    running: Platform, tenant_key: str
+) -> None:
+    async with running.db.transaction() as s:
+        tenant = await tenant_repo.tenant_for_key(s, tenant_key)
+        assert tenant is not None
+        await tenant_repo.set_tiers(s, tenant.id, ["standard", "batch"], "standard")
+    client = sdk(running, tenant_key, max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError) as err:
+        await client.chat.completions.create(
+            model=running.settings.served_model_name,
+            messages=HELLO,
+            max_tokens=4,
+            service_tier="priority",
+        )
+    assert err.value.code == "tier_not_allowed"
+    async with running.db.session() as s:
+        page, _ = await job_repo.list_jobs(s, tenant.id)
+    assert page == []  # nothing was enqueued for it
+
+
+async def test_streamed_chat_matches_the_stored_result_and_reports_usage(
+    running: Platform, tenant_key: str
+) -> None:
+    client = sdk(running, tenant_key)
+    stream = await client.chat.completions.create(
+        model=running.settings.served_model_name,
+        messages=HELLO,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+        service_tier="priority",
+    )
+    chunks = [c async for c in stream]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    job = await _job(running, "job_" + chunks[0].id.split("job_", 1)[1])
+    assert job.result_text == text
+    assert last.usage.completion_tokens == job.completion_tokens
+    assert job.tier.value == "interactive"
+
+
+async def test_text_completions_streamed_and_not(running: Platform, tenant_key: str) -> None:
+    client = sdk(running, tenant_key)
+    model = running.settings.served_model_name
+    whole = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=8)
+    assert whole.object == "text_completion" and whole.choices[0].text
+    assert whole.usage is not None and whole.usage.completion_tokens > 0
+    stream = await client.completions.create(
+        model=model, prompt=["Once upon a time"], max_tokens=8, stream=True
+    )
+    pieces = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in pieces if c.choices)
+    assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+
+
+async def test_bad_requests_get_openai_errors_and_enqueue_nothing(
+    running: Platform, tenant_key: str
+) -> None:
+    client = sdk(running, tenant_key, max_retries=0)
+    model = running.settings.served_model_name
+    with pytest.raises(openai.NotFoundError) as not_found:
+        await client.chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert not_found.value.code == "model_not_found"
+    bad: list[dict[str, object]] = [
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"n": 2},
+        {"max_tokens": 0},
+        {"temperature": 3},
+        {"messages": []},
+        {"messages": [{"role": "tool", "content": "x"}]},
+        {"max_tokens": running.settings.max_model_len},
+        {"stream_options": {"include_usage": True}},
+    ]
+    for extra in bad:
+        body = {"model": model, "messages": HELLO, **extra}
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(**body)  # type: ignore[call-overload]
+    async with httpx.AsyncClient(base_url=running.url) as raw:
+        resp = await raw.post(
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"Authorization": f"Bearer {tenant_key}", "Content-Type": "application/json"},
+        )
+        assert_openai_error(resp, 400)
+        resp = await raw.post("/v1/chat/completions", json={"model": model, "messages": HELLO})
+        assert_openai_error(resp, 401)
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=model, prompt=["a", "b"])
+    async with running.db.session() as s:
+        tenant = await tenant_repo.tenant_for_key(s, tenant_key)
+        assert tenant is not None
+        page, _ = await job_repo.list_jobs(s, tenant.id)
+    assert page == []
+
+
+async def test_a_client_that_hangs_up_cancels_its_job(platform: Platform, tenant_key: str) -> None:
+    platform.start_dispatcher()
+    await platform.start_worker("w1", cost=CostModel(slots=8))  # real-time speed
+    client = sdk(platform, tenant_key)
+    stream = await client.chat.completions.create(
+        model=platform.settings.served_model_name,
+        messages=HELLO,
+        max_tokens=1000,
+        stream=True,
+    )
+    first = None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = chunk
+            break
+    assert first is not None
+    await stream.close()
+    job_id = "job_" + first.id.split("job_", 1)[1]
+    for _ in range(100):
+        job = await _job(platform, job_id)
+        if job.status.value == "cancelled":
+            break
+        await asyncio.sleep(0.1)
+    assert job.status.value == "cancelled"
+    assert (job.completion_tokens or 0) < 1000
+
+
+async def test_redis_refusing_the_job_gets_503_with_retry_after(
+    platform: Platform, tenant_key: str
+) -> None:
+    """Redis answers but refuses writes (out of memory, as a full instance does): the online
+    request is cancelled and refused with 503 and Retry-After, which the SDK honours."""
+    r = platform.r
+    old = await r.config_get("maxmemory")
+    await r.config_set("maxmemory", "1")
+    try:
+        async with httpx.AsyncClient(base_url=platform.url, timeout=30) as raw:
+            resp = await raw.post(
+                "/v1/chat/completions",
+                json={"model": platform.settings.served_model_name, "messages": HELLO},
+                headers={"Authorization": f"Bearer {tenant_key}"},
+            )
+    finally:
+        await r.config_set("maxmemory", old["maxmemory"])
+    assert_openai_error(resp, 503, "service_unavailable")
+    assert resp.headers["retry-after"] == "2"
+    async with platform.db.session() as s:
+        tenant = await tenant_repo.tenant_for_key(s, tenant_key)
+        assert tenant is not None
+        page, _ = await job_repo.list_jobs(s, tenant.id)
+    assert [j.status.value for j in page] == ["cancelled"]  # accepted by nobody: never runs
