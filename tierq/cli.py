@@ -6,15 +6,24 @@ import asyncio
 import json
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from tierq.logs import setup as setup_logging
 from tierq.settings import Settings, get_settings
 
+if TYPE_CHECKING:
+    from tierq.batch_client import BatchClient
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
 app.add_typer(bench_app, name="bench")
+batch_app = typer.Typer(no_args_is_help=True, help="OpenAI-style batches of JSONL requests.")
+app.add_typer(batch_app, name="batch")
+
+URL_OPTION = typer.Option("http://127.0.0.1:8000", envvar="TIERQ_URL", help="The platform.")
+KEY_OPTION = typer.Option(None, help="API key (default: $TIERQ_API_KEY, else .tierq/dev-api-key).")
 
 
 @app.command()
@@ -193,6 +202,117 @@ def bench_qos(
     setup_logging("WARNING")
     result = asyncio.run(run_qos(get_settings(), engine, speedup, seed, duration))
     typer.echo(json.dumps(result, separators=(",", ":")))
+
+
+@batch_app.command("submit")
+def batch_submit(
+    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="The JSONL requests."),
+    endpoint: str = typer.Option("/v1/chat/completions", help="Every line's url."),
+    wait: bool = typer.Option(False, "--wait", help="Follow it to the end with a progress bar."),
+    url: str = URL_OPTION,
+    key: str | None = KEY_OPTION,
+) -> None:
+    """Upload FILE and start a batch; prints the batch (JSON) when it starts or ends."""
+    from tierq.batch_client import BatchClient, resolve_key
+
+    client = BatchClient(url, resolve_key(key))
+    try:
+        uploaded = client.upload(file)
+        batch = client.create(uploaded["id"], endpoint)
+        typer.echo(
+            f"{batch['id']}: {batch['status']} ({uploaded['bytes']} bytes uploaded)", err=True
+        )
+        if wait:
+            batch = _follow(client, batch["id"])
+    finally:
+        client.close()
+    typer.echo(json.dumps(batch, indent=2))
+    if batch["status"] in ("failed", "expired", "cancelled"):
+        raise typer.Exit(1)
+
+
+def _follow(client: BatchClient, batch_id: str) -> dict[str, Any]:
+    """A live progress bar of completed and failed requests, with an ETA."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("[bold]{task.fields[status]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("ok {task.fields[ok]}  failed {task.fields[failed]}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task(batch_id, total=None, status="validating", ok=0, failed=0)
+
+        def update(batch: dict[str, Any]) -> None:
+            counts = batch["request_counts"]
+            progress.update(
+                task,
+                total=counts["total"] or None,
+                completed=counts["completed"] + counts["failed"],
+                status=batch["status"],
+                ok=counts["completed"],
+                failed=counts["failed"],
+            )
+
+        return client.wait(batch_id, update)
+
+
+@batch_app.command("download")
+def batch_download(
+    batch_id: str,
+    out: Path = typer.Option(Path("."), help="Folder for <batch>_output.jsonl and _errors.jsonl."),
+    url: str = URL_OPTION,
+    key: str | None = KEY_OPTION,
+) -> None:
+    """Write a finished batch's output and error files."""
+    from tierq.batch_client import BatchClient, resolve_key
+
+    client = BatchClient(url, resolve_key(key))
+    try:
+        batch = client.get(batch_id)
+        if batch["status"] not in ("completed", "expired", "cancelled", "failed"):
+            typer.echo(f"{batch_id} is {batch['status']}: nothing to download yet", err=True)
+            raise typer.Exit(1)
+        out.mkdir(parents=True, exist_ok=True)
+        for kind in ("output", "error"):
+            file_id = batch[f"{kind}_file_id"]
+            if file_id is None:
+                continue
+            target = out / f"{batch_id}_{kind}.jsonl"
+            size = client.download(file_id, target)
+            typer.echo(f"{target} ({size} bytes)")
+        if batch["errors"]:
+            typer.echo(json.dumps(batch["errors"], indent=2))
+    finally:
+        client.close()
+
+
+@bench_app.command("batch")
+def bench_batch(
+    url: str = URL_OPTION,
+    key: str | None = KEY_OPTION,
+    n: int = typer.Option(96, help="Chat requests in the JSONL file."),
+    max_tokens: int = typer.Option(32),
+    rounds: int = typer.Option(2, help="Alternating rounds of each; medians are compared."),
+) -> None:
+    """Platform batches vs vLLM's run_batch on the same file; prints one JSON line last."""
+    from tierq.batch_client import resolve_key
+    from tierq.bench_batch import run_bench
+
+    setup_logging("WARNING")
+    result = run_bench(get_settings(), url, resolve_key(key), n, max_tokens, rounds)
+    typer.echo(json.dumps(result))
 
 
 def main() -> None:
