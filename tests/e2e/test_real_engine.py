@@ -1,17 +1,20 @@
 """The whole platform as real processes with the real vLLM engine and the bundled model.
 
 `tierq run` with the real PostgreSQL and Redis URLs: submit, poll, SSE with a late
-joiner, cancel of a long job, and a worker killed with SIGKILL mid-job whose job still
-finishes on the restarted worker.
+joiner, cancel of a long job, a worker killed with SIGKILL mid-job whose job still
+finishes on the restarted worker, interactive work behind a full engine, and the
+official `openai` SDK (chat, streaming, a small batch) against it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
 import pytest
+from openai import AsyncOpenAI
 from sqlalchemy import text
 
 from models.db import Database
@@ -168,3 +171,76 @@ async def test_an_interactive_job_behind_a_full_engine_of_batch_work_starts_at_o
             await c.post(f"/v1/jobs/{job_id}/cancel")
         finals = [await wait_for(c, i, timeout=120) for i in chats]
     assert [f["status"] for f in finals] == ["succeeded", "succeeded"]
+
+
+async def test_the_openai_sdk_chats_streams_and_runs_a_batch_on_the_real_engine(
+    pg_platform: LivePlatform,
+) -> None:
+    """The official SDK, unchanged but for base URL and key: a chat completion, a streamed
+    one, and a small batch through Files and Batches (Celery, the batch tier, the engine)."""
+    sdk = AsyncOpenAI(base_url=f"{pg_platform.url}/v1", api_key=pg_platform.key, timeout=300)
+    model = "SmolLM2-135M-Instruct"
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = await sdk.chat.completions.create(
+        model=model, messages=question, max_tokens=32, temperature=0, service_tier="priority"
+    )
+    assert "Paris" in (chat.choices[0].message.content or "")
+    assert chat.service_tier == "priority" and chat.usage and chat.usage.prompt_tokens > 10
+    stream = await sdk.chat.completions.create(
+        model=model,
+        messages=question,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in streamed
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 3
+
+    lines = [
+        {
+            "custom_id": f"capital-{country}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": model,
+                "messages": [{"role": "user", "content": f"What is the capital of {country}?"}],
+                "max_tokens": 24,
+                "temperature": 0,
+            },
+        }
+        for country in ("France", "Italy", "Spain", "Germany")
+    ]
+    lines.append(
+        {**lines[0], "custom_id": "too-long", "body": {**lines[0]["body"], "max_tokens": 4096}}
+    )
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    file = await sdk.files.create(file=("capitals.jsonl", data), purpose="batch")
+    batch = await sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    for _ in range(600):
+        batch = await sdk.batches.retrieve(batch.id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            break
+        await asyncio.sleep(0.5)
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
+    assert batch.id in [b.id for b in (await sdk.batches.list()).data]
+    assert batch.output_file_id and batch.error_file_id
+    output = [
+        json.loads(x) for x in (await sdk.files.content(batch.output_file_id)).text.splitlines()
+    ]
+    errors = [
+        json.loads(x) for x in (await sdk.files.content(batch.error_file_id)).text.splitlines()
+    ]
+    answers = {
+        x["custom_id"]: x["response"]["body"]["choices"][0]["message"]["content"] for x in output
+    }
+    assert "Paris" in answers["capital-France"]  # the small model knows this one
+    assert all(answers.values()) and len(answers) == 4
+    assert [e["custom_id"] for e in errors] == ["too-long"]
+    assert errors[0]["error"]["code"] == "context_length_exceeded"
