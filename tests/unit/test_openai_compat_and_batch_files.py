@@ -1,0 +1,112 @@
+"""OpenAI request translation and batch-file reading: pure functions, no services."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from tierq import openai_compat as oa
+from tierq.tiers import Tier
+from workers.batch_file import read_requests, validate_file
+
+CHAT = "/v1/chat/completions"
+
+
+def test_chat_request_becomes_a_job_with_the_tier_of_its_service_tier() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    tiers = {
+        None: None,
+        "auto": None,
+        "default": None,
+        "flex": Tier.STANDARD,
+        "priority": Tier.INTERACTIVE,
+    }
+    for asked, tier in tiers.items():
+        body = {**base, **({"service_tier": asked} if asked else {})}
+        assert oa.ChatCompletionRequest.model_validate(body).to_job().tier == tier
+    job = oa.ChatCompletionRequest.model_validate(
+        {
+            **base,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+            "max_completion_tokens": 7,
+            "max_tokens": 99,
+            "temperature": 0,
+            "stop": "END",
+        }
+    ).to_job()
+    assert job.messages is not None and job.messages[0].content == "ab"
+    assert job.max_tokens == 7 and job.temperature == 0 and job.stop == ["END"]
+
+
+def test_completion_request_defaults_and_single_prompt() -> None:
+    job = oa.CompletionRequest.model_validate({"model": "m", "prompt": ["once"]}).to_job()
+    assert job.prompt == "once" and job.max_tokens == 16  # OpenAI's default for completions
+    for bad in (
+        {"prompt": ["a", "b"]},
+        {"prompt": "a", "echo": True},
+        {"prompt": "a", "best_of": 2},
+    ):
+        with pytest.raises(ValidationError):
+            oa.CompletionRequest.model_validate({"model": "m", **bad})
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [{"type": "function"}]},
+        {"response_format": {"type": "json_object"}},
+        {"logprobs": True},
+        {"n": 3},
+        {"stream_options": {"include_usage": True}},  # without stream
+        {"unknown_field": 1},
+    ],
+)
+def test_unsupported_parameters_are_refused_not_ignored(extra: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        oa.ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+        )
+
+
+def _line(custom_id: str, **over: object) -> bytes:
+    item = {"custom_id": custom_id, "method": "POST", "url": CHAT, "body": {"model": "m"}, **over}
+    return json.dumps(item).encode() + b"\n"
+
+
+def test_validation_reports_each_problem_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(
+        _line("a") + b"\n" + b"oops\n" + _line("a") + _line("b", url="/v1/embeddings") + _line("c")
+    )
+    result = validate_file(path, CHAT, max_requests=10, max_errors=10)
+    assert result.requests == 5  # the blank line is not a request
+    assert [(e["code"], e["line"]) for e in result.errors] == [
+        ("invalid_json_line", 3),
+        ("duplicate_custom_id", 4),
+        ("invalid_url", 5),
+    ]
+    capped = validate_file(path, CHAT, max_requests=2, max_errors=1)
+    assert len(capped.errors) == 1 and capped.errors_total == 4  # too_many_requests too
+
+
+def test_reading_requests_resumes_from_a_byte_offset(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(_line(f"r{i}") for i in range(5)) + b"\n\n")
+    first, offset, line = read_requests(path, 0, 0, 2, CHAT)
+    assert [r.custom_id for r in first] == ["r0", "r1"] and line == 2
+    rest, end, last = read_requests(path, offset, line, 100, CHAT)
+    assert [r.custom_id for r in rest] == ["r2", "r3", "r4"] and [r.number for r in rest] == [
+        3,
+        4,
+        5,
+    ]
+    assert end == path.stat().st_size and last == 7  # trailing blank lines consumed
+    assert read_requests(path, end, last, 100, CHAT) == ([], end, last)
