@@ -9,11 +9,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors, health
+from api.admin.router import router as admin_router
 from api.batches.router import router as batches_router
 from api.files.router import router as files_router
 from api.jobs.router import router as jobs_router
 from api.limits import BodySizeLimit
 from api.openai.router import router as openai_router
+from api.usage import router as usage_router
 from models.db import Database
 from tierq import __version__
 from tierq.queue import EventLog
@@ -26,6 +28,13 @@ log = logging.getLogger(__name__)
 
 def build_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    if settings.admin_api_key is not None and settings.admin_key_is_placeholder:
+        if not settings.embedded:
+            raise RuntimeError(
+                "ADMIN_API_KEY is a placeholder (or shorter than 16 characters); set a real "
+                "secret, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        log.warning("ADMIN_API_KEY is a placeholder: accepted on the embedded default only")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -53,4 +62,6 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai_router)
     app.include_router(files_router)
     app.include_router(batches_router)
+    app.include_router(usage_router)
+    app.include_router(admin_router)
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -13,6 +14,7 @@ from api.errors import APIError
 from models import tenants
 from models.db import Database
 from models.records import TenantRecord
+from models.tables import utcnow
 from tierq.queue import EventLog
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -69,13 +71,42 @@ def _bearer(request: Request) -> str:
 
 
 async def get_tenant(request: Request, db: DbDep) -> TenantRecord:
-    """The tenant whose active key the request carries; 401 for a missing or wrong key."""
+    """The tenant whose active key the request carries; 401 for a missing or wrong key.
+
+    Looked up in the database on every request — no cache — so a revoked key or a
+    suspended tenant is refused at once by every API process.
+    """
     secret = _bearer(request)
     async with db.session() as s:
-        tenant = await tenants.tenant_for_key(s, secret)
-    if tenant is None:
+        owner = await tenants.owner_of_key(s, secret)
+    if owner is None:
         raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
-    return tenant
+    stale = utcnow() - tenants.LAST_USED_RESOLUTION
+    if owner.last_used_at is None or owner.last_used_at < stale:
+        async with db.transaction() as s:
+            await tenants.touch_key(s, owner.key_id)
+    return owner.tenant
 
 
 TenantDep = Annotated[TenantRecord, Depends(get_tenant)]
+
+
+async def require_admin(request: Request, db: DbDep, settings: SettingsDep) -> None:
+    """ADMIN_API_KEY, compared in constant time: a tenant's key gets 403, none 401."""
+    secret = _bearer(request)
+    configured = settings.admin_api_key
+    if configured and hmac.compare_digest(secret.encode(), configured.encode()):
+        return
+    async with db.session() as s:
+        owner = await tenants.owner_of_key(s, secret)
+    if owner is not None:
+        raise APIError(
+            403,
+            "This is a tenant's API key; the admin API takes the ADMIN_API_KEY.",
+            "permission_denied",
+        )
+    if not configured:
+        raise APIError(
+            401, "The admin API is closed: ADMIN_API_KEY is not set.", "admin_api_disabled"
+        )
+    raise APIError(401, "Incorrect admin API key provided.", "invalid_api_key")

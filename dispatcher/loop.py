@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,8 @@ from tierq.tiers import TIER_ORDER, Tier
 
 log = logging.getLogger(__name__)
 
+TENANT_POLICY_REFRESH_S = 1.0
+
 
 def policy_from_settings(settings: Settings) -> Policy:
     if settings.dispatch_policy == "fcfs":
@@ -65,7 +69,7 @@ def policy_from_settings(settings: Settings) -> Policy:
                 Tier.BATCH: settings.slo_batch_s,
             },
             urgency_fraction=settings.urgency_fraction,
-            tenant_weights=settings.tenant_weights,
+            tenant_weights=dict(settings.tenant_weights),  # refreshed from tenant_policy
             max_preemptions=settings.max_preemptions,
         )
     )
@@ -103,6 +107,8 @@ class Dispatcher:
         self._streams: set[str] = set()  # streams whose consumer group exists
         self._buffered: dict[str, int] = {}  # stream -> entries of it in the buffers
         self._served_cursor = "0-0"
+        self.max_running: dict[str, dict[str, int]] = {}  # tenant -> scope -> cap
+        self._policy_read_at = 0.0
         self._stop = asyncio.Event()
         self.decision_seconds: list[float] = []  # for benchmarks; bounded below
 
@@ -155,6 +161,7 @@ class Dispatcher:
 
     def _queues(self) -> dict[Tier, dict[str, list[QueuedJob]]]:
         queues: dict[Tier, dict[str, list[QueuedJob]]] = {}
+        allowance = self._allowance()
         for tier, tenants in self.buffers.items():
             per: dict[str, list[QueuedJob]] = {}
             for tenant, entries in tenants.items():
@@ -162,9 +169,67 @@ class Dispatcher:
                     # Preempted jobs first (head of the tier), then in arrival order.
                     jobs = [b.job for b in entries.values()]
                     jobs.sort(key=lambda j: (j.preemptions == 0, j.enqueued_at))
-                    per[tenant] = jobs
+                    left = allowance(tenant, tier)
+                    if left is not None:
+                        jobs = jobs[:left]  # its max_running: the rest wait
+                    if jobs:
+                        per[tenant] = jobs
             queues[tier] = per
         return queues
+
+    def _allowance(self) -> Callable[[str, Tier], int | None]:
+        """How many more jobs each capped tenant may start now (its quota's max_running,
+        for all its tiers and per tier); None for a tenant without a cap. Jobs offered to
+        the policy in one round never exceed it, whichever it picks."""
+        if not self.max_running:
+            return lambda _tenant, _tier: None
+        running: Counter[tuple[str, str]] = Counter()
+        for job in self.running.values():
+            running[(job.tenant_id, "*")] += 1
+            running[(job.tenant_id, job.tier.value)] += 1
+        offered: Counter[str] = Counter()
+
+        def left(tenant: str, tier: Tier) -> int | None:
+            caps = self.max_running.get(tenant)
+            if not caps:
+                return None
+            room: int | None = None
+            for scope in ("*", tier.value):
+                if scope in caps:
+                    free = caps[scope] - running[(tenant, scope)]
+                    if scope == "*":
+                        free -= offered[tenant]
+                    room = free if room is None else min(room, free)
+            if room is None:
+                return None
+            room = max(0, room)
+            offered[tenant] += room
+            return room
+
+        return left
+
+    async def _refresh_tenant_policy(self, now: float) -> None:
+        """Tenant weights and max_running, as the admin API (and Celery) publish them."""
+        if now - self._policy_read_at < TENANT_POLICY_REFRESH_S:
+            return
+        self._policy_read_at = now
+        raw: Any = await self.r.hgetall(self.names.tenant_policy)
+        weights: dict[str, float] = dict(self.settings.tenant_weights)
+        caps: dict[str, dict[str, int]] = {}
+        for tenant, value in (raw or {}).items():
+            try:
+                policy = json.loads(value)
+            except ValueError:
+                continue
+            weights[tenant] = float(policy.get("weight", 1.0))
+            if policy.get("max_running"):
+                caps[tenant] = {k: int(v) for k, v in policy["max_running"].items()}
+        self.max_running = caps
+        if isinstance(self.policy, TierqPolicy):
+            live = self.policy.config.tenant_weights
+            if isinstance(live, dict):
+                live.clear()
+                live.update(weights)
 
     # --- workers ------------------------------------------------------------------------
     async def _free_slots(self, alive: list[Heartbeat]) -> list[WorkerSlots]:
@@ -200,6 +265,7 @@ class Dispatcher:
                     await self.reclaim(dead)
                     last_reclaim = now
                 await self._take_served_reports()
+                await self._refresh_tenant_policy(now)
                 moved = await self.step(alive)
             except redis.ConnectionError:
                 if _being_cancelled():  # redis-py may turn a cancelled read into this
@@ -256,7 +322,12 @@ class Dispatcher:
                     pipe.xdel(b.stream, d.job.entry_id)
                     metrics.JOBS_DISPATCHED.labels(d.job.tier.value).inc()
                     self.running[d.job.job_id] = RunningJob(
-                        d.job.job_id, d.job.tier, d.worker_id, now, d.job.preemptions
+                        d.job.job_id,
+                        d.job.tier,
+                        d.worker_id,
+                        now,
+                        d.job.preemptions,
+                        d.job.tenant_id,
                     )
                 await pipe.execute()
         await self._maybe_preempt(slots, decisions)

@@ -65,6 +65,7 @@ class RunningJob:
     worker_id: str
     started_at: float
     preemptions: int
+    tenant_id: str = ""
 
 
 @dataclass(frozen=True)

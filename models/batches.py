@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
@@ -159,6 +160,7 @@ class BatchLine:
     params: dict[str, Any]
     error_code: str | None = None
     error_message: str | None = None
+    reserved_tokens: int = 0
 
 
 async def expand(
@@ -167,6 +169,7 @@ async def expand(
     lines: Sequence[BatchLine],
     next_line: int,
     next_offset: int,
+    prices: tuple[Decimal, Decimal] = (Decimal(0), Decimal(0)),
 ) -> list[JobRecord] | None:
     """Insert the lines' jobs and move the cursor past them, in the caller's transaction.
 
@@ -206,6 +209,9 @@ async def expand(
             batch_id=batch.id,
             batch_line=item.line,
             custom_id=item.custom_id,
+            reserved_tokens=item.reserved_tokens,
+            input_price=prices[0],
+            output_price=prices[1],
         )
         rows.append(row)
         s.add(row)
@@ -253,3 +259,15 @@ async def stop_unfinished(
         (running if started_at is not None else queued).append(job_id)
         s.add(JobTransition(job_id=job_id, status=JobStatus.CANCELLED.value, at=now, detail=code))
     return queued, running
+
+
+async def cancel_tenant_batches(s: AsyncSession, tenant_id: str) -> list[str]:
+    """Move every validating or running batch of a tenant to cancelling (suspension)."""
+    stmt = (
+        update(Batch)
+        .where(Batch.tenant_id == tenant_id, Batch.status.in_((VALIDATING, IN_PROGRESS)))
+        .values(status=CANCELLING, cancelling_at=utcnow())
+        .returning(Batch.id)
+        .execution_options(synchronize_session=False)
+    )
+    return list((await s.execute(stmt)).scalars())

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -21,6 +22,15 @@ from models.tables import Job, JobTransition, UsageRecord, utcnow
 from models.tenants import new_id
 from tierq.states import JobStatus, sources_for
 from tierq.tiers import Tier
+
+MILLION = Decimal(1_000_000)
+
+
+def cost_of(
+    prompt_tokens: int, completion_tokens: int, price_in: Decimal, price_out: Decimal
+) -> Decimal:
+    """Exact: prices are per million tokens, and Decimal keeps every digit."""
+    return (Decimal(prompt_tokens) * price_in + Decimal(completion_tokens) * price_out) / MILLION
 
 
 class IdempotencyConflict(Exception):
@@ -38,6 +48,21 @@ class NewJob:
     metadata: dict[str, Any] | None = None
     idempotency_key: str | None = None
     request_hash: str | None = None
+    reserved_tokens: int = 0
+    input_price: Decimal | None = None
+    output_price: Decimal | None = None
+
+
+async def find_by_idempotency_key(
+    s: AsyncSession, tenant_id: str, key: str, request_hash: str | None
+) -> JobRecord | None:
+    """The job an Idempotency-Key already made (IdempotencyConflict for another body)."""
+    existing = await _existing_by_key(s, tenant_id, key)
+    if existing is None:
+        return None
+    if existing.request_hash != request_hash:
+        raise IdempotencyConflict(key)
+    return JobRecord.from_row(existing)
 
 
 async def _existing_by_key(s: AsyncSession, tenant_id: str, key: str) -> Job | None:
@@ -71,6 +96,9 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
         request_hash=new.request_hash,
         created_at=now,
         deliveries=0,
+        reserved_tokens=new.reserved_tokens,
+        input_price=new.input_price,
+        output_price=new.output_price,
     )
     try:
         async with s.begin_nested():
@@ -226,6 +254,8 @@ async def finish_job(
     if job is not None and prompt_tokens is not None and completion_tokens is not None:
         # The conditional transition above admits one finisher per job; the primary key on
         # job_id would refuse a second record even if it did not.
+        price_in = job.input_price or Decimal(0)
+        price_out = job.output_price or Decimal(0)
         s.add(
             UsageRecord(
                 job_id=job.id,
@@ -234,6 +264,9 @@ async def finish_job(
                 model=job.model,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
+                input_price=price_in,
+                output_price=price_out,
+                cost=cost_of(prompt_tokens, completion_tokens, price_in, price_out),
                 created_at=utcnow(),
             )
         )
@@ -303,3 +336,40 @@ async def usage_for_job(s: AsyncSession, job_id: str) -> list[UsageRecord]:
     return list(
         (await s.execute(select(UsageRecord).where(UsageRecord.job_id == job_id))).scalars()
     )
+
+
+async def cancel_tenant_jobs(s: AsyncSession, tenant_id: str, code: str, message: str) -> list[str]:
+    """Cancel every queued or running job of a tenant (suspension); returns their ids."""
+    stmt = (
+        update(Job)
+        .where(
+            Job.tenant_id == tenant_id,
+            Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
+        )
+        .values(
+            status=JobStatus.CANCELLED.value,
+            finished_at=utcnow(),
+            error_code=code,
+            error_message=message,
+        )
+        .returning(Job.id)
+        .execution_options(synchronize_session=False)
+    )
+    ids = list((await s.execute(stmt)).scalars())
+    now = utcnow()
+    for job_id in ids:
+        s.add(JobTransition(job_id=job_id, status=JobStatus.CANCELLED.value, at=now, detail=code))
+    return ids
+
+
+async def tenant_job_counts(s: AsyncSession, tenant_id: str) -> dict[tuple[str, str], int]:
+    """(tier, status) -> jobs, for the tenant's queued and running jobs."""
+    stmt = (
+        select(Job.tier, Job.status, func.count())
+        .where(
+            Job.tenant_id == tenant_id,
+            Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
+        )
+        .group_by(Job.tier, Job.status)
+    )
+    return {(tier, status): int(n) for tier, status, n in (await s.execute(stmt)).all()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from models.tables import Batch, File, Job, Tenant
@@ -32,6 +33,7 @@ class TenantRecord:
     created_at: datetime
     allowed_tiers: tuple[Tier, ...] = (Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH)
     default_tier: Tier = Tier.STANDARD
+    weight: float = 1.0
 
     @classmethod
     def from_row(cls, row: Tenant) -> TenantRecord:
@@ -42,7 +44,21 @@ class TenantRecord:
             as_utc(row.created_at) or row.created_at,
             allowed_tiers=tuple(Tier(t) for t in row.allowed_tiers or ()),
             default_tier=Tier(row.default_tier),
+            weight=row.weight,
         )
+
+    def to_api(self) -> dict[str, Any]:
+        """The tenant object of the admin API."""
+        return {
+            "id": self.id,
+            "object": "tenant",
+            "name": self.name,
+            "status": self.status,
+            "allowed_tiers": [t.value for t in self.allowed_tiers],
+            "default_tier": self.default_tier.value,
+            "weight": self.weight,
+            "created_at": unix(self.created_at),
+        }
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,9 @@ class JobRecord:
     batch_id: str | None = None
     batch_line: int | None = None
     custom_id: str | None = None
+    reserved_tokens: int = 0
+    input_price: Decimal | None = None
+    output_price: Decimal | None = None
 
     @classmethod
     def from_row(cls, row: Job) -> JobRecord:
@@ -99,6 +118,9 @@ class JobRecord:
             batch_id=row.batch_id,
             batch_line=row.batch_line,
             custom_id=row.custom_id,
+            reserved_tokens=row.reserved_tokens,
+            input_price=row.input_price,
+            output_price=row.output_price,
         )
 
     def to_message(self) -> JobMessage:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -16,13 +18,33 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 from tierq.tiers import DEFAULT_TIER, TIER_ORDER
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class Money(TypeDecorator[Decimal]):
+    """An exact decimal amount, stored as its string: no float ever touches money, on
+    PostgreSQL or SQLite alike (sums are taken in Python, in Decimal)."""
+
+    impl = String(40)
+    cache_ok = True
+
+    def process_bind_param(self, value: Decimal | None, dialect: Dialect) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, Decimal):
+            raise TypeError(f"money must be a Decimal, not {type(value).__name__}")
+        return str(value)
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> Decimal | None:
+        return None if value is None else Decimal(value)
 
 
 class Base(DeclarativeBase):
@@ -40,6 +62,7 @@ class Tenant(Base):
         JSON, default=lambda: [t.value for t in TIER_ORDER]
     )
     default_tier: Mapped[str] = mapped_column(String(20), default=DEFAULT_TIER.value)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)  # its share within a tier
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -93,6 +116,12 @@ class Job(Base):
     batch_id: Mapped[str | None] = mapped_column(
         ForeignKey("batches.id", ondelete="CASCADE", name="fk_jobs_batch_id_batches")
     )
+    # Admission: the tokens reserved against the tenant's quotas (prompt estimate plus
+    # max_tokens; the real count replaces it once the job finishes) and the prices per
+    # million tokens in force when it was admitted (the job keeps them).
+    reserved_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    input_price: Mapped[Decimal | None] = mapped_column(Money)
+    output_price: Mapped[Decimal | None] = mapped_column(Money)
     batch_line: Mapped[int | None] = mapped_column(Integer)
     custom_id: Mapped[str | None] = mapped_column(String(512))
 
@@ -123,6 +152,9 @@ class UsageRecord(Base):
     model: Mapped[str] = mapped_column(String(200))
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
+    input_price: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))  # per million
+    output_price: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    cost: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -174,3 +206,57 @@ class Batch(Base):
     expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Quota(Base):
+    """A tenant's limits, for all its tiers (tier "*") or for one. None means no limit."""
+
+    __tablename__ = "quotas"
+    __table_args__ = (UniqueConstraint("tenant_id", "tier", name="uq_quotas_tenant_tier"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    tier: Mapped[str] = mapped_column(String(20), default="*")
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    max_running: Mapped[int | None] = mapped_column(Integer)
+    max_queued: Mapped[int | None] = mapped_column(Integer)
+    token_budget: Mapped[int | None] = mapped_column(BigInteger)
+    spend_budget: Mapped[Decimal | None] = mapped_column(Money)
+    budget_period: Mapped[str] = mapped_column(String(10), default="month")
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Price(Base):
+    """Prices per million tokens of a model in a tier, from `effective_at` on (history kept)."""
+
+    __tablename__ = "prices"
+    __table_args__ = (Index("ix_prices_model_tier_effective", "model", "tier", "effective_at"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    model: Mapped[str] = mapped_column(String(200))
+    tier: Mapped[str] = mapped_column(String(20))
+    input_per_million: Mapped[Decimal] = mapped_column(Money)
+    output_per_million: Mapped[Decimal] = mapped_column(Money)
+    effective_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Invoice(Base):
+    """A tenant's usage over one calendar month, rolled up from the ledger (reproducibly)."""
+
+    __tablename__ = "invoices"
+    __table_args__ = (UniqueConstraint("tenant_id", "period", name="uq_invoices_tenant_period"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    period: Mapped[str] = mapped_column(String(7))  # YYYY-MM
+    requests: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    cost: Mapped[Decimal] = mapped_column(Money)
+    lines: Mapped[list[Any]] = mapped_column(JSON)  # per tier and model
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -5,15 +5,21 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from models.records import TenantRecord
+from models.records import TenantRecord, as_utc, unix
 from models.tables import ApiKey, Tenant, utcnow
+from tierq.tiers import TIER_ORDER, Tier
 
 KEY_PREFIX = "tq-"
+ACTIVE = "active"
+SUSPENDED = "suspended"
+DELETED = "deleted"
+LAST_USED_RESOLUTION = timedelta(seconds=60)  # last_used_at is written at most this often
 
 
 def new_id(kind: str) -> str:
@@ -32,17 +38,92 @@ class IssuedKey:
     prefix: str
     created_at: datetime
 
+    def to_api(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "api_key",
+            "key": self.key,
+            "prefix": self.prefix,
+            "created_at": unix(self.created_at),
+        }
 
-async def create_tenant(s: AsyncSession, name: str) -> TenantRecord:
-    row = Tenant(id=new_id("ten"), name=name, status="active", created_at=utcnow())
+
+@dataclass(frozen=True)
+class KeyRecord:
+    id: str
+    tenant_id: str
+    prefix: str
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+    def to_api(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "api_key",
+            "prefix": self.prefix,
+            "created_at": unix(self.created_at),
+            "last_used_at": unix(self.last_used_at),
+            "revoked_at": unix(self.revoked_at),
+        }
+
+
+async def create_tenant(
+    s: AsyncSession,
+    name: str,
+    allowed_tiers: list[Tier] | None = None,
+    default_tier: Tier = Tier.STANDARD,
+    weight: float = 1.0,
+) -> TenantRecord:
+    row = Tenant(
+        id=new_id("ten"),
+        name=name,
+        status=ACTIVE,
+        allowed_tiers=[t.value for t in (allowed_tiers or list(TIER_ORDER))],
+        default_tier=default_tier.value,
+        weight=weight,
+        created_at=utcnow(),
+    )
     s.add(row)
     await s.flush()
     return TenantRecord.from_row(row)
 
 
+async def get_tenant(s: AsyncSession, tenant_id: str) -> TenantRecord | None:
+    """A tenant that exists (deleted ones are gone for every caller)."""
+    row = await s.get(Tenant, tenant_id)
+    return None if row is None or row.status == DELETED else TenantRecord.from_row(row)
+
+
 async def get_tenant_by_name(s: AsyncSession, name: str) -> TenantRecord | None:
     row = (await s.execute(select(Tenant).where(Tenant.name == name))).scalar_one_or_none()
-    return None if row is None else TenantRecord.from_row(row)
+    return None if row is None or row.status == DELETED else TenantRecord.from_row(row)
+
+
+async def list_tenants(
+    s: AsyncSession, after: str | None = None, limit: int = 100
+) -> tuple[list[TenantRecord], bool]:
+    stmt = select(Tenant).where(Tenant.status != DELETED)
+    if after is not None:
+        stmt = stmt.where(Tenant.id > after)
+    rows = list((await s.execute(stmt.order_by(Tenant.id).limit(limit + 1))).scalars())
+    return [TenantRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
+
+
+async def update_tenant(s: AsyncSession, tenant_id: str, **values: Any) -> TenantRecord | None:
+    """Set name, allowed_tiers, default_tier, weight or status (already validated)."""
+    row = await s.get(Tenant, tenant_id, with_for_update=True)
+    if row is None or row.status == DELETED:
+        return None
+    for name, value in values.items():
+        setattr(row, name, value)
+    await s.flush()
+    return TenantRecord.from_row(row)
+
+
+async def lock_tenant(s: AsyncSession, tenant_id: str) -> None:
+    """Serialise admissions of one tenant for the rest of the transaction (quota checks)."""
+    await s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
 
 
 async def issue_key(s: AsyncSession, tenant_id: str) -> IssuedKey:
@@ -59,34 +140,91 @@ async def issue_key(s: AsyncSession, tenant_id: str) -> IssuedKey:
     return IssuedKey(row.id, tenant_id, secret, row.prefix, row.created_at)
 
 
-async def tenant_for_key(s: AsyncSession, secret: str) -> TenantRecord | None:
-    """The active tenant that owns an unrevoked key, or None."""
+def _key(row: ApiKey) -> KeyRecord:
+
+    return KeyRecord(
+        row.id,
+        row.tenant_id,
+        row.prefix,
+        as_utc(row.created_at) or row.created_at,
+        as_utc(row.last_used_at),
+        as_utc(row.revoked_at),
+    )
+
+
+async def list_keys(s: AsyncSession, tenant_id: str) -> list[KeyRecord]:
+    stmt = select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at)
+    return [_key(r) for r in (await s.execute(stmt)).scalars()]
+
+
+async def revoke_key(s: AsyncSession, key_id: str) -> KeyRecord | None:
+    row = await s.get(ApiKey, key_id)
+    if row is None:
+        return None
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+        await s.flush()
+    return _key(row)
+
+
+async def revoke_all_keys(s: AsyncSession, tenant_id: str) -> None:
+    await s.execute(
+        update(ApiKey)
+        .where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
+        .values(revoked_at=utcnow())
+    )
+
+
+@dataclass(frozen=True)
+class KeyOwner:
+    tenant: TenantRecord
+    key_id: str
+    last_used_at: datetime | None
+
+
+async def owner_of_key(s: AsyncSession, secret: str) -> KeyOwner | None:
+    """The active tenant that owns an unrevoked key, with the key's id, or None."""
     stmt = (
-        select(Tenant)
+        select(Tenant, ApiKey.id, ApiKey.last_used_at)
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
         .where(
             ApiKey.key_hash == hash_key(secret),
             ApiKey.revoked_at.is_(None),
-            Tenant.status == "active",
+            Tenant.status == ACTIVE,
         )
     )
-    row = (await s.execute(stmt)).scalar_one_or_none()
-    return None if row is None else TenantRecord.from_row(row)
+    found = (await s.execute(stmt)).one_or_none()
+    if found is None:
+        return None
+
+    return KeyOwner(TenantRecord.from_row(found[0]), found[1], as_utc(found[2]))
+
+
+async def tenant_for_key(s: AsyncSession, secret: str) -> TenantRecord | None:
+    owner = await owner_of_key(s, secret)
+    return None if owner is None else owner.tenant
+
+
+async def touch_key(s: AsyncSession, key_id: str) -> None:
+    """Record a use of the key, at most once per LAST_USED_RESOLUTION."""
+    now = utcnow()
+    await s.execute(
+        update(ApiKey)
+        .where(
+            ApiKey.id == key_id,
+            or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < now - LAST_USED_RESOLUTION),
+        )
+        .values(last_used_at=now)
+    )
 
 
 async def set_tiers(
     s: AsyncSession, tenant_id: str, allowed: list[str], default_tier: str
 ) -> TenantRecord | None:
     """The tiers a tenant may use and the one its requests get when they name none."""
-    row = await s.get(Tenant, tenant_id)
-    if row is None:
-        return None
-    row.allowed_tiers = list(allowed)
-    row.default_tier = default_tier
-    await s.flush()
-    return TenantRecord.from_row(row)
+    return await update_tenant(s, tenant_id, allowed_tiers=list(allowed), default_tier=default_tier)
 
 
-async def get_tenant(s: AsyncSession, tenant_id: str) -> TenantRecord | None:
-    row = await s.get(Tenant, tenant_id)
-    return None if row is None else TenantRecord.from_row(row)
+async def all_weights(s: AsyncSession) -> dict[str, float]:
+    stmt = select(Tenant.id, Tenant.weight).where(Tenant.status == ACTIVE)
+    return {tid: float(w) for tid, w in (await s.execute(stmt)).all()}

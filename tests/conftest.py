@@ -33,6 +33,7 @@ PG_ADMIN_URL = os.environ.get(
     "TIERQ_TEST_PG_ADMIN_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 )
 REDIS_TEST_URL = os.environ.get("TIERQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+ADMIN_KEY = "test-admin-" + uuid.uuid4().hex
 
 
 def free_port() -> int:
@@ -75,6 +76,7 @@ def settings(pg_database: str, tmp_path: object) -> Settings:
         reconcile_grace_s=0.0,
         max_num_seqs=8,
         interactive_reserve=4,
+        admin_api_key=ADMIN_KEY,
         state_dir=tmp_path,  # type: ignore[arg-type]
         _env_file=None,  # type: ignore[call-arg]
     )

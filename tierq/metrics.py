@@ -33,3 +33,16 @@ DISPATCH_DECISION = Histogram(
 )
 BATCHES = Counter("tierq_batches_total", "Batches that entered a status", ["status"])
 FILES_UPLOADED_BYTES = Counter("tierq_files_uploaded_bytes_total", "Bytes uploaded to /v1/files")
+TENANT_ADMITTED = Counter(
+    "tierq_tenant_jobs_admitted_total", "Jobs admitted, per tenant and tier", ["tenant", "tier"]
+)
+TENANT_REFUSED = Counter(
+    "tierq_tenant_jobs_refused_total",
+    "Submissions refused, per tenant, tier and code",
+    ["tenant", "tier", "code"],
+)
+TENANT_TOKENS_SERVED = Counter(
+    "tierq_tenant_tokens_served_total",
+    "Tokens served, per tenant, tier and kind (prompt or completion)",
+    ["tenant", "tier", "kind"],
+)

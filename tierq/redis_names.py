@@ -83,3 +83,9 @@ class RedisNames:
     def batch_lock(self, batch_id: str) -> str:
         """Held by the Celery worker advancing the batch."""
         return f"{self.prefix}:batch:{batch_id}:lock"
+
+    @property
+    def tenant_policy(self) -> str:
+        """Hash tenant id -> JSON {"weight", "max_running": {scope: n}} for the dispatcher
+        (written by the admin API on every change, re-synced from the database by Celery)."""
+        return f"{self.prefix}:tenant-policy"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -11,6 +12,10 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 STATE_DIR_DEFAULT = Path(".tierq")
+# Values people leave in example configs; refused as ADMIN_API_KEY outside the embedded default.
+ADMIN_KEY_PLACEHOLDERS = frozenset(
+    {"changeme", "change-me", "change_me", "admin", "secret", "password", "placeholder", "xxx"}
+)
 
 
 class Settings(BaseSettings):
@@ -35,6 +40,17 @@ class Settings(BaseSettings):
     files_dir: Path | None = None
     max_prompt_chars: int = 200_000
     list_page_max: int = 100
+
+    # --- admin and billing ------------------------------------------------------------
+    # The admin API's bearer key. Unset: `tierq run` makes one (.tierq/admin-api-key);
+    # elsewhere the admin API is closed. A placeholder value is refused outside the
+    # embedded default.
+    admin_api_key: str | None = None
+    # Set by `tierq run` for the processes it starts on the embedded default (they get
+    # the URLs of its SQLite file and embedded Redis, and are still the embedded default).
+    embedded_default: bool = False
+    batch_discount: Decimal = Decimal("0.5")  # off the standard price, for the batch tier
+    invoice_interval_s: float = 3600.0  # beat rolls up this and last month's invoices
 
     # --- engine -------------------------------------------------------------------------
     engine: Literal["vllm", "simulated"] = "vllm"
@@ -118,9 +134,21 @@ class Settings(BaseSettings):
                 return asyncd + v[len(plain) :]
         return v
 
+    @field_validator("batch_discount")
+    @classmethod
+    def _fraction(cls, v: Decimal) -> Decimal:
+        if not Decimal(0) <= v <= Decimal(1):
+            raise ValueError("batch_discount is a fraction between 0 and 1")
+        return v
+
+    @property
+    def admin_key_is_placeholder(self) -> bool:
+        key = (self.admin_api_key or "").strip().lower()
+        return key in ADMIN_KEY_PLACEHOLDERS or (0 < len(key) < 16)
+
     @property
     def embedded(self) -> bool:
-        return self.database_url is None and self.redis_url is None
+        return (self.database_url is None and self.redis_url is None) or self.embedded_default
 
     @property
     def resolved_database_url(self) -> str:

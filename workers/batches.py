@@ -27,31 +27,39 @@ import logging
 import secrets
 from collections.abc import Iterable
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import IO, Any
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from models import batches as batch_repo
 from models import files as file_repo
+from models import prices as price_repo
+from models import quotas as quota_repo
 from models.batches import BatchLine
 from models.db import Database
 from models.records import BatchRecord, JobRecord
 from models.tenants import new_id
 from tierq import metrics, openai_compat
+from tierq.messages import estimate_tokens
 from tierq.queue import enqueue, forget_inflight
 from tierq.redis_names import RedisNames
-from tierq.requests import Refused, check
+from tierq.requests import JobCreate, Refused, check
 from tierq.settings import Settings
 from tierq.states import JobStatus
+from tierq.tiers import Tier
 from workers.batch_file import RawLine, read_requests, validate_file
 
 log = logging.getLogger(__name__)
 
 EXPAND_CHUNK = 500  # lines per transaction
 FINALIZE_PAGE = 1000  # jobs read per query while writing the output
-LOCK_MS = 600_000
+# The advancing worker's lease on a batch: renewed while it works, so a worker killed
+# mid-step holds the batch up for at most this long.
+LOCK_MS = 15_000
 MAX_STEPS = 20  # status changes in one advance (validating -> in_progress -> ... -> done)
 
 
@@ -82,11 +90,13 @@ class BatchRunner:
         lock = self.names.batch_lock(batch_id)
         if not await self.r.set(lock, token, nx=True, px=LOCK_MS):
             return  # another Celery worker is on it; it loops until nothing changes
+        renewer = asyncio.create_task(self._renew(lock, token))
         try:
             for _ in range(MAX_STEPS):
                 if not await self._step(batch_id):
                     break
         finally:
+            renewer.cancel()
             # Release only our own lock (it may have expired and been taken meanwhile).
             await self.r.eval(
                 "if redis.call('GET', KEYS[1]) == ARGV[1] then "
@@ -94,6 +104,19 @@ class BatchRunner:
                 1,
                 lock,
                 token,
+            )
+
+    async def _renew(self, lock: str, token: str) -> None:
+        """Keep the lease while this advance runs (validation of a large file takes long)."""
+        while True:
+            await asyncio.sleep(LOCK_MS / 3000)
+            await self.r.eval(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+                "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0",
+                1,
+                lock,
+                token,
+                LOCK_MS,
             )
 
     async def _step(self, batch_id: str) -> bool:
@@ -146,6 +169,9 @@ class BatchRunner:
         )
         if result.errors:
             return await self._fail(batch, result.errors)
+        over = await self._over_budget(batch)
+        if over is not None:
+            return await self._fail(batch, over)
         async with self.db.transaction() as s:
             moved = await batch_repo.transition(
                 s,
@@ -194,7 +220,8 @@ class BatchRunner:
             )
             lines = [self._line(batch, item) for item in raw]
             async with self.db.transaction() as s:
-                queued = await batch_repo.expand(s, batch, lines, line, offset)
+                prices = await self._prices(s, batch)
+                queued = await batch_repo.expand(s, batch, lines, line, offset, prices)
                 if queued is None:
                     await s.rollback()
                     return False  # someone else expanded meanwhile
@@ -221,6 +248,44 @@ class BatchRunner:
                 return moved is not None
         return False
 
+    async def _prices(self, s: AsyncSession, batch: BatchRecord) -> tuple[Decimal, Decimal]:
+        """The batch tier's price when the batch was created: its jobs keep it."""
+        price = await price_repo.current_price(
+            s,
+            self.settings.served_model_name,
+            Tier.BATCH,
+            self.settings.batch_discount,
+            as_of=batch.created_at,
+        )
+        if price is None:
+            return Decimal(0), Decimal(0)
+        return price.input_per_million, price.output_per_million
+
+    async def _over_budget(self, batch: BatchRecord) -> list[dict[str, Any]] | None:
+        """The whole file against the tenant's budgets before it starts: a batch that
+        would exceed one is refused (failed, `budget_exceeded`), never half run."""
+        async with self.db.session() as s:
+            quotas = [
+                q
+                for q in await quota_repo.quotas_of(s, batch.tenant_id)
+                if q.tier in (quota_repo.ALL_TIERS, Tier.BATCH.value)
+                and (q.token_budget is not None or q.spend_budget is not None)
+            ]
+            if not quotas:
+                return None
+            price_in, price_out = await self._prices(s, batch)
+        tokens, cost = await asyncio.to_thread(
+            _file_reservation, self.settings, batch, price_in, price_out
+        )
+        async with self.db.session() as s:
+            for quota in quotas:
+                refusal = await quota_repo.check(
+                    s, quota, Tier.BATCH.value, tokens, cost, online=False
+                )
+                if refusal is not None:
+                    return [_error(refusal.code, refusal.message)]
+        return None
+
     def _line(self, batch: BatchRecord, item: RawLine) -> BatchLine:
         """A line's job, or the refusal that its error line will carry."""
         body = {k: v for k, v in item.body.items() if k not in ("stream", "stream_options")}
@@ -244,6 +309,7 @@ class BatchRunner:
             else None,
             prompt=job.prompt,
             params=job.params(),
+            reserved_tokens=_reservation(job),
         )
 
     # --- cancelling and expiry ---------------------------------------------------------
@@ -333,6 +399,32 @@ def _keep(
     file_id = new_id("file")
     tmp.rename(file_path(settings, file_id))
     return file_id, f"{batch.id}_{kind}.jsonl", size
+
+
+def _reservation(job: JobCreate) -> int:
+    messages = [m.model_dump(exclude_none=True) for m in job.messages] if job.messages else None
+    return estimate_tokens(messages, job.prompt, job.max_tokens)
+
+
+def _file_reservation(
+    settings: Settings, batch: BatchRecord, price_in: Decimal, price_out: Decimal
+) -> tuple[int, Decimal]:
+    """Tokens and the most money the whole file can take (what its jobs would reserve)."""
+    tokens, cost = 0, Decimal(0)
+    offset, line = 0, 0
+    path = file_path(settings, batch.input_file_id)
+    while True:
+        raw, offset, line = read_requests(path, offset, line, FINALIZE_PAGE, batch.endpoint)
+        if not raw:
+            return tokens, cost
+        for item in raw:
+            try:
+                job = openai_compat.parse(batch.endpoint, item.body).to_job()
+            except ValidationError:
+                continue  # it will fail on its own, costing nothing
+            reserved = _reservation(job)
+            tokens += reserved
+            cost += quota_repo.reservation_cost(reserved, job.max_tokens, price_in, price_out)
 
 
 def _error(code: str, message: str, line: int | None = None) -> dict[str, Any]:

@@ -32,6 +32,11 @@ app.conf.update(
             "schedule": settings.reconcile_interval_s,
             "options": {"expires": settings.reconcile_interval_s},
         },
+        "invoices": {
+            "task": "tierq.billing.rollup",
+            "schedule": settings.invoice_interval_s,
+            "options": {"expires": settings.invoice_interval_s},
+        },
         "batches": {
             "task": "tierq.batches.tick",
             "schedule": settings.batch_tick_s,

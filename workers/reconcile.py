@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from models import jobs as job_repo
 from models.db import Database
-from tierq import metrics
+from tierq import metrics, tenant_policy
 from tierq.queue import enqueue, held_by_redis
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -48,6 +48,7 @@ async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list
                     continue  # it finished meanwhile
         await enqueue(r, names, job.to_message())
         requeued.append(job.id)
+    await tenant_policy.sync_all(db, r, names)
     if requeued:
         metrics.JOBS_REENQUEUED.inc(len(requeued))
         log.warning("reconciler re-enqueued %d jobs lost by Redis", len(requeued))

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from models.db import Database
 from tierq.redis_conn import connect
 from workers.batches import BatchRunner
+from workers.billing import roll_up_invoices
 from workers.celery_app import app, settings
 from workers.reconcile import reconcile
 
@@ -62,3 +63,11 @@ def batch_advance(batch_id: str) -> None:
     """Advance one batch now (asked for by the API or a worker when something changed)."""
     rt = _rt()
     rt.run(BatchRunner(settings, rt.db, rt.r).advance(batch_id))
+
+
+@app.task(name="tierq.billing.rollup")
+def billing_rollup(period: str | None = None) -> list[str]:
+    """Roll the ledger up into invoices: the given month, else this one and the last (so
+    the last month's invoice is final once its late-finishing jobs are in). Idempotent."""
+    rt = _rt()
+    return rt.run(roll_up_invoices(rt.db, period))

@@ -363,6 +363,9 @@ class Worker:
             metrics.JOBS_FINISHED.labels(job.tier.value, "succeeded").inc()
             metrics.TOKENS_SERVED.labels(job.tier.value, "prompt").inc(prompt_tokens)
             metrics.TOKENS_SERVED.labels(job.tier.value, "completion").inc(completion_tokens)
+            served_by = metrics.TENANT_TOKENS_SERVED
+            served_by.labels(job.tenant_id, job.tier.value, "prompt").inc(prompt_tokens)
+            served_by.labels(job.tenant_id, job.tier.value, "completion").inc(completion_tokens)
             await self.publisher.send(job.id, JobEvent("done", finished.to_api()))
         await self._done_with_entry(entry_id, msg, "succeeded", served)
 

@@ -5,16 +5,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from decimal import Decimal
 
 import redis
 import redis.asyncio as aioredis
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from api.errors import APIError, not_found
 from models import jobs as job_repo
+from models import prices as price_repo
+from models import quotas as quota_repo
+from models import tenants as tenant_repo
 from models.db import Database
 from models.records import JobRecord, TenantRecord
 from tierq import metrics
-from tierq.messages import JobEvent
+from tierq.messages import JobEvent, estimate_tokens
 from tierq.queue import EventLog, enqueue, forget_inflight
 from tierq.redis_names import RedisNames
 from tierq.requests import JobCreate, Refused, check
@@ -28,10 +33,22 @@ log = logging.getLogger(__name__)
 QUEUE_RETRY_AFTER_S = 2
 
 
-def _refuse(status: int, message: str, code: str, param: str | None = None) -> APIError:
+def _refuse(
+    status: int,
+    message: str,
+    code: str,
+    param: str | None = None,
+    *,
+    tenant: TenantRecord | None = None,
+    tier: Tier | None = None,
+    retry_after_s: int | None = None,
+) -> APIError:
     metrics.JOBS_REFUSED.labels(code=code).inc()
-    retry_after = QUEUE_RETRY_AFTER_S if status in (429, 503) else None
-    return APIError(status, message, code, param=param, retry_after_s=retry_after)
+    if tenant is not None:
+        metrics.TENANT_REFUSED.labels(tenant.id, tier.value if tier else "", code).inc()
+    if retry_after_s is None and status in (429, 503):
+        retry_after_s = QUEUE_RETRY_AFTER_S
+    return APIError(status, message, code, param=param, retry_after_s=retry_after_s)
 
 
 def request_hash(body: JobCreate) -> str:
@@ -84,21 +101,35 @@ async def submit(
         raise _refuse(
             400, "Idempotency-Key must be 1 to 255 characters.", "invalid_idempotency_key"
         )
-    new = job_repo.NewJob(
-        tenant_id=tenant.id,
-        tier=tier,
-        model=model,
-        messages=[m.model_dump(exclude_none=True) for m in body.messages]
-        if body.messages
-        else None,
-        prompt=body.prompt,
-        params=body.params(),
-        metadata=body.metadata,
-        idempotency_key=idempotency_key,
-        request_hash=request_hash(body),
-    )
+    messages = [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None
+    reserved = estimate_tokens(messages, body.prompt, body.max_tokens)
+    req_hash = request_hash(body)
     try:
         async with db.transaction() as s:
+            if idempotency_key is not None:
+                again = await job_repo.find_by_idempotency_key(
+                    s, tenant.id, idempotency_key, req_hash
+                )
+                if again is not None:
+                    return again, False  # a replay: no quota is charged twice
+            price = await price_repo.current_price(s, model, tier, settings.batch_discount)
+            price_in = price.input_per_million if price else Decimal(0)
+            price_out = price.output_per_million if price else Decimal(0)
+            await _admit(s, tenant, tier, reserved, body.max_tokens, price_in, price_out)
+            new = job_repo.NewJob(
+                tenant_id=tenant.id,
+                tier=tier,
+                model=model,
+                messages=messages,
+                prompt=body.prompt,
+                params=body.params(),
+                metadata=body.metadata,
+                idempotency_key=idempotency_key,
+                request_hash=req_hash,
+                reserved_tokens=reserved,
+                input_price=price_in,
+                output_price=price_out,
+            )
             job, created = await job_repo.create_job(s, new)
     except job_repo.IdempotencyConflict:
         raise _refuse(
@@ -108,6 +139,7 @@ async def submit(
         ) from None
     if created:
         metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()
+        metrics.TENANT_ADMITTED.labels(tenant.id, job.tier.value).inc()
         try:
             await enqueue(r, names, job.to_message())
         except (redis.RedisError, OSError):
@@ -124,6 +156,39 @@ async def submit(
                 "service_unavailable",
             ) from None
     return job, created
+
+
+async def _admit(
+    s: AsyncSession,
+    tenant: TenantRecord,
+    tier: Tier,
+    reserved: int,
+    max_tokens: int,
+    price_in: Decimal,
+    price_out: Decimal,
+) -> None:
+    """Refuse (429) when admitting the job would break one of the tenant's quotas; checked
+    under the tenant's lock, in the transaction that inserts the job."""
+    quotas = [
+        q
+        for q in await quota_repo.quotas_of(s, tenant.id)
+        if q.tier in (quota_repo.ALL_TIERS, tier.value) and not q.empty
+    ]
+    if not quotas:
+        return
+    await tenant_repo.lock_tenant(s, tenant.id)
+    cost = quota_repo.reservation_cost(reserved, max_tokens, price_in, price_out)
+    for quota in quotas:
+        refusal = await quota_repo.check(s, quota, tier.value, reserved, cost)
+        if refusal is not None:
+            raise _refuse(
+                429,
+                refusal.message,
+                refusal.code,
+                tenant=tenant,
+                tier=tier,
+                retry_after_s=refusal.retry_after_s,
+            )
 
 
 async def cancel(

@@ -359,3 +359,32 @@ async def test_an_upload_over_the_limit_is_refused_before_it_is_read(platform: P
             "/v1/files", files={"file": ("big.jsonl", b"x" * 100_000)}, data={"purpose": "batch"}
         )
     assert_openai_error(resp, 413, "request_too_large")
+
+
+async def test_a_batch_over_the_tenants_budget_is_refused_before_it_starts(
+    platform: Platform, celery: CeleryWorker
+) -> None:
+    admin_client = httpx.AsyncClient(
+        base_url=platform.url,
+        headers={"Authorization": f"Bearer {platform.settings.admin_api_key}"},
+    )
+    async with admin_client as a:
+        tenant = (await a.post("/admin/tenants", json={"name": "budgeted"})).json()
+        key = (await a.post(f"/admin/tenants/{tenant['id']}/keys")).json()["key"]
+        # 20 lines reserve about 20 x (4 + 8) tokens: more than 100.
+        await a.put(f"/admin/tenants/{tenant['id']}/quota", json={"token_budget": 100})
+    client = sdk(platform, key)
+    batch = await submit(client, jsonl([line(f"b{i}") for i in range(20)]))
+    done = await finished(client, batch.id, celery)
+    assert done.status == "failed" and done.errors is not None and done.errors.data
+    assert [e.code for e in done.errors.data] == ["budget_exceeded"]
+    async with platform.db.session() as s:
+        counts = await batch_repo.job_counts(s, batch.id)
+    assert counts == {}  # refused whole: nothing of it ran
+    small = await submit(client, jsonl([line(f"s{i}") for i in range(3)]))  # 36 tokens: fits
+    for _ in range(100):
+        current = await client.batches.retrieve(small.id)
+        if current.status != "validating":
+            break
+        await asyncio.sleep(0.1)
+    assert current.status == "in_progress"

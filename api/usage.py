@@ -1,0 +1,82 @@
+"""Usage from the ledger, for the admin (any tenant) and for a tenant itself (`/v1/usage`)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from api.deps import DbDep, TenantDep
+from api.errors import APIError
+from models import billing
+from models.db import Database
+
+router = APIRouter(tags=["usage"])
+
+
+def parse_time(value: str | None, name: str) -> datetime | None:
+    """Unix seconds, an ISO 8601 date (`2026-11-01`) or date-time; UTC when no zone."""
+    if value is None or value == "":
+        return None
+    try:
+        if value.lstrip("-").replace(".", "", 1).isdigit():
+            return datetime.fromtimestamp(float(value), UTC)
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except (ValueError, OverflowError):
+        raise APIError(
+            400,
+            f"'{name}' must be Unix seconds or an ISO 8601 date or date-time.",
+            "invalid_request",
+            param=name,
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def parse_group_by(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return ()
+    parts = tuple(p.strip() for p in value.split(",") if p.strip())
+    bad = [p for p in parts if p not in billing.GROUPS]
+    if bad or len(set(parts)) != len(parts):
+        raise APIError(
+            400,
+            f"'group_by' takes a comma-separated subset of {', '.join(billing.GROUPS)}.",
+            "invalid_request",
+            param="group_by",
+        )
+    return parts
+
+
+async def usage_report(
+    db: Database,
+    tenant_id: str,
+    start: str | None,
+    end: str | None,
+    group_by: str | None,
+) -> dict[str, Any]:
+    since, until = parse_time(start, "from"), parse_time(end, "to")
+    groups = parse_group_by(group_by) or ("day",)
+    async with db.session() as s:
+        rows = await billing.ledger(s, tenant_id, since, until)
+    return {
+        "object": "list",
+        "tenant_id": tenant_id,
+        "from": start,
+        "to": end,
+        "group_by": list(groups),
+        "data": billing.group(rows, groups),
+        "total": billing.total(rows).to_api(),
+    }
+
+
+@router.get("/v1/usage")
+async def own_usage(
+    tenant: TenantDep,
+    db: DbDep,
+    start: Annotated[str | None, Query(alias="from")] = None,
+    end: Annotated[str | None, Query(alias="to")] = None,
+    group_by: str | None = None,
+) -> dict[str, Any]:
+    """The caller's own usage: tokens and cost per day, tier or model."""
+    return await usage_report(db, tenant.id, start, end, group_by)

@@ -1,0 +1,109 @@
+"""Prices per model and tier: every SQL statement about them. A change is a new row
+effective from now; jobs keep the price they were admitted under (copied onto the job)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from models.records import as_utc, unix
+from models.tables import Price, utcnow
+from tierq.tiers import Tier
+
+
+@dataclass(frozen=True)
+class PriceRecord:
+    model: str
+    tier: str
+    input_per_million: Decimal
+    output_per_million: Decimal
+    effective_at: datetime | None
+    derived: bool = False  # the batch tier's price from the standard one and the discount
+
+    def to_api(self) -> dict[str, Any]:
+        return {
+            "object": "price",
+            "model": self.model,
+            "tier": self.tier,
+            "input_per_million": str(self.input_per_million),
+            "output_per_million": str(self.output_per_million),
+            "effective_at": unix(self.effective_at),
+            "derived_from_standard": self.derived,
+        }
+
+
+FREE = (Decimal(0), Decimal(0))
+
+
+async def set_price(
+    s: AsyncSession, model: str, tier: str, input_per_million: Decimal, output_per_million: Decimal
+) -> PriceRecord:
+    row = Price(
+        model=model,
+        tier=tier,
+        input_per_million=input_per_million,
+        output_per_million=output_per_million,
+        effective_at=utcnow(),
+    )
+    s.add(row)
+    await s.flush()
+    return PriceRecord(model, tier, input_per_million, output_per_million, as_utc(row.effective_at))
+
+
+async def _latest(s: AsyncSession, model: str, tier: str, as_of: datetime | None) -> Price | None:
+    stmt = select(Price).where(Price.model == model, Price.tier == tier)
+    if as_of is not None:
+        stmt = stmt.where(Price.effective_at <= as_of)
+    stmt = stmt.order_by(Price.effective_at.desc(), Price.id.desc()).limit(1)
+    return (await s.execute(stmt)).scalar_one_or_none()
+
+
+async def current_price(
+    s: AsyncSession,
+    model: str,
+    tier: Tier,
+    batch_discount: Decimal,
+    as_of: datetime | None = None,
+) -> PriceRecord | None:
+    """The price in force (at `as_of`, default now); the batch tier without a price of its
+    own pays the standard tier's less `batch_discount` (a fraction)."""
+    row = await _latest(s, model, tier.value, as_of)
+    if row is not None:
+        return PriceRecord(
+            row.model,
+            row.tier,
+            row.input_per_million,
+            row.output_per_million,
+            as_utc(row.effective_at),
+        )
+    if tier == Tier.BATCH:
+        base = await _latest(s, model, Tier.STANDARD.value, as_of)
+        if base is not None:
+            keep = Decimal(1) - batch_discount
+            return PriceRecord(
+                model,
+                tier.value,
+                base.input_per_million * keep,
+                base.output_per_million * keep,
+                as_utc(base.effective_at),
+                derived=True,
+            )
+    return None
+
+
+async def current_prices(s: AsyncSession) -> list[PriceRecord]:
+    rows = list((await s.execute(select(Price).order_by(Price.effective_at, Price.id))).scalars())
+    latest: dict[tuple[str, str], Price] = {}
+    for row in rows:
+        latest[(row.model, row.tier)] = row
+    return [
+        PriceRecord(
+            r.model, r.tier, r.input_per_million, r.output_per_million, as_utc(r.effective_at)
+        )
+        for r in sorted(latest.values(), key=lambda r: (r.model, r.tier))
+    ]

@@ -1,0 +1,290 @@
+"""Quotas and their enforcement at admission: every SQL statement about them.
+
+Admission runs the checks inside the transaction that inserts the job, after locking
+the tenant's row (`lock_tenant`): two submissions of one tenant are serialised, so 100
+concurrent requests against a limit of 10 admit exactly 10, on PostgreSQL (the row lock)
+and on SQLite (a writer holds the whole database). The counters are the jobs and usage
+tables themselves — exact, and with the database as their record.
+
+- requests_per_minute: jobs admitted over the last 60 s (a sliding window).
+- tokens_per_minute: tokens of those jobs — the reservation (prompt estimate +
+  max_tokens) until a job finishes, its real prompt + completion tokens after.
+- max_queued: the tenant's jobs waiting in the queue (refused beyond it).
+- max_running: enforced by the dispatcher, which starts no more of the tenant's jobs at
+  once (they wait; nothing is refused).
+- token_budget / spend_budget per budget_period (day, month, or total): the ledger of
+  the period plus what unfinished jobs reserve.
+Jobs that batches expand into count against budgets only (checked for the whole file
+before the batch starts), not against the per-minute and queue limits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from models.records import as_utc
+from models.tables import Job, Quota, UsageRecord, utcnow
+from tierq.states import JobStatus
+
+ALL_TIERS = "*"
+PERIODS = ("day", "month", "total")
+LIMIT_FIELDS = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_running",
+    "max_queued",
+    "token_budget",
+    "spend_budget",
+)
+MILLION = Decimal(1_000_000)
+
+
+@dataclass(frozen=True)
+class QuotaRecord:
+    tenant_id: str
+    tier: str  # "*" for all tiers
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_running: int | None
+    max_queued: int | None
+    token_budget: int | None
+    spend_budget: Decimal | None
+    budget_period: str
+
+    @classmethod
+    def from_row(cls, row: Quota) -> QuotaRecord:
+        return cls(
+            row.tenant_id,
+            row.tier,
+            row.requests_per_minute,
+            row.tokens_per_minute,
+            row.max_running,
+            row.max_queued,
+            row.token_budget,
+            row.spend_budget,
+            row.budget_period,
+        )
+
+    @property
+    def empty(self) -> bool:
+        return all(getattr(self, f) is None for f in LIMIT_FIELDS)
+
+    def to_api(self) -> dict[str, Any]:
+        return {
+            "tier": None if self.tier == ALL_TIERS else self.tier,
+            "requests_per_minute": self.requests_per_minute,
+            "tokens_per_minute": self.tokens_per_minute,
+            "max_running": self.max_running,
+            "max_queued": self.max_queued,
+            "token_budget": self.token_budget,
+            "spend_budget": None if self.spend_budget is None else str(self.spend_budget),
+            "budget_period": self.budget_period,
+        }
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: str  # rate_limit_exceeded | quota_exceeded | budget_exceeded
+    message: str
+    retry_after_s: int
+
+
+async def set_quota(s: AsyncSession, tenant_id: str, tier: str, **limits: Any) -> QuotaRecord:
+    row = (
+        await s.execute(select(Quota).where(Quota.tenant_id == tenant_id, Quota.tier == tier))
+    ).scalar_one_or_none()
+    if row is None:
+        row = Quota(tenant_id=tenant_id, tier=tier)
+        s.add(row)
+    for name, value in limits.items():
+        setattr(row, name, value)
+    row.updated_at = utcnow()
+    await s.flush()
+    return QuotaRecord.from_row(row)
+
+
+async def quotas_of(s: AsyncSession, tenant_id: str) -> list[QuotaRecord]:
+    stmt = select(Quota).where(Quota.tenant_id == tenant_id).order_by(Quota.tier)
+    return [QuotaRecord.from_row(r) for r in (await s.execute(stmt)).scalars()]
+
+
+async def all_max_running(s: AsyncSession) -> dict[str, dict[str, int]]:
+    """tenant id -> tier ("*" for all) -> max_running, for the dispatcher."""
+    stmt = select(Quota.tenant_id, Quota.tier, Quota.max_running).where(
+        Quota.max_running.is_not(None)
+    )
+    out: dict[str, dict[str, int]] = {}
+    for tenant_id, tier, limit in (await s.execute(stmt)).all():
+        if limit is not None:
+            out.setdefault(tenant_id, {})[tier] = int(limit)
+    return out
+
+
+def period_bounds(period: str, now: datetime) -> tuple[datetime | None, datetime | None]:
+    """[start, end) of the budget period containing `now` (None, None for "total")."""
+    if period == "day":
+        start = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        return start, start + timedelta(days=1)
+    if period == "month":
+        start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        nxt = (start + timedelta(days=32)).replace(day=1)
+        return start, nxt
+    return None, None
+
+
+def _scope(stmt: Any, column_tier: Any, tier: str) -> Any:
+    return stmt if tier == ALL_TIERS else stmt.where(column_tier == tier)
+
+
+async def check(
+    s: AsyncSession,
+    quota: QuotaRecord,
+    tier: str,
+    reserved_tokens: int,
+    reserved_cost: Decimal,
+    *,
+    online: bool = True,
+    now: datetime | None = None,
+) -> Refusal | None:
+    """The first limit of `quota` that admitting this job would break, or None."""
+    now = now or datetime.now(UTC)
+    scope = f" for the {tier} tier" if quota.tier != ALL_TIERS else ""
+    tenant = quota.tenant_id
+    minute_ago = now - timedelta(seconds=60)
+    if online and (quota.requests_per_minute is not None or quota.tokens_per_minute is not None):
+        tokens = func.coalesce(Job.prompt_tokens + Job.completion_tokens, Job.reserved_tokens)
+        stmt = _scope(
+            select(
+                func.count(), func.coalesce(func.sum(tokens), 0), func.min(Job.created_at)
+            ).where(Job.tenant_id == tenant, Job.created_at >= minute_ago, Job.batch_id.is_(None)),
+            Job.tier,
+            quota.tier,
+        )
+        count, used, oldest = (await s.execute(stmt)).one()
+        wait = 1
+        if oldest is not None:
+            wait = max(1, math.ceil(60 - (now - (as_utc(oldest) or now)).total_seconds()))
+        if quota.requests_per_minute is not None and count >= quota.requests_per_minute:
+            return Refusal(
+                "rate_limit_exceeded",
+                f"Rate limit reached{scope}: {quota.requests_per_minute} requests per minute.",
+                wait,
+            )
+        if quota.tokens_per_minute is not None and used + reserved_tokens > quota.tokens_per_minute:
+            return Refusal(
+                "rate_limit_exceeded",
+                f"Rate limit reached{scope}: {quota.tokens_per_minute} tokens per minute "
+                f"({used} used, {reserved_tokens} requested).",
+                wait,
+            )
+    if online and quota.max_queued is not None:
+        stmt = _scope(
+            select(func.count()).where(
+                Job.tenant_id == tenant,
+                Job.status == JobStatus.QUEUED.value,
+                Job.batch_id.is_(None),
+            ),
+            Job.tier,
+            quota.tier,
+        )
+        queued = int((await s.execute(stmt)).scalar_one())
+        if queued >= quota.max_queued:
+            return Refusal(
+                "quota_exceeded",
+                f"Too many queued jobs{scope}: at most {quota.max_queued} may wait at once.",
+                1,
+            )
+    if quota.token_budget is not None or quota.spend_budget is not None:
+        start, end = period_bounds(quota.budget_period, now)
+        wait = 3600 if end is None else max(1, math.ceil((end - now).total_seconds()))
+        used_tokens, used_cost = await spent(s, tenant, quota.tier, start)
+        held_tokens, held_cost = await _reserved(s, tenant, quota.tier)
+        if quota.token_budget is not None and (
+            used_tokens + held_tokens + reserved_tokens > quota.token_budget
+        ):
+            return Refusal(
+                "budget_exceeded",
+                f"Token budget{scope} of {quota.token_budget} for this {quota.budget_period} "
+                f"would be exceeded ({used_tokens} used, {held_tokens} reserved, "
+                f"{reserved_tokens} requested).",
+                wait,
+            )
+        if quota.spend_budget is not None and (
+            used_cost + held_cost + reserved_cost > quota.spend_budget
+        ):
+            return Refusal(
+                "budget_exceeded",
+                f"Spend budget{scope} of {quota.spend_budget} for this {quota.budget_period} "
+                f"would be exceeded ({used_cost} spent, {held_cost} reserved, "
+                f"{reserved_cost} requested).",
+                wait,
+            )
+    return None
+
+
+async def spent(
+    s: AsyncSession, tenant_id: str, tier: str, since: datetime | None
+) -> tuple[int, Decimal]:
+    stmt = select(UsageRecord.prompt_tokens, UsageRecord.completion_tokens, UsageRecord.cost).where(
+        UsageRecord.tenant_id == tenant_id
+    )
+    if since is not None:
+        stmt = stmt.where(UsageRecord.created_at >= since)
+    stmt = _scope(stmt, UsageRecord.tier, tier)
+    tokens, cost = 0, Decimal(0)
+    for prompt, completion, amount in (await s.execute(stmt)).all():
+        tokens += prompt + completion
+        cost += amount
+    return tokens, cost
+
+
+async def last_minute(s: AsyncSession, tenant_id: str, tier: str, now: datetime) -> tuple[int, int]:
+    """(requests, tokens) of the tenant's online jobs admitted over the last 60 s."""
+    tokens = func.coalesce(Job.prompt_tokens + Job.completion_tokens, Job.reserved_tokens)
+    stmt = _scope(
+        select(func.count(), func.coalesce(func.sum(tokens), 0)).where(
+            Job.tenant_id == tenant_id,
+            Job.created_at >= now - timedelta(seconds=60),
+            Job.batch_id.is_(None),
+        ),
+        Job.tier,
+        tier,
+    )
+    count, used = (await s.execute(stmt)).one()
+    return int(count), int(used)
+
+
+async def _reserved(s: AsyncSession, tenant_id: str, tier: str) -> tuple[int, Decimal]:
+    """What the tenant's unfinished jobs hold against its budget."""
+    stmt = _scope(
+        select(Job.reserved_tokens, Job.params, Job.input_price, Job.output_price).where(
+            Job.tenant_id == tenant_id,
+            Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
+        ),
+        Job.tier,
+        tier,
+    )
+    tokens, cost = 0, Decimal(0)
+    for reserved, params, price_in, price_out in (await s.execute(stmt)).all():
+        tokens += reserved
+        max_tokens = int((params or {}).get("max_tokens", 0))
+        cost += reservation_cost(reserved, max_tokens, price_in, price_out)
+    return tokens, cost
+
+
+def reservation_cost(
+    reserved_tokens: int, max_tokens: int, price_in: Decimal | None, price_out: Decimal | None
+) -> Decimal:
+    """The most a job can cost: its estimated prompt at the input price, max_tokens at the
+    output price."""
+    prompt = max(0, reserved_tokens - max_tokens)
+    return (
+        Decimal(prompt) * (price_in or Decimal(0)) + Decimal(max_tokens) * (price_out or Decimal(0))
+    ) / MILLION
