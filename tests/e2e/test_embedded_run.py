@@ -38,6 +38,16 @@ async def test_embedded_default_serves_and_ctrl_c_leaves_nothing_behind(tmp_path
             ).json()
             done = await wait_for(c, job["id"], timeout=120)
         assert done["status"] == "succeeded" and done["usage"]["completion_tokens"] > 0
+        # The admin API, with the key `tierq run` made for it (mode 0600), on SQLite too.
+        admin_file = live.state_dir / "admin-api-key"
+        assert stat.S_IMODE(admin_file.stat().st_mode) == 0o600
+        async with client(live.url, admin_file.read_text().strip()) as a:
+            tenants = (await a.get("/admin/tenants")).json()["data"]
+            assert [t["name"] for t in tenants] == ["dev"]
+            usage = (await a.get(f"/admin/tenants/{tenants[0]['id']}/usage")).json()
+            assert usage["total"]["completion_tokens"] == done["usage"]["completion_tokens"]
+        async with client(live.url, live.key) as c:
+            assert (await c.get("/admin/tenants")).status_code == 403
         left = live.stop()
     finally:
         live.kill_everything()

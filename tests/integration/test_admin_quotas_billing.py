@@ -356,3 +356,75 @@ async def test_no_tenant_reaches_another_tenants_jobs_files_batches_or_usage(
         assert_openai_error(await b.get(f"/admin/tenants/{_a_id}/usage"), 403)
     async with client(platform.url, a_key) as a:
         assert (await a.get(f"/v1/jobs/{job['id']}")).json()["status"] == "queued"
+
+
+async def test_the_batch_tier_pays_the_standard_price_less_the_discount(platform: Platform) -> None:
+    _tenant_id, key = await new_tenant(platform)
+    async with admin(platform) as a:
+        await a.put(
+            "/admin/prices",
+            json={
+                "model": MODEL,
+                "tier": "standard",
+                "input_per_million": "0.30",
+                "output_per_million": "1.20",
+            },
+        )
+        derived = [p for p in (await a.get("/admin/prices")).json()["data"] if p["tier"] == "batch"]
+        assert derived == []  # only prices that were set are listed
+    platform.start_dispatcher()
+    await platform.start_worker("w1")
+    async with client(platform.url, key) as t:
+        job = (await t.post("/v1/jobs", json={**JOB, "tier": "batch"})).json()
+        assert (await wait_for(t, job["id"]))["status"] == "succeeded"
+    async with platform.db.session() as s:
+        record = await s.get(UsageRecord, job["id"])
+    assert record is not None
+    assert (record.input_price, record.output_price) == (Decimal("0.150"), Decimal("0.600"))
+    assert record.cost == (
+        record.prompt_tokens * Decimal("0.15") + record.completion_tokens * Decimal("0.6")
+    ) / Decimal(1_000_000)
+
+
+async def test_operators_use_the_admin_cli(platform: Platform) -> None:
+    from typer.testing import CliRunner
+
+    from tierq.cli import app
+
+    runner = CliRunner()
+    args = ["--url", platform.url, "--admin-key", platform.settings.admin_api_key or ""]
+
+    def run(*argv: str) -> str:
+        result = runner.invoke(app, ["admin", *argv, *args])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    async def cli(*argv: str) -> str:  # the platform serves from this event loop
+        return await asyncio.to_thread(run, *argv)
+
+    created = json.loads(await cli("tenant", "create", "cli-tenant", "--weight", "2"))
+    tenant_id, key = created["id"], created["key"]["key"]
+    assert created["weight"] == 2
+    assert "cli-tenant" in await cli("tenant", "list")
+    quota = json.loads(await cli("quota", "set", tenant_id, "--rpm", "1"))
+    assert quota["requests_per_minute"] == 1 and quota["max_queued"] is None
+    async with client(platform.url, key) as t:
+        assert (await t.post("/v1/jobs", json=JOB)).status_code == 202
+        assert_openai_error(await t.post("/v1/jobs", json=JOB), 429, "rate_limit_exceeded")
+    second = json.loads(await cli("key", "create", tenant_id))
+    assert second["key"].startswith(second["prefix"])
+    revoked = json.loads(await cli("key", "revoke", second["id"]))
+    assert revoked["revoked_at"] is not None
+    async with client(platform.url, second["key"]) as t:
+        assert_openai_error(await t.get("/v1/jobs"), 401)
+    assert json.loads(await cli("tenant", "suspend", tenant_id))["status"] == "suspended"
+    async with client(platform.url, key) as t:
+        assert_openai_error(await t.get("/v1/jobs"), 401)
+    assert "total" in await cli("usage", tenant_id, "--group-by", "tier")
+    async with httpx.AsyncClient(base_url=platform.url) as anon:
+        metrics = (await anon.get("/metrics")).text
+    assert (
+        f'tierq_tenant_jobs_refused_total{{code="rate_limit_exceeded",tenant="{tenant_id}",tier="standard"}}'
+        in metrics
+    )
+    assert f'tierq_tenant_jobs_admitted_total{{tenant="{tenant_id}",tier="standard"}}' in metrics
