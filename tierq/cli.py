@@ -253,7 +253,10 @@ def _follow(client: BatchClient, batch_id: str) -> dict[str, Any]:
         TextColumn("eta"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, transient=False) as progress:
+    from rich.console import Console
+
+    # On stderr, so that stdout carries only the batch's JSON (pipe it to jq).
+    with Progress(*columns, transient=False, console=Console(stderr=True)) as progress:
         task = progress.add_task(batch_id, total=None, status="validating", ok=0, failed=0)
 
         def update(batch: dict[str, Any]) -> None:

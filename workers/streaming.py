@@ -54,10 +54,15 @@ class EventPublisher:
             try:
                 await self.events.append_many([(job_id, event) for job_id, event, _ in batch])
             except Exception as exc:
-                log.exception("publishing %d job events failed", len(batch))
                 for _, _, fut in batch:
                     if fut is not None and not fut.done():
                         fut.set_exception(exc)
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # redis-py may report a cancelled read as a ConnectionError: this is
+                    # our own cancellation (shutdown), not a failure to carry on past.
+                    raise asyncio.CancelledError from exc
+                log.exception("publishing %d job events failed", len(batch))
                 continue
             for _, _, fut in batch:
                 if fut is not None and not fut.done():

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -388,3 +389,33 @@ async def test_a_batch_over_the_tenants_budget_is_refused_before_it_starts(
             break
         await asyncio.sleep(0.1)
     assert current.status == "in_progress"
+
+
+async def test_the_batch_cli_submits_waits_and_downloads(
+    running: Platform, celery: CeleryWorker, tenant_key: str, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from tierq.cli import app
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_bytes(
+        jsonl([line(f"cli-{i}") for i in range(12)] + [line("bad", max_tokens=5000)])
+    )
+    common = ["--url", running.url, "--key", tenant_key]
+    runner = CliRunner()
+
+    def invoke(*argv: str) -> Any:
+        return runner.invoke(app, ["batch", *argv, *common])
+
+    submitted = await asyncio.to_thread(invoke, "submit", str(requests), "--wait")
+    assert submitted.exit_code == 0, submitted.output
+    batch = json.loads(submitted.stdout[submitted.stdout.index("{") :])
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": 13, "completed": 12, "failed": 1}
+    out = tmp_path / "results"
+    downloaded = await asyncio.to_thread(invoke, "download", batch["id"], "--out", str(out))
+    assert downloaded.exit_code == 0, downloaded.output
+    output = (out / f"{batch['id']}_output.jsonl").read_text().splitlines()
+    errors = (out / f"{batch['id']}_error.jsonl").read_text().splitlines()
+    assert len(output) == 12 and [json.loads(e)["custom_id"] for e in errors] == ["bad"]
