@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -28,6 +29,7 @@ from models.records import JobRecord, TenantRecord
 from tierq import openai_compat as oa
 from tierq.queue import EventLog
 from tierq.redis_names import RedisNames
+from tierq.settings import Settings
 from tierq.states import TERMINAL
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,7 @@ class _Context:
         request: Request,
         tenant: TenantRecord,
         db: Database,
-        r: Any,
+        r: aioredis.Redis,
         names: RedisNames,
         events: EventLog,
     ) -> None:
@@ -131,7 +133,7 @@ async def _complete(
     ctx: _Context,
     body: oa.ChatCompletionRequest | oa.CompletionRequest,
     chat: bool,
-    settings: Any,
+    settings: Settings,
 ) -> JSONResponse | StreamingResponse:
     try:
         job_body = body.to_job()
