@@ -20,6 +20,7 @@ import httpx
 from tierq.settings import Settings
 
 PROMPT = "Write a short story about a robot who learns to paint."
+POLL_S = 0.1
 
 
 async def _platform(url: str, key: str, n: int, max_tokens: int, tier: str) -> dict[str, Any]:
@@ -47,21 +48,26 @@ async def _platform(url: str, key: str, n: int, max_tokens: int, tier: str) -> d
 
 
 async def _wait(client: httpx.AsyncClient, ids: list[str]) -> list[dict[str, Any]]:
-    """Poll as a considerate client does: one list request per tick, not one per job."""
+    """Poll as a considerate client does: one list request per tick, not one per job, and
+    no further pages once every job of the run has been seen (older jobs are not read)."""
     wanted = set(ids)
     done: dict[str, dict[str, Any]] = {}
     while len(done) < len(ids):
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(POLL_S)
         after: str | None = None
+        seen: set[str] = set()
         while True:
             params: dict[str, Any] = {"limit": 100}
             if after:
                 params["after"] = after
             page = (await client.get("/v1/jobs", params=params)).json()
             for job in page["data"]:
-                if job["id"] in wanted and job["status"] in ("succeeded", "failed", "cancelled"):
+                if job["id"] not in wanted:
+                    continue
+                seen.add(job["id"])
+                if job["status"] in ("succeeded", "failed", "cancelled"):
                     done[job["id"]] = job
-            if not page["has_more"] or all(j["id"] not in wanted for j in page["data"]):
+            if not page["has_more"] or seen == wanted:
                 break
             after = page["last_id"]
     return [done[i] for i in ids]
