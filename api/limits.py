@@ -10,7 +10,7 @@ from api.errors import error_body
 
 
 class _TooLarge(Exception):
-    pass
+    """Raised into the app from a counted upload that outgrew its limit."""
 
 
 class BodySizeLimit:

@@ -12,9 +12,10 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from models.pages import after_anchor
 from models.records import BatchRecord, JobRecord
 from models.tables import Batch, Job, JobTransition, utcnow
 from models.tenants import new_id
@@ -79,17 +80,13 @@ async def list_batches(
 ) -> tuple[list[BatchRecord], bool]:
     """Newest first; `after` is the id of the last batch of the previous page."""
     stmt = select(Batch).where(Batch.tenant_id == tenant_id)
+    anchor = None
     if after is not None:
-        anchor = await get_batch(s, after, tenant_id)
-        if anchor is None:
+        found = await get_batch(s, after, tenant_id)
+        if found is None:
             return [], False
-        stmt = stmt.where(
-            or_(
-                Batch.created_at < anchor.created_at,
-                and_(Batch.created_at == anchor.created_at, Batch.id < anchor.id),
-            )
-        )
-    stmt = stmt.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
+        anchor = (found.created_at, found.id)
+    stmt = after_anchor(stmt, Batch.created_at, Batch.id, anchor, limit)
     rows = list((await s.execute(stmt)).scalars())
     return [BatchRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from sqlalchemy import and_, delete, or_, select
+from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from models.pages import after_anchor
 from models.records import FileRecord
 from models.tables import File, utcnow
 
@@ -48,29 +49,14 @@ async def list_files(
     stmt = select(File).where(File.tenant_id == tenant_id)
     if purpose is not None:
         stmt = stmt.where(File.purpose == purpose)
+    anchor = None
     if after is not None:
-        anchor = await get_file(s, after, tenant_id)
-        if anchor is None:
+        found = await get_file(s, after, tenant_id)
+        if found is None:
             return [], False
-        if newest_first:
-            stmt = stmt.where(
-                or_(
-                    File.created_at < anchor.created_at,
-                    and_(File.created_at == anchor.created_at, File.id < anchor.id),
-                )
-            )
-        else:
-            stmt = stmt.where(
-                or_(
-                    File.created_at > anchor.created_at,
-                    and_(File.created_at == anchor.created_at, File.id > anchor.id),
-                )
-            )
-    if newest_first:
-        stmt = stmt.order_by(File.created_at.desc(), File.id.desc())
-    else:
-        stmt = stmt.order_by(File.created_at, File.id)
-    rows = list((await s.execute(stmt.limit(limit + 1))).scalars())
+        anchor = (found.created_at, found.id)
+    stmt = after_anchor(stmt, File.created_at, File.id, anchor, limit, newest_first)
+    rows = list((await s.execute(stmt)).scalars())
     return [FileRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
 
 

@@ -17,6 +17,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from models.pages import after_anchor
 from models.records import JobRecord
 from models.tables import Job, JobTransition, UsageRecord, utcnow
 from models.tenants import new_id
@@ -139,17 +140,13 @@ async def list_jobs(
         stmt = stmt.where(Job.status == status.value)
     if tier is not None:
         stmt = stmt.where(Job.tier == tier.value)
+    anchor = None
     if after is not None:
-        anchor = await get_job(s, after, tenant_id)
-        if anchor is None:
+        found = await get_job(s, after, tenant_id)
+        if found is None:
             return [], False
-        stmt = stmt.where(
-            or_(
-                Job.created_at < anchor.created_at,
-                and_(Job.created_at == anchor.created_at, Job.id < anchor.id),
-            )
-        )
-    stmt = stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
+        anchor = (found.created_at, found.id)
+    stmt = after_anchor(stmt, Job.created_at, Job.id, anchor, limit)
     rows = list((await s.execute(stmt)).scalars())
     return [JobRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
 

@@ -157,20 +157,11 @@ async def check(
     now = now or datetime.now(UTC)
     scope = f" for the {tier} tier" if quota.tier != ALL_TIERS else ""
     tenant = quota.tenant_id
-    minute_ago = now - timedelta(seconds=60)
     if online and (quota.requests_per_minute is not None or quota.tokens_per_minute is not None):
-        tokens = func.coalesce(Job.prompt_tokens + Job.completion_tokens, Job.reserved_tokens)
-        stmt = _scope(
-            select(
-                func.count(), func.coalesce(func.sum(tokens), 0), func.min(Job.created_at)
-            ).where(Job.tenant_id == tenant, Job.created_at >= minute_ago, Job.batch_id.is_(None)),
-            Job.tier,
-            quota.tier,
-        )
-        count, used, oldest = (await s.execute(stmt)).one()
+        count, used, oldest = await _minute_window(s, tenant, quota.tier, now)
         wait = 1
         if oldest is not None:
-            wait = max(1, math.ceil(60 - (now - (as_utc(oldest) or now)).total_seconds()))
+            wait = max(1, math.ceil(60 - (now - oldest).total_seconds()))
         if quota.requests_per_minute is not None and count >= quota.requests_per_minute:
             return Refusal(
                 "rate_limit_exceeded",
@@ -247,9 +238,18 @@ async def spent(
 
 async def last_minute(s: AsyncSession, tenant_id: str, tier: str, now: datetime) -> tuple[int, int]:
     """(requests, tokens) of the tenant's online jobs admitted over the last 60 s."""
+    count, used, _oldest = await _minute_window(s, tenant_id, tier, now)
+    return count, used
+
+
+async def _minute_window(
+    s: AsyncSession, tenant_id: str, tier: str, now: datetime
+) -> tuple[int, int, datetime | None]:
+    """Requests, tokens (the reservation until a job finishes, its real count after) and
+    the oldest admission of the tenant's online jobs over the last 60 s (sliding)."""
     tokens = func.coalesce(Job.prompt_tokens + Job.completion_tokens, Job.reserved_tokens)
     stmt = _scope(
-        select(func.count(), func.coalesce(func.sum(tokens), 0)).where(
+        select(func.count(), func.coalesce(func.sum(tokens), 0), func.min(Job.created_at)).where(
             Job.tenant_id == tenant_id,
             Job.created_at >= now - timedelta(seconds=60),
             Job.batch_id.is_(None),
@@ -257,8 +257,8 @@ async def last_minute(s: AsyncSession, tenant_id: str, tier: str, now: datetime)
         Job.tier,
         tier,
     )
-    count, used = (await s.execute(stmt)).one()
-    return int(count), int(used)
+    count, used, oldest = (await s.execute(stmt)).one()
+    return int(count), int(used), as_utc(oldest)
 
 
 async def _reserved(s: AsyncSession, tenant_id: str, tier: str) -> tuple[int, Decimal]:

@@ -5,12 +5,24 @@ writes to its error file."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tierq.settings import Settings
 from tierq.tiers import Tier
+
+
+def _check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    if v is not None and (
+        len(v) > 16 or any(len(k) > 64 or len(val) > 512 for k, val in v.items())
+    ):
+        raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
+    return v
+
+
+# OpenAI's metadata limits; jobs and batches take the same.
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_check_metadata)]
 
 
 class Refused(Exception):
@@ -46,7 +58,7 @@ class JobCreate(BaseModel):
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
 
     @field_validator("stop")
     @classmethod
@@ -57,15 +69,6 @@ class JobCreate(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("at most 4 non-empty stop sequences")
         return stops
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None and (
-            len(v) > 16 or any(len(k) > 64 or len(val) > 512 for k, val in v.items())
-        ):
-            raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
-        return v
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:

@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from api.admin.schemas import PriceSet, QuotaSet, TenantCreate, TenantUpdate
 from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, require_admin
 from api.errors import APIError, not_found
+from api.pages import list_page
 from api.usage import usage_report
 from models import batches as batch_repo
 from models import billing
@@ -32,16 +33,6 @@ from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
-
-
-def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items and "id" in items[0] else None,
-        "last_id": items[-1]["id"] if items and "id" in items[-1] else None,
-        "has_more": has_more,
-    }
 
 
 async def _tenant(db: Database, tenant_id: str) -> TenantRecord:
@@ -82,7 +73,7 @@ async def list_tenants(
 ) -> dict[str, Any]:
     async with db.session() as s:
         page, more = await tenant_repo.list_tenants(s, after, min(limit, 1000))
-    return _page([t.to_api() for t in page], more)
+    return list_page([t.to_api() for t in page], more)
 
 
 @router.get("/tenants/{tenant_id}")
@@ -204,7 +195,7 @@ async def list_keys(tenant_id: str, db: DbDep) -> dict[str, Any]:
     await _tenant(db, tenant_id)
     async with db.session() as s:
         keys = await tenant_repo.list_keys(s, tenant_id)
-    return _page([k.to_api() for k in keys], False)
+    return list_page([k.to_api() for k in keys], False)
 
 
 @router.delete("/keys/{key_id}")

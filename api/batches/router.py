@@ -11,10 +11,12 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, TenantDep
 from api.errors import APIError, not_found
+from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
 from tierq import batch_signal, metrics
 from tierq.openai_compat import ENDPOINTS
+from tierq.requests import Metadata
 from tierq.tiers import Tier
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -26,22 +28,13 @@ class BatchCreate(BaseModel):
     input_file_id: str
     endpoint: str
     completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
 
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, v: str) -> str:
         if v not in ENDPOINTS:
             raise ValueError(f"must be one of {', '.join(ENDPOINTS)}")
-        return v
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None and (
-            len(v) > 16 or any(len(k) > 64 or len(val) > 512 for k, val in v.items())
-        ):
-            raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
         return v
 
 
@@ -98,13 +91,7 @@ async def list_batches(
     async with db.session() as s:
         page, has_more = await batch_repo.list_batches(s, tenant.id, after=after, limit=limit)
         data = [b.to_api(await batch_repo.live_counts(s, b)) for b in page]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return list_page(data, has_more)
 
 
 @router.get("/{batch_id}")

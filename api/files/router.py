@@ -13,6 +13,7 @@ from starlette.datastructures import UploadFile
 
 from api.deps import DbDep, SettingsDep, TenantDep
 from api.errors import APIError, not_found
+from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
 from models.tenants import new_id
@@ -102,13 +103,7 @@ async def list_files(
             s, tenant.id, purpose=purpose, after=after, limit=limit, newest_first=order == "desc"
         )
     data = [f.to_api() for f in page]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return list_page(data, has_more)
 
 
 @router.get("/{file_id}")

@@ -12,6 +12,7 @@ from api.deps import DbDep, EventsDep, NamesDep, RedisDep, SettingsDep, TenantDe
 from api.errors import APIError, not_found
 from api.jobs import service
 from api.jobs.events import job_event_stream
+from api.pages import list_page
 from models import jobs as job_repo
 from tierq.requests import JobCreate
 from tierq.states import JobStatus
@@ -50,13 +51,7 @@ async def list_jobs(
             s, tenant.id, status=status, tier=tier, after=after, limit=limit
         )
     data = [job.to_api() for job in page]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return list_page(data, has_more)
 
 
 @router.get("/{job_id}")

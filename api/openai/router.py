@@ -11,11 +11,11 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import redis
 import redis.asyncio as aioredis
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
@@ -59,36 +59,6 @@ def _model(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "tierq"}
 
 
-@router.post("/chat/completions", response_model=None)
-async def chat_completions(
-    body: oa.ChatCompletionRequest,
-    request: Request,
-    tenant: TenantDep,
-    db: DbDep,
-    r: RedisDep,
-    names: NamesDep,
-    events: EventsDep,
-    settings: SettingsDep,
-) -> JSONResponse | StreamingResponse:
-    ctx = _Context(request, tenant, db, r, names, events)
-    return await _complete(ctx, body, True, settings)
-
-
-@router.post("/completions", response_model=None)
-async def completions(
-    body: oa.CompletionRequest,
-    request: Request,
-    tenant: TenantDep,
-    db: DbDep,
-    r: RedisDep,
-    names: NamesDep,
-    events: EventsDep,
-    settings: SettingsDep,
-) -> JSONResponse | StreamingResponse:
-    ctx = _Context(request, tenant, db, r, names, events)
-    return await _complete(ctx, body, False, settings)
-
-
 class _Context:
     def __init__(
         self,
@@ -129,6 +99,34 @@ class _Context:
         return job
 
 
+def _context(
+    request: Request,
+    tenant: TenantDep,
+    db: DbDep,
+    r: RedisDep,
+    names: NamesDep,
+    events: EventsDep,
+) -> _Context:
+    return _Context(request, tenant, db, r, names, events)
+
+
+ContextDep = Annotated[_Context, Depends(_context)]
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    body: oa.ChatCompletionRequest, ctx: ContextDep, settings: SettingsDep
+) -> JSONResponse | StreamingResponse:
+    return await _complete(ctx, body, True, settings)
+
+
+@router.post("/completions", response_model=None)
+async def completions(
+    body: oa.CompletionRequest, ctx: ContextDep, settings: SettingsDep
+) -> JSONResponse | StreamingResponse:
+    return await _complete(ctx, body, False, settings)
+
+
 async def _complete(
     ctx: _Context,
     body: oa.ChatCompletionRequest | oa.CompletionRequest,
@@ -161,8 +159,10 @@ async def _complete(
 
 
 async def _last_event(ctx: _Context, job: JobRecord) -> None:
-    async for _seq, _event in follow_job(ctx.db, ctx.r, ctx.names, ctx.events, job):
-        pass
+    """Follow the job's events to its terminal one (the result is read from the database)."""
+    async for _seq, event in follow_job(ctx.db, ctx.r, ctx.names, ctx.events, job):
+        if event.kind != "delta":
+            return
 
 
 async def _await_final(ctx: _Context, job: JobRecord) -> JobRecord:

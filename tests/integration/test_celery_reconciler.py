@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,6 +10,7 @@ import pytest
 from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client
+from tests.integration.celery_proc import CeleryWorker
 
 pytestmark = pytest.mark.integration
 
@@ -29,45 +26,15 @@ async def test_beat_re_enqueues_a_job_that_redis_lost(platform: Platform, tenant
     stream = names.tier_stream("standard", record.tenant_id)
     # Redis loses it: the stream entry and the marker are gone; the database still says queued.
     await platform.r.delete(stream, names.inflight)
-    env = {
-        **os.environ,
-        "DATABASE_URL": settings.resolved_database_url,
-        "REDIS_URL": settings.resolved_redis_url,
-        "REDIS_PREFIX": settings.redis_prefix,
-        "RECONCILE_INTERVAL_S": "1",
-        "RECONCILE_GRACE_S": "0",
-    }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "workers.celery_app",
-            "worker",
-            "-B",
-            "--pool=solo",
-            "--loglevel=WARNING",
-            "-s",
-            str(settings.state_dir / "beat-schedule"),
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    celery = CeleryWorker(settings, RECONCILE_INTERVAL_S="1", RECONCILE_GRACE_S="0")
+    celery.start()
     try:
         deadline = time.monotonic() + 60
         while not await platform.r.sismember(names.inflight, job["id"]):
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert celery.proc is not None and celery.proc.poll() is None, celery.output()
             assert time.monotonic() < deadline, "beat never re-enqueued the lost job"
             await asyncio.sleep(0.2)
         entries = await platform.r.xrange(stream)
         assert [job["id"] in fields["job"] for _, fields in entries] == [True]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        celery.stop()
