@@ -90,6 +90,8 @@ class _Common(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extensions (extra_body)
+    ignore_eos: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
@@ -130,6 +132,8 @@ class _Common(BaseModel):
             "seed": self.seed,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
             "metadata": self.metadata,
         }
         fields = {k: v for k, v in optional.items() if v is not None}

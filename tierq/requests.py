@@ -58,6 +58,11 @@ class JobCreate(BaseModel):
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # vLLM's extensions of the OpenAI parameters, under the same names as `vllm serve`:
+    # generate at least `min_tokens` before a stop or EOS may end the output; `ignore_eos`
+    # runs to max_tokens (benchmarks and load tests use it for outputs of a known length).
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     metadata: Metadata = None
 
     @field_validator("stop")
@@ -78,6 +83,8 @@ class JobCreate(BaseModel):
             raise ValueError("'prompt' must not be empty")
         if self.messages is not None and not any(m.content.strip() for m in self.messages):
             raise ValueError("'messages' must carry some content")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("'min_tokens' must not exceed 'max_tokens'")
         return self
 
     def params(self) -> dict[str, Any]:
@@ -90,6 +97,8 @@ class JobCreate(BaseModel):
             "seed": self.seed,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
         }
 
     def input_chars(self) -> int:

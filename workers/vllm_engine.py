@@ -83,7 +83,8 @@ class VllmEngine:
             seed=seed,
             presence_penalty=params.get("presence_penalty", 0.0),
             frequency_penalty=params.get("frequency_penalty", 0.0),
-            ignore_eos=bool(params.get("ignore_eos", False)),  # benchmarks only
+            min_tokens=params.get("min_tokens", 0),
+            ignore_eos=bool(params.get("ignore_eos", False)),
             output_kind=RequestOutputKind.DELTA,
         )
         text = self.render(messages, prompt)

@@ -149,7 +149,9 @@ async def test_an_interactive_job_behind_a_full_engine_of_batch_work_starts_at_o
     """16 slots, one kept free: 20 long batch jobs fill the rest; two interactive jobs then
     get their first token while every batch job is still unfinished — the first through the
     reserve, the second by preempting a batch job."""
-    long_job = {**STORY, "tier": "batch", "max_tokens": 400, "temperature": 0.8}
+    # ignore_eos: a sampled story may end early, and a batch job that finished on its own
+    # would say nothing about the interactive jobs.
+    long_job = {**STORY, "tier": "batch", "max_tokens": 400, "temperature": 0.8, "ignore_eos": True}
     async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
         posts = await asyncio.gather(*(c.post("/v1/jobs", json=long_job) for _ in range(20)))
         batch = [p.json()["id"] for p in posts]

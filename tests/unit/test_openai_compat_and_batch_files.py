@@ -58,6 +58,18 @@ def test_completion_request_defaults_and_single_prompt() -> None:
             oa.CompletionRequest.model_validate({"model": "m", **bad})
 
 
+def test_vllm_extensions_min_tokens_and_ignore_eos_reach_the_engine_parameters() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    job = oa.ChatCompletionRequest.model_validate(
+        {**base, "min_tokens": 4, "ignore_eos": True}
+    ).to_job()
+    assert job.params()["min_tokens"] == 4 and job.params()["ignore_eos"] is True
+    plain = oa.ChatCompletionRequest.model_validate(base).to_job().params()
+    assert plain["min_tokens"] == 0 and plain["ignore_eos"] is False
+    with pytest.raises(ValidationError, match="min_tokens"):
+        oa.ChatCompletionRequest.model_validate({**base, "min_tokens": 9}).to_job()
+
+
 @pytest.mark.parametrize(
     "extra",
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 
 from hypothesis import given, settings
@@ -193,13 +194,17 @@ def test_capacity_is_respected_and_work_is_conserved(
         assert all(v <= 0 for v in lower_after.values())
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=int(os.environ.get("TIERQ_PROPERTY_EXAMPLES", "60")), deadline=None)
 @given(st.lists(st.integers(1, 400), min_size=50, max_size=50), st.integers(1, 6))
 def test_no_backlogged_tier_stays_below_its_minimum_share(
     costs: list[int], slots_per_round: int
 ) -> None:
     """Every tier backlogged throughout, slots freeing each second: after every round, over
-    the sliding window, each lower tier has at least its minimum share, give or take one job."""
+    the sliding window, each lower tier has at least its minimum share, give or take one
+    job's cost for every slot of a round plus one. The slack is real, not caution: jobs are
+    indivisible (a decision can only bring a deprived tier back by whole jobs), and the jobs
+    of one round all leave the window in the same later round, so one round can take up to
+    `slots_per_round` jobs' worth of tokens out of a tier's share at once."""
     config = PolicyConfig(window_s=30)
     policy = TierqPolicy(config)
     queue: dict[Tier, list[QueuedJob]] = {t: [] for t in TIER_ORDER}
@@ -220,7 +225,13 @@ def test_no_backlogged_tier_stays_below_its_minimum_share(
         total = sum(c for _, c in window)
         for tier, minimum in config.min_share.items():
             share = sum(c for t, c in window if t == tier) / total
-            assert share >= minimum - max(costs) / total
+            assert share >= minimum - (slots_per_round + 1) * max(costs) / total
+    # Over the whole run, past the first window, the slack is one job per slot of a round.
+    run = [(t, c) for s, t, c in served if s >= 30]
+    run_total = sum(c for _, c in run)
+    for tier, minimum in config.min_share.items():
+        share = sum(c for t, c in run if t == tier) / run_total
+        assert share >= minimum - slots_per_round * max(costs) / run_total
 
 
 @settings(max_examples=60, deadline=None)

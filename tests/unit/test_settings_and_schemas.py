@@ -49,6 +49,8 @@ def test_job_defaults_and_params() -> None:
         "seed": None,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
+        "min_tokens": 0,
+        "ignore_eos": False,
     }
     assert JobCreate.model_validate({"prompt": "x", "stop": "END"}).stop == ["END"]
 
@@ -62,6 +64,7 @@ def test_job_defaults_and_params() -> None:
         {"prompt": "a", "tier": "gold"},
         {"prompt": "a", "seed": "x"},
         {"prompt": "a", "stop": [""]},
+        {"prompt": "a", "max_tokens": 4, "min_tokens": 5},
         {"prompt": "a", "metadata": {str(i): "v" for i in range(17)}},
     ],
 )
