@@ -68,6 +68,10 @@ class Settings(BaseSettings):
     # long as its token count: a small budget (128) keeps interactive first tokens from
     # waiting behind other jobs' prefill, at a cost in throughput (README, Benchmarks).
     max_num_batched_tokens: int = 2048
+    # tierq's scheduler inside vLLM (workers/vllm_scheduler.py): each step's token budget in
+    # priority order, lower-tier prefill chunks deferred while better work waits for a
+    # slot. False: vLLM's stock scheduler (running requests first, in admission order).
+    engine_priority_steps: bool = True
 
     # `tierq run` on the CPU engine: keep the API, dispatcher and Celery on the core that
     # vLLM leaves to its front end, off the engine's compute cores.

@@ -18,6 +18,9 @@ from workers.engine import Chunk, EngineRequestError
 
 log = logging.getLogger(__name__)
 
+# Resolved by name in vLLM's engine-core process.
+TIERED_SCHEDULER = "workers.vllm_scheduler.TieredScheduler"
+
 
 class VllmEngine:
     name = "vllm"
@@ -45,6 +48,7 @@ class VllmEngine:
             gpu_memory_utilization=s.gpu_memory_utilization,
             enforce_eager=s.enforce_eager,
             scheduling_policy="priority",
+            scheduler_cls=TIERED_SCHEDULER if s.engine_priority_steps else None,
             disable_log_stats=True,
         )
         self._llm = AsyncLLM.from_engine_args(args)
