@@ -9,10 +9,15 @@ scaled-down workload, in real time.
 
 Policies:
 - `tierq`: this project's policy (minimum shares, tenant fairness, urgency, the
-  interactive reserve, preemption);
-- `fcfs`: one queue, first come first served, no reserve, no preemption;
+  interactive reserve, preemption) and its scheduler inside vLLM (each step's token
+  budget in priority order; workers/vllm_scheduler.py);
+- `fcfs`: one queue, first come first served, no reserve, no preemption, vLLM's stock
+  scheduler;
 - `engine-priority`: every job handed straight to the engine, which admits by vLLM
-  priority number when a slot frees (what `vllm serve --scheduling-policy priority` does).
+  priority number when a slot frees (what `vllm serve --scheduling-policy priority` does),
+  vLLM's stock scheduler.
+The simulated engine models both schedulers; with `--engine vllm` the baselines run on an
+engine started with vLLM's stock scheduler and tierq on one started with its own.
 
 Workload (seeded): a batch backlog from two tenants, one with ten times the other's
 jobs, enqueued at the start; a steady Poisson standard stream; Poisson interactive
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
+import itertools
 import json
 import random
 import tempfile
@@ -193,6 +199,7 @@ async def _run_policy(
             "dispatch_policy": policy_name,
             "max_num_seqs": cost.slots,
             "interactive_reserve": 0 if baseline else base.interactive_reserve,
+            "engine_priority_steps": not baseline and base.engine_priority_steps,
             "heartbeat_interval_s": 0.25,
             "dispatch_idle_wait_s": 0.02,
             "share_window_s": base.share_window_s / speedup,
@@ -204,7 +211,9 @@ async def _run_policy(
     db = Database(db_url)
     r = aioredis.Redis.from_url(redis_url, decode_responses=True)
     trace = Trace()
-    inner: Engine = shared_engine or SimulatedEngine(cost.scaled(speedup))
+    inner: Engine = shared_engine or SimulatedEngine(
+        cost.scaled(speedup), priority_steps=settings.engine_priority_steps
+    )
     engine = InstrumentedEngine(inner, trace)
     if shared_engine is None:
         await engine.start()
@@ -227,14 +236,19 @@ async def _run_policy(
             trace.samples.append((now, engine.active, len(arrived_wall)))
             await asyncio.sleep(0.02)
 
+    serial = itertools.count()
+
     def new_job(arrival: Arrival) -> job_repo.NewJob:
-        word = "abcd" if engine_kind == "simulated" else "word "
+        if engine_kind == "simulated":
+            prompt = "abcd" * arrival.prompt_tokens
+        else:  # distinct from its first token, so that vLLM's prefix cache cannot skip it
+            prompt = f"{next(serial)} " + "word " * (arrival.prompt_tokens - 2)
         return job_repo.NewJob(
             tenant_id=tenants[arrival.tenant],
             tier=arrival.tier,
             model=settings.served_model_name,
             messages=None,
-            prompt=word * arrival.prompt_tokens,
+            prompt=prompt,
             params={"max_tokens": arrival.max_tokens, "temperature": 0.0, "ignore_eos": True},
         )
 
@@ -459,12 +473,8 @@ async def run_qos(
     arrivals = make_workload(shape, cost, seed)
     redis_url, embedded = _redis(base)
     results: dict[str, Any] = {}
-    shared: Engine | None = None
-    if engine_kind == "vllm":  # started once (about a minute), shared by every run
-        from workers.vllm_engine import VllmEngine
-
-        shared = VllmEngine(base.model_copy(update={"max_num_seqs": cost.slots}))
-        await shared.start()
+    shared: Engine | None = None  # the real engine, started once per scheduler kind
+    shared_tiered: bool | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="tierq-bench-") as tmp:
             workdir = Path(tmp)
@@ -472,9 +482,24 @@ async def run_qos(
             runs += [(name, arrivals) for name in POLICIES]
             idle_ttft = 0.0
             for name, workload in runs:
+                policy = "tierq" if name == "idle" else name
+                tiered = policy == "tierq" and base.engine_priority_steps
+                if engine_kind == "vllm" and shared_tiered != tiered:
+                    from workers.vllm_engine import VllmEngine
+
+                    if shared is not None:
+                        await shared.shutdown()
+                    print(f"starting vLLM ({'tierq' if tiered else 'stock'} scheduler) ...")
+                    shared = VllmEngine(
+                        base.model_copy(
+                            update={"max_num_seqs": cost.slots, "engine_priority_steps": tiered}
+                        )
+                    )
+                    await shared.start()  # about a minute; not part of any run
+                    shared_tiered = tiered
                 print(f"running {name} ...", flush=True)
                 m = await _run_policy(
-                    "tierq" if name == "idle" else name,
+                    policy,
                     workload,
                     shape,
                     cost,

@@ -119,7 +119,8 @@ def make_engine(settings: Settings):
         from workers.simulated_engine import CostModel, SimulatedEngine
 
         return SimulatedEngine(
-            CostModel(slots=settings.max_num_seqs, max_model_len=settings.max_model_len)
+            CostModel(slots=settings.max_num_seqs, max_model_len=settings.max_model_len),
+            priority_steps=settings.engine_priority_steps,
         )
     from workers.vllm_engine import VllmEngine
 
@@ -203,6 +204,20 @@ def bench_qos(
 
     setup_logging("WARNING")
     result = asyncio.run(run_qos(get_settings(), engine, speedup, seed, duration))
+    typer.echo(json.dumps(result, separators=(",", ":")))
+
+
+@bench_app.command("steps")
+def bench_steps(
+    slots: int = typer.Option(32, help="MAX_NUM_SEQS of the engine; all but one run batch work."),
+    interactive: int = typer.Option(40, help="Interactive requests measured."),
+    prompt_repeat: int = typer.Option(60, help="Batch prompt length, in ~10-token sentences."),
+) -> None:
+    """tierq's scheduler inside vLLM vs vLLM's stock one (real engine); one JSON line last."""
+    from tierq.bench_steps import run_steps
+
+    setup_logging("WARNING")
+    result = asyncio.run(run_steps(get_settings(), slots, interactive, prompt_repeat))
     typer.echo(json.dumps(result, separators=(",", ":")))
 
 

@@ -4,7 +4,13 @@ It is never the default of a serving command (Settings.engine defaults to "vllm"
 anything measured with it says so. It mimics what matters to the platform around it: a
 fixed number of slots, priority admission (lower first, ties by arrival), continuous
 batching (one decode step serves every running sequence, and costs more the more there
-are), prefill cost per prompt token, streaming deltas, and abort.
+are), prefill cost per prompt token, a per-step token budget (chunked prefill), streaming
+deltas, and abort.
+
+Each step hands out the token budget the way the engine it stands for does:
+`priority_steps=True` models tierq's scheduler for vLLM (workers/vllm_scheduler.py: running
+requests in priority order); False models vLLM's stock scheduler (running requests in the
+order they were admitted, a newly admitted one last, whatever its priority).
 """
 
 from __future__ import annotations
@@ -82,8 +88,9 @@ def count_tokens(messages: list[dict[str, Any]] | None, prompt: str | None) -> i
 class SimulatedEngine:
     name = "simulated"
 
-    def __init__(self, cost: CostModel | None = None) -> None:
+    def __init__(self, cost: CostModel | None = None, priority_steps: bool = True) -> None:
         self.cost = cost or CostModel()
+        self.priority_steps = priority_steps
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
         self._arrivals = itertools.count()
@@ -156,17 +163,24 @@ class SimulatedEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = sorted(self._running.values())  # priority, then arrival
-            # One engine step, as vLLM's chunked prefill does it: every prefilled sequence
-            # decodes one token, and what is left of the token budget goes to prefill
-            # chunks in priority order. A sequence's first token comes out of the step
-            # that finishes its prefill.
+            # One engine step, as vLLM's chunked prefill does it: the running requests are
+            # walked in order, each taking what it needs (one token to decode, or a chunk
+            # of its prompt) while the budget lasts. A sequence's first token comes out of
+            # the step that finishes its prefill.
+            if self.priority_steps:
+                order = sorted(self._running.values())  # priority, then arrival
+            else:
+                order = list(self._running.values())  # admission order
             budget = self.cost.max_batched_tokens
-            decoding = [r for r in batch if r.prefill_left == 0]
-            budget -= len(decoding)
+            decoding: list[_Request] = []
             chunks: list[tuple[_Request, int]] = []
-            for req in batch:
-                if req.prefill_left and budget > 0:
+            for req in order:
+                if budget <= 0:
+                    break
+                if req.prefill_left == 0:
+                    decoding.append(req)
+                    budget -= 1
+                else:
                     take = min(req.prefill_left, budget)
                     chunks.append((req, take))
                     budget -= take
