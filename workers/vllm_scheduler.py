@@ -26,7 +26,10 @@ scheduler interface internal; `tests/unit/test_vllm_scheduler.py` pins what this
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 class _Request(Protocol):
@@ -90,19 +93,26 @@ def _tiered(base: type) -> type:
     from vllm.v1.core.sched.request_queue import SchedulingPolicy
 
     class Tiered(base):
+        _tiering = True  # off for good if this vLLM's internals are not what it expects
+
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
-            if self.policy != SchedulingPolicy.PRIORITY or not self.running:
+            if not (self._tiering and self.policy == SchedulingPolicy.PRIORITY and self.running):
                 return super().schedule(*args, **kwargs)
-            limit: int = getattr(self, "max_num_active_reqs", None) or self.max_num_running_reqs
             config = self.scheduler_config
-            _, cap = prioritise(
-                self.running,
-                self.waiting.peek_request() if self.waiting else None,
-                limit - len(self.running),
-                self.current_step,
-                getattr(self, "max_num_scheduled_tokens", config.max_num_batched_tokens),
-            )
-            configured = config.long_prefill_token_threshold
+            try:
+                limit: int = getattr(self, "max_num_active_reqs", None) or self.max_num_running_reqs
+                _, cap = prioritise(
+                    self.running,
+                    self.waiting.peek_request() if self.waiting else None,
+                    limit - len(self.running),
+                    self.current_step,
+                    getattr(self, "max_num_scheduled_tokens", config.max_num_batched_tokens),
+                )
+                configured = config.long_prefill_token_threshold
+            except Exception:  # an engine that dies takes every job in it along
+                log.exception("tierq's scheduler does not fit this vLLM; using vLLM's own")
+                self._tiering = False
+                return super().schedule(*args, **kwargs)
             if cap is None or 0 < configured <= cap:
                 return super().schedule(*args, **kwargs)
             config.long_prefill_token_threshold = cap  # read once, at the start of a step

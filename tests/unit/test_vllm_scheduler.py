@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from workers.vllm_scheduler import TieredScheduler, prioritise
+from workers.vllm_scheduler import TieredScheduler, _tiered, prioritise
 
 
 @dataclass
@@ -96,3 +96,49 @@ def test_the_vllm_internals_the_tiered_scheduler_relies_on_are_there() -> None:
 
     module, _, name = TIERED_SCHEDULER.rpartition(".")
     assert getattr(__import__(module, fromlist=[name]), name) is TieredScheduler
+
+
+class _Waiting(list[Req]):
+    def peek_request(self) -> Req:
+        return self[0]
+
+
+class _StockStep:
+    """Stands in for vLLM's scheduler under the tiered wrapper: records what one step saw."""
+
+    def __init__(self, running: list[object], waiting: list[Req]) -> None:
+        from types import SimpleNamespace
+
+        from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
+        self.policy = SchedulingPolicy.PRIORITY
+        self.running = running
+        self.waiting = _Waiting(waiting)
+        self.max_num_running_reqs = 4
+        self.current_step = 10
+        self.scheduler_config = SimpleNamespace(
+            long_prefill_token_threshold=0, max_num_batched_tokens=100
+        )
+        self.seen: list[tuple[list[str], int]] = []
+
+    def schedule(self) -> str:
+        names = [getattr(r, "name", "?") for r in self.running]
+        self.seen.append((names, self.scheduler_config.long_prefill_token_threshold))
+        return "scheduled"
+
+
+def test_the_wrapper_sets_the_chunk_cap_for_one_step_and_restores_it() -> None:
+    tiered = _tiered(_StockStep)
+    big, small = Req("big", 10, 1.0, 600), Req("small", 10, 0.5, 30, 10)
+    step = tiered([big, small], [Req("chat", 0, 2.0, 40)])
+    assert step.schedule() == "scheduled"
+    # Sorted by priority then arrival; big capped to what is left beside the chat.
+    assert step.seen == [(["small", "big"], 40)]
+    assert step.scheduler_config.long_prefill_token_threshold == 0
+
+
+def test_the_wrapper_falls_back_to_vllms_own_steps_if_the_internals_moved() -> None:
+    tiered = _tiered(_StockStep)
+    step = tiered([object(), object()], [])  # records without the fields it reads
+    assert step.schedule() == "scheduled" and step.schedule() == "scheduled"
+    assert step._tiering is False and len(step.seen) == 2
