@@ -7,10 +7,13 @@ batching (one decode step serves every running sequence, and costs more the more
 are), prefill cost per prompt token, a per-step token budget (chunked prefill), streaming
 deltas, and abort.
 
-Each step hands out the token budget the way the engine it stands for does:
-`priority_steps=True` models tierq's scheduler for vLLM (workers/vllm_scheduler.py: running
-requests in priority order); False models vLLM's stock scheduler (running requests in the
-order they were admitted, a newly admitted one last, whatever its priority).
+Each step hands out the token budget the way vLLM's scheduler does: first to the running
+requests, one after another, each taking what it needs (a decode token, or a chunk of its
+prompt) while the budget lasts; then to waiting requests, admitted by priority while
+slots and budget remain. `priority_steps=False` walks the running requests in the order
+they were admitted (vLLM's stock scheduler); True runs the very decision of tierq's
+scheduler for vLLM (`workers.vllm_scheduler.prioritise`: priority order, and worse prefill
+chunks deferred or capped while a better request waits for a slot).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.engine import Chunk, EngineRequestError
+from workers.vllm_scheduler import prioritise
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,20 @@ class _Request:
     out: asyncio.Queue[Chunk | None] = field(compare=False)
     generated: int = field(default=0, compare=False)
     prefill_left: int = field(default=0, compare=False)
+    next_decode_eligible_step: int = field(default=0, compare=False)
+
+    # The names tierq's scheduler reads on vLLM's requests (workers/vllm_scheduler.py).
+    @property
+    def arrival_time(self) -> float:
+        return self.arrival
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.prompt_tokens - self.prefill_left
 
 
 def count_tokens(messages: list[dict[str, Any]] | None, prompt: str | None) -> int:
@@ -91,6 +109,7 @@ class SimulatedEngine:
     def __init__(self, cost: CostModel | None = None, priority_steps: bool = True) -> None:
         self.cost = cost or CostModel()
         self.priority_steps = priority_steps
+        self._step_no = 0
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
         self._arrivals = itertools.count()
@@ -156,34 +175,43 @@ class SimulatedEngine:
 
     async def _step_loop(self) -> None:
         while True:
-            while self._waiting and len(self._running) < self.cost.slots:
-                req = self._waiting.pop(0)
-                self._running[req.request_id] = req
-            if not self._running:
+            if not self._running and not self._waiting:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            # One engine step, as vLLM's chunked prefill does it: the running requests are
-            # walked in order, each taking what it needs (one token to decode, or a chunk
-            # of its prompt) while the budget lasts. A sequence's first token comes out of
-            # the step that finishes its prefill.
-            if self.priority_steps:
-                order = sorted(self._running.values())  # priority, then arrival
-            else:
-                order = list(self._running.values())  # admission order
             budget = self.cost.max_batched_tokens
+            order = list(self._running.values())  # admission order
+            cap: int | None = None
+            if self.priority_steps:
+                _, cap = prioritise(
+                    order,
+                    self._waiting[0] if self._waiting else None,
+                    self.cost.slots - len(order),
+                    self._step_no,
+                    budget,
+                )
+            self._step_no += 1
+            chunk_limit = cap or budget
             decoding: list[_Request] = []
             chunks: list[tuple[_Request, int]] = []
             for req in order:
                 if budget <= 0:
                     break
+                if self._step_no < req.next_decode_eligible_step:
+                    continue  # deferred for this step
                 if req.prefill_left == 0:
                     decoding.append(req)
                     budget -= 1
                 else:
-                    take = min(req.prefill_left, budget)
+                    take = min(req.prefill_left, budget, chunk_limit)
                     chunks.append((req, take))
                     budget -= take
+            while self._waiting and len(self._running) < self.cost.slots and budget > 0:
+                req = self._waiting.pop(0)  # by priority, then arrival
+                self._running[req.request_id] = req
+                take = min(req.prefill_left, budget, chunk_limit)
+                chunks.append((req, take))
+                budget -= take
             step = (
                 self.cost.decode_step_base_s
                 + self.cost.decode_step_per_seq_s * len(decoding)

@@ -33,10 +33,17 @@ log = logging.getLogger(__name__)
 
 
 class _Request(Protocol):
-    priority: int
-    arrival_time: float
-    num_computed_tokens: int
-    num_prompt_tokens: int
+    """What the decision reads of a request (vLLM's, or the simulated engine's)."""
+
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
     next_decode_eligible_step: int
 
 
