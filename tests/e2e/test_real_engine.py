@@ -173,6 +173,10 @@ async def test_an_interactive_job_behind_a_full_engine_of_batch_work_starts_at_o
             await c.post(f"/v1/jobs/{job_id}/cancel")
         finals = [await wait_for(c, i, timeout=120) for i in chats]
     assert [f["status"] for f in finals] == ["succeeded", "succeeded"]
+    # The worker's vLLM ran tierq's scheduler throughout, and never fell back to its own.
+    worker_log = (pg_platform.state_dir / "logs" / "worker.log").read_text()
+    assert "Using custom scheduler class workers.vllm_scheduler.TieredScheduler" in worker_log
+    assert "tierq's scheduler does not fit this vLLM" not in worker_log
 
 
 async def test_the_openai_sdk_chats_streams_and_runs_a_batch_on_the_real_engine(
