@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from models.jobs import cancel_unfinished
 from models.pages import after_anchor
 from models.records import BatchRecord, JobRecord
 from models.tables import Batch, Job, JobTransition, utcnow
@@ -234,28 +235,8 @@ async def stop_unfinished(
     s: AsyncSession, batch_id: str, code: str, message: str
 ) -> tuple[list[str], list[str]]:
     """Cancel the batch's queued and running jobs; returns (was_queued, was_running) ids."""
-    stmt = (
-        update(Job)
-        .where(
-            Job.batch_id == batch_id,
-            Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
-        )
-        .values(
-            status=JobStatus.CANCELLED.value,
-            finished_at=utcnow(),
-            error_code=code,
-            error_message=message,
-        )
-        .returning(Job.id, Job.started_at)
-        .execution_options(synchronize_session=False)
-    )
-    queued: list[str] = []
-    running: list[str] = []
-    now = utcnow()
-    for job_id, started_at in (await s.execute(stmt)).all():
-        (running if started_at is not None else queued).append(job_id)
-        s.add(JobTransition(job_id=job_id, status=JobStatus.CANCELLED.value, at=now, detail=code))
-    return queued, running
+    stopped = await cancel_unfinished(s, Job.batch_id == batch_id, code, message)
+    return [j for j, started in stopped if not started], [j for j, started in stopped if started]
 
 
 async def cancel_tenant_batches(s: AsyncSession, tenant_id: str) -> list[str]:

@@ -335,28 +335,36 @@ async def usage_for_job(s: AsyncSession, job_id: str) -> list[UsageRecord]:
     )
 
 
-async def cancel_tenant_jobs(s: AsyncSession, tenant_id: str, code: str, message: str) -> list[str]:
-    """Cancel every queued or running job of a tenant (suspension); returns their ids."""
+async def cancel_unfinished(
+    s: AsyncSession, where: Any, code: str, message: str
+) -> list[tuple[str, bool]]:
+    """Cancel every queued or running job matching `where`, each with its transition;
+    returns (job id, whether it had started) for each."""
     stmt = (
         update(Job)
-        .where(
-            Job.tenant_id == tenant_id,
-            Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
-        )
+        .where(where, Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)))
         .values(
             status=JobStatus.CANCELLED.value,
             finished_at=utcnow(),
             error_code=code,
             error_message=message,
         )
-        .returning(Job.id)
+        .returning(Job.id, Job.started_at)
         .execution_options(synchronize_session=False)
     )
-    ids = list((await s.execute(stmt)).scalars())
+    stopped = [(job_id, started is not None) for job_id, started in (await s.execute(stmt)).all()]
     now = utcnow()
-    for job_id in ids:
+    for job_id, _ in stopped:
         s.add(JobTransition(job_id=job_id, status=JobStatus.CANCELLED.value, at=now, detail=code))
-    return ids
+    return stopped
+
+
+async def cancel_tenant_jobs(s: AsyncSession, tenant_id: str, code: str, message: str) -> list[str]:
+    """Cancel every queued or running job of a tenant (suspension); returns their ids."""
+    return [
+        job_id
+        for job_id, _ in await cancel_unfinished(s, Job.tenant_id == tenant_id, code, message)
+    ]
 
 
 async def tenant_job_counts(s: AsyncSession, tenant_id: str) -> dict[tuple[str, str], int]:
