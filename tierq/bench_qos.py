@@ -141,6 +141,9 @@ class InstrumentedEngine:
     async def shutdown(self) -> None:
         await self.inner.shutdown()
 
+    async def check_health(self) -> None:
+        await self.inner.check_health()
+
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,8 @@ app.add_typer(batch_app, name="batch")
 app.add_typer(admin_app, name="admin")
 
 URL_OPTION = typer.Option("http://127.0.0.1:8000", envvar="TIERQ_URL", help="The platform.")
+log = logging.getLogger("tierq")
+
 KEY_OPTION = typer.Option(None, help="API key (default: $TIERQ_API_KEY, else .tierq/dev-api-key).")
 
 
@@ -115,16 +118,25 @@ def worker(
 
 
 def make_engine(settings: Settings):
+    engine: Any
     if settings.engine == "simulated":
         from workers.simulated_engine import CostModel, SimulatedEngine
 
-        return SimulatedEngine(
+        engine = SimulatedEngine(
             CostModel(slots=settings.max_num_seqs, max_model_len=settings.max_model_len),
             priority_steps=settings.engine_priority_steps,
         )
-    from workers.vllm_engine import VllmEngine
+    else:
+        from workers.vllm_engine import VllmEngine
 
-    return VllmEngine(settings)
+        engine = VllmEngine(settings)
+    if settings.engine_fault_rate > 0:
+        from workers.faulty_engine import FaultyEngine
+
+        kinds = tuple(k.strip() for k in settings.engine_fault_kinds.split(",") if k.strip())
+        log.warning("injecting engine faults into %.1f%% of requests", 100 * settings.engine_fault_rate)
+        engine = FaultyEngine(engine, settings.engine_fault_rate, settings.engine_fault_seed, kinds)
+    return engine
 
 
 @app.command()

