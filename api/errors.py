@@ -10,9 +10,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from models.db import is_unavailable as db_unavailable
+from tierq.redis_conn import is_unavailable as redis_unavailable
 from tierq.requests import Refused
 
 log = logging.getLogger(__name__)
+
+# What a client is told to wait before retrying while the database or Redis is unreachable.
+UNAVAILABLE_RETRY_AFTER_S = 2
 
 
 _TYPE_BY_STATUS = {
@@ -107,6 +112,16 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        if db_unavailable(exc) or redis_unavailable(exc):
+            # A restart or a lost connection: the SDKs retry after Retry-After. Nothing was
+            # accepted that could not be recorded (admission commits the row first).
+            log.warning("dependency unavailable: %s: %s", type(exc).__name__, exc)
+            return error_response(
+                503,
+                "A service the platform depends on is unavailable. Retry after a moment.",
+                "service_unavailable",
+                headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+            )
         log.exception("unhandled error", exc_info=exc)
         return error_response(
             500, "The server had an error processing the request.", "internal_error"

@@ -3,14 +3,20 @@
 Each tier's queue is sharded per tenant (`stream:<tier>:<tenant>`), plus one head-of-tier
 stream for preempted jobs. The loop reads a bounded read-ahead from every shard with one
 consumer group, asks the policy which jobs go to which worker against each worker's free
-slots (capacity less the jobs in its inbox, and for standard and batch work the ceiling:
-capacity less the interactive reserve), then for each assignment XADDs the job to the
-worker's inbox, counts it in the worker's load, and acknowledges the source entry — in
-one transaction. Workers report each job's real token count on the `served` stream; the
-policy corrects its accounting with it. When interactive work waits and every slot is
+slots (capacity less the entries in its inbox, which live until the worker lets their
+job go; for standard and batch work the ceiling: capacity less the interactive reserve),
+then for each assignment XADDs the job to the worker's inbox and acknowledges the source
+entry — in one transaction; entries leave the read-ahead only once it committed. Workers
+report each job's real token count on the `served` stream; the policy corrects its
+accounting with it. When interactive work waits and every slot is
 taken, the policy may name lower-tier jobs to preempt; the loop tells their workers.
 When there is nothing to do it waits on the wake list (pushed by admission and by workers
 that freed a slot). It also reclaims the inboxes of workers whose heartbeat stopped.
+
+Recovery: at start, and after every lost connection, the read-ahead is rebuilt from the
+group's pending entries (every one, page by page), and the running jobs (which tenant
+`max_running` counts) from the workers' inboxes — nothing it needs lives
+only in this process's memory. An unreachable Redis is waited out with backoff.
 """
 
 from __future__ import annotations
@@ -106,6 +112,10 @@ class Dispatcher:
         self.preempting: set[str] = set()
         self._streams: set[str] = set()  # streams whose consumer group exists
         self._buffered: dict[str, int] = {}  # stream -> entries of it in the buffers
+        # stream -> id after which its pending entries (read before a restart or a lost
+        # connection) are still to be re-read; absent once they all were
+        self._history: dict[str, str] = {}
+        self._recovering = False
         self._served_cursor = "0-0"
         self.max_running: dict[str, dict[str, int]] = {}  # tenant -> scope -> cap
         self._policy_read_at = 0.0
@@ -129,16 +139,39 @@ class Dispatcher:
             with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists
                 await self.r.xgroup_create(stream, DISPATCH_GROUP, id="0", mkstream=True)
             self._streams.add(stream)
+            if self._recovering:  # entries read before a restart or a lost connection
+                self._history[stream] = "0"
+        self._recovering = False
         return streams
 
-    async def _read(self, start: str) -> None:
-        """Top up every shard's read-ahead with one XREADGROUP (COUNT applies per stream)."""
+    def _forget_buffers(self) -> None:
+        """After a lost connection: the read-ahead is rebuilt from the pending entries."""
+        self.buffers = {t: {} for t in TIER_ORDER}
+        self._buffered.clear()
+        self._streams.clear()
+        self._history.clear()
+        self._recovering = True
+
+    async def _read(self) -> None:
+        """Top up every shard's read-ahead with one XREADGROUP (COUNT applies per stream):
+        its pending entries first, page by page, then new ones."""
         streams = await self._source_streams()
         ahead = self.settings.dispatch_read_ahead
-        want = {s: start for s in streams if self._buffered.get(s, 0) <= ahead // 2}
+        want = {
+            s: self._history.get(s, ">") for s in streams if self._buffered.get(s, 0) <= ahead // 2
+        }
         if not want:
             return
         got = await read_group(self.r, DISPATCH_GROUP, self.consumer, want, count=ahead)
+        seen = {stream: entries for stream, entries in got}
+        for stream, start in want.items():
+            if start == ">":
+                continue
+            entries = seen.get(stream, [])
+            if len(entries) < ahead:
+                del self._history[stream]  # every pending entry is back in the read-ahead
+            else:
+                self._history[stream] = entries[-1][0]
         for stream, entries in got:
             for entry_id, fields in entries:
                 if not fields:
@@ -154,10 +187,10 @@ class Dispatcher:
                     msg.cost,
                     msg.preemptions,
                 )
-                self.buffers[msg.tier].setdefault(msg.tenant_id, {})[entry_id] = Buffered(
-                    job, msg, stream
-                )
-                self._buffered[stream] = self._buffered.get(stream, 0) + 1
+                shard = self.buffers[msg.tier].setdefault(msg.tenant_id, {})
+                if entry_id not in shard:
+                    shard[entry_id] = Buffered(job, msg, stream)
+                    self._buffered[stream] = self._buffered.get(stream, 0) + 1
 
     def _queues(self) -> dict[Tier, dict[str, list[QueuedJob]]]:
         queues: dict[Tier, dict[str, list[QueuedJob]]] = {}
@@ -233,16 +266,16 @@ class Dispatcher:
 
     # --- workers ------------------------------------------------------------------------
     async def _free_slots(self, alive: list[Heartbeat]) -> list[WorkerSlots]:
-        usable = [hb for hb in alive if not hb.draining]
+        usable = [hb for hb in alive if not hb.draining and hb.engine_ok]
         if not usable:
             return []
         async with self.r.pipeline(transaction=False) as pipe:
             for hb in usable:
-                pipe.hgetall(self.names.worker_load(hb.worker_id))
+                pipe.xlen(self.names.inbox(hb.worker_id))
             loads = await pipe.execute()
         slots = []
         for hb, load in zip(usable, loads, strict=True):
-            free = hb.capacity - sum(int(load.get(t.value, 0)) for t in TIER_ORDER)
+            free = hb.capacity - int(load)
             # Standard and batch work is admitted only below the ceiling: `reserve` slots
             # stay free for interactive work, which preemption backs up when they run out.
             slots.append(WorkerSlots(hb.worker_id, free, free - hb.reserve))
@@ -250,39 +283,64 @@ class Dispatcher:
 
     # --- the loop -----------------------------------------------------------------------
     async def run(self) -> None:
-        # Reports from before this start concern jobs some earlier process dispatched.
-        last: Any = await self.r.xrevrange(self.names.served, count=1)
-        self._served_cursor = str(last[0][0]) if last else "0-0"
-        await self._read("0")  # entries this dispatcher held when it last stopped
         last_reclaim = 0.0
+        recovered = False
+        delay = 0.1
         while not self._stop.is_set():
             try:
-                now = time.time()
+                if not recovered:
+                    await self._recover()
+                    recovered = True
                 alive, dead = await live_workers(
-                    self.r, self.names, self.settings.worker_dead_after_s, now
+                    self.r, self.names, self.settings.worker_dead_after_s
                 )
+                now = time.time()
                 if dead and now - last_reclaim > 1.0:
                     await self.reclaim(dead)
                     last_reclaim = now
                 await self._take_served_reports()
                 await self._refresh_tenant_policy(now)
                 moved = await self.step(alive)
-            except redis.ConnectionError:
+                delay = 0.1
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
                 if _being_cancelled():  # redis-py may turn a cancelled read into this
                     raise
-                log.warning("Redis unreachable; retrying", exc_info=True)
-                await asyncio.sleep(1.0)
-                self._streams.clear()  # a restarted Redis has no groups
+                log.warning("Redis unreachable; retrying in %.1f s", delay, exc_info=True)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.outage_retry_max_s)
+                recovered = False  # a restarted Redis has no groups; re-read what is pending
                 continue
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
-                self._streams.clear()
+                recovered = False
                 continue
             if moved == 0:
                 await self.r.blpop(
                     [self.names.dispatch_wake], timeout=self.settings.dispatch_idle_wait_s
                 )
+
+    async def _recover(self) -> None:
+        """Rebuild what this process knows from Redis: the read-ahead from the pending
+        entries (read by `_read` page by page), and the jobs that run, from the inboxes."""
+        self._forget_buffers()
+        # Reports from before now concern jobs the inboxes below no longer hold.
+        last: Any = await self.r.xrevrange(self.names.served, count=1)
+        self._served_cursor = str(last[0][0]) if last else "0-0"
+        alive, _ = await live_workers(self.r, self.names, self.settings.worker_dead_after_s)
+        now = time.time()
+        running: dict[str, RunningJob] = {}
+        for hb in alive:
+            entries: Any = await self.r.xrange(self.names.inbox(hb.worker_id))
+            for _entry_id, fields in entries:
+                if fields:
+                    msg = JobMessage.decode(fields)
+                    running[msg.job_id] = RunningJob(
+                        msg.job_id, msg.tier, hb.worker_id, now, msg.preemptions, msg.tenant_id
+                    )
+        self.running = running
+        self.preempting &= set(running)
+        log.info("dispatcher recovered: %d jobs running on %d workers", len(running), len(alive))
 
     async def _take_served_reports(self) -> None:
         got: Any = await self.r.xread({self.names.served: self._served_cursor}, count=1000)
@@ -302,7 +360,7 @@ class Dispatcher:
         slots = await self._free_slots(alive)
         if not slots:
             return 0
-        await self._read(">")
+        await self._read()
         queues = self._queues()
         now = time.time()
         started = time.perf_counter()
@@ -312,24 +370,24 @@ class Dispatcher:
             metrics.DISPATCH_DECISION.observe(elapsed)
             if len(self.decision_seconds) < 100_000:
                 self.decision_seconds.append(elapsed)
+            handed = [
+                (d, self.buffers[d.job.tier][d.job.tenant_id][d.job.entry_id]) for d in decisions
+            ]
             async with self.r.pipeline(transaction=True) as pipe:
-                for d in decisions:
-                    b = self.buffers[d.job.tier][d.job.tenant_id].pop(d.job.entry_id)
-                    self._buffered[b.stream] -= 1
+                for d, b in handed:
                     pipe.xadd(self.names.inbox(d.worker_id), b.msg.encode())  # type: ignore[arg-type]
-                    pipe.hincrby(self.names.worker_load(d.worker_id), d.job.tier.value, 1)
                     pipe.xack(b.stream, DISPATCH_GROUP, d.job.entry_id)
                     pipe.xdel(b.stream, d.job.entry_id)
-                    metrics.JOBS_DISPATCHED.labels(d.job.tier.value).inc()
-                    self.running[d.job.job_id] = RunningJob(
-                        d.job.job_id,
-                        d.job.tier,
-                        d.worker_id,
-                        now,
-                        d.job.preemptions,
-                        d.job.tenant_id,
-                    )
                 await pipe.execute()
+            # Committed: only now do the entries leave the read-ahead (a failed hand-off
+            # leaves them pending, and they are read again after the reconnect).
+            for d, b in handed:
+                del self.buffers[d.job.tier][d.job.tenant_id][d.job.entry_id]
+                self._buffered[b.stream] -= 1
+                metrics.JOBS_DISPATCHED.labels(d.job.tier.value).inc()
+                self.running[d.job.job_id] = RunningJob(
+                    d.job.job_id, d.job.tier, d.worker_id, now, d.job.preemptions, d.job.tenant_id
+                )
         await self._maybe_preempt(slots, decisions)
         return len(decisions)
 
@@ -368,7 +426,7 @@ class Dispatcher:
                 for entry_id, fields in entries:
                     moved += await self._requeue(inbox, entry_id, fields)
             async with self.r.pipeline(transaction=True) as pipe:
-                pipe.delete(inbox, self.names.worker_load(hb.worker_id))
+                pipe.delete(inbox)
                 pipe.hdel(self.names.workers, hb.worker_id)
                 await pipe.execute()
             for job_id in [j for j, r in self.running.items() if r.worker_id == hb.worker_id]:

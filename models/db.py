@@ -6,13 +6,21 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import event, exc
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """Whether an error means the database could not be reached (a restart, a dropped
+    connection, an exhausted pool): worth retrying, unlike an error in the statement."""
+    if isinstance(error, exc.DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(error, exc.OperationalError | exc.InterfaceError | exc.TimeoutError | OSError)
 
 
 def make_engine(url: str, **kwargs: Any) -> AsyncEngine:

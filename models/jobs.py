@@ -158,13 +158,19 @@ async def _transition(
     *,
     sources: Sequence[JobStatus] | None = None,
     detail: str | None = None,
+    delivery: int | None = None,
     **values: Any,
 ) -> JobRecord | None:
-    """Move a job to `dst` if it is in one of `sources`; None when it was not."""
+    """Move a job to `dst` if it is in one of `sources` (and, given `delivery`, if that is
+    still its latest delivery: a stale run of a job delivered again cannot move it);
+    None when it was not."""
     allowed = [src.value for src in (sources if sources is not None else sources_for(dst))]
+    where = [Job.id == job_id, Job.status.in_(allowed)]
+    if delivery is not None:
+        where.append(Job.deliveries == delivery)
     stmt = (
         update(Job)
-        .where(Job.id == job_id, Job.status.in_(allowed))
+        .where(*where)
         .values(status=dst.value, **values)
         .returning(Job)
         .execution_options(synchronize_session=False)
@@ -233,6 +239,7 @@ async def finish_job(
     completion_tokens: int | None,
     error_code: str | None = None,
     error_message: str | None = None,
+    delivery: int | None = None,
 ) -> JobRecord | None:
     """running -> succeeded/failed with its result, and its usage record, exactly once."""
     job = await _transition(
@@ -240,6 +247,7 @@ async def finish_job(
         job_id,
         status,
         sources=(JobStatus.RUNNING,),
+        delivery=delivery,
         finished_at=utcnow(),
         result_text=text,
         finish_reason=finish_reason,
@@ -271,7 +279,13 @@ async def finish_job(
 
 
 async def fail_job(
-    s: AsyncSession, job_id: str, code: str, message: str, *, from_queued: bool = False
+    s: AsyncSession,
+    job_id: str,
+    code: str,
+    message: str,
+    *,
+    from_queued: bool = False,
+    delivery: int | None = None,
 ) -> JobRecord | None:
     sources = (JobStatus.RUNNING, JobStatus.QUEUED) if from_queued else (JobStatus.RUNNING,)
     return await _transition(
@@ -279,6 +293,7 @@ async def fail_job(
         job_id,
         JobStatus.FAILED,
         sources=sources,
+        delivery=delivery,
         finished_at=utcnow(),
         error_code=code,
         error_message=message,
@@ -297,10 +312,12 @@ async def cancel_job(s: AsyncSession, job_id: str) -> JobRecord | None:
     )
 
 
-async def requeue_job(s: AsyncSession, job_id: str, detail: str) -> JobRecord | None:
+async def requeue_job(
+    s: AsyncSession, job_id: str, detail: str, delivery: int | None = None
+) -> JobRecord | None:
     """running -> queued: a worker hands the job back (drain) or it was found orphaned."""
     return await _transition(
-        s, job_id, JobStatus.QUEUED, sources=(JobStatus.RUNNING,), detail=detail
+        s, job_id, JobStatus.QUEUED, sources=(JobStatus.RUNNING,), detail=detail, delivery=delivery
     )
 
 

@@ -28,6 +28,8 @@ app.add_typer(admin_app, name="admin")
 URL_OPTION = typer.Option("http://127.0.0.1:8000", envvar="TIERQ_URL", help="The platform.")
 log = logging.getLogger("tierq")
 
+EXIT_ENGINE_DEAD = 3  # `tierq worker`'s exit status when its engine died
+
 KEY_OPTION = typer.Option(None, help="API key (default: $TIERQ_API_KEY, else .tierq/dev-api-key).")
 
 
@@ -114,7 +116,14 @@ def worker(
     async def main() -> None:
         await run_worker(settings, make_engine, install)
 
-    asyncio.run(main())
+    from workers.engine import EngineDead
+
+    try:
+        asyncio.run(main())
+    except EngineDead as exc:
+        # Every job went back to its tier; the supervisor (tierq run, compose) restarts us.
+        log.error("exiting: %s", exc)
+        raise SystemExit(EXIT_ENGINE_DEAD) from None
 
 
 def make_engine(settings: Settings):
@@ -134,7 +143,9 @@ def make_engine(settings: Settings):
         from workers.faulty_engine import FaultyEngine
 
         kinds = tuple(k.strip() for k in settings.engine_fault_kinds.split(",") if k.strip())
-        log.warning("injecting engine faults into %.1f%% of requests", 100 * settings.engine_fault_rate)
+        log.warning(
+            "injecting engine faults into %.1f%% of requests", 100 * settings.engine_fault_rate
+        )
         engine = FaultyEngine(engine, settings.engine_fault_rate, settings.engine_fault_seed, kinds)
     return engine
 
@@ -230,6 +241,43 @@ def bench_steps(
 
     setup_logging("WARNING")
     result = asyncio.run(run_steps(get_settings(), slots, interactive, prompt_repeat))
+    typer.echo(json.dumps(result, separators=(",", ":")))
+
+
+@bench_app.command("chaos")
+def bench_chaos(
+    duration: float = typer.Option(60.0, help="Seconds of load, with faults."),
+    seed: int = typer.Option(0, help="Seeds the fault schedule, the load and engine faults."),
+    engine: str = typer.Option("simulated", help="simulated (default) or vllm (the real one)."),
+    rate: float = typer.Option(8.0, help="Jobs submitted per second."),
+    fault_every: float = typer.Option(4.0, help="Seconds between scheduled faults."),
+    workers: int = typer.Option(2, help="Worker processes, each with its own WORKER_ID."),
+    engine_fault_rate: float = typer.Option(0.02, help="Fraction of requests the engine fails."),
+    settle: float = typer.Option(60.0, help="After the load: how long jobs may take to finish."),
+    keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the processes' logs."),
+) -> None:
+    """Kill components and Redis under load; lost, double-billed, double-streamed jobs and
+    recovery time (simulated engine by default); prints one JSON line last."""
+    from tierq.bench_chaos import ChaosConfig, run_chaos
+
+    setup_logging("INFO")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = ChaosConfig(
+        duration_s=duration,
+        seed=seed,
+        engine=engine,
+        rate=rate,
+        fault_every_s=fault_every,
+        workers=workers,
+        engine_fault_rate=engine_fault_rate,
+        settle_s=settle,
+        keep_logs=keep_logs,
+    )
+    try:
+        result = asyncio.run(run_chaos(get_settings(), cfg))
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C or SIGTERM: all stopped
+        typer.echo("interrupted: every process it started is stopped", err=True)
+        raise typer.Exit(130) from None
     typer.echo(json.dumps(result, separators=(",", ":")))
 
 

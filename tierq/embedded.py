@@ -26,6 +26,7 @@ import httpx
 
 from tierq.bootstrap import ensure_tenant_key, write_secret
 from tierq.engine_build import vllm_cpu_build
+from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
 log = logging.getLogger("tierq.run")
@@ -64,8 +65,10 @@ class Child:
         self.started_at = time.monotonic()
 
     def signal_group(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
+        """Signal the child's whole process group — also after the child itself died, when
+        what it started (vLLM's engine core) may still be running in its group."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, sig)
 
 
@@ -91,6 +94,7 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
     pids.mkdir(parents=True, exist_ok=True)
 
     pinned = aux_cpus(settings)
+    names = RedisNames(settings.redis_prefix)
 
     def child(name: str, argv: list[str]) -> Child:
         log_path = None if logs is None else logs / f"{name}.log"
@@ -102,7 +106,24 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
         child("api", [py, "-m", "tierq.cli", "api"]),
         child("dispatcher", [py, "-m", "tierq.cli", "dispatcher"]),
         child("worker", [py, "-m", "tierq.cli", "worker"]),
-        child("celery-worker", [*celery, "worker", "--pool=solo", "--loglevel=INFO"]),
+        child(
+            "celery-worker",
+            [*celery, "worker", "--pool=solo", "--loglevel=INFO", "-Q", names.celery_queue],
+        ),
+        # The reconciler on its own queue and process: batch work never delays it.
+        child(
+            "celery-reconciler",
+            [
+                *celery,
+                "worker",
+                "--pool=solo",
+                "--loglevel=INFO",
+                "-Q",
+                names.reconcile_queue,
+                "-n",
+                "reconciler@%h",
+            ],
+        ),
         child(
             "celery-beat",
             [
@@ -193,6 +214,9 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
                         c.restarts,
                         f"; see {c.log_path}" if c.log_path else "",
                     )
+                    # Whatever it left in its group (vLLM's engine core, holding memory — on
+                    # a GPU, the GPU's) goes before a new one starts.
+                    c.signal_group(signal.SIGKILL)
                     time.sleep(min(30, 2**c.restarts))
                     c.start(env)
             if not announced and _ready(base):

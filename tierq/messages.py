@@ -60,7 +60,7 @@ class Served:
     tier: Tier
     estimated: int
     actual: int  # prompt + generated tokens actually served (0 if it never ran)
-    outcome: str  # succeeded | failed | cancelled | preempted | handed_back | skipped
+    outcome: str  # succeeded | failed | cancelled | preempted | handed_back | skipped | abandoned
 
     def encode(self) -> dict[str, str]:
         body = asdict(self)
@@ -92,7 +92,11 @@ class JobEvent:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """A worker's advertisement: alive, and how many jobs its engine may hold at once."""
+    """A worker's advertisement: alive, and how many jobs its engine may hold at once.
+
+    `ts` is Redis' clock when it was written (liveness never compares two hosts' clocks);
+    `jobs` are the ids it is running, so the reconciler can tell a job a live worker holds
+    from one that Redis lost."""
 
     worker_id: str
     capacity: int
@@ -100,6 +104,8 @@ class Heartbeat:
     ts: float
     draining: bool = False
     reserve: int = 0  # slots kept for the interactive tier
+    jobs: list[str] = field(default_factory=list)
+    engine_ok: bool = True  # False: its engine died; it is handing its jobs back
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

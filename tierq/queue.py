@@ -6,22 +6,37 @@ Names come from `RedisNames`; nothing here decides policy.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from tierq.messages import Heartbeat, JobEvent, JobMessage
+from tierq.redis_conn import redis_now
 from tierq.redis_names import RedisNames
 
 # Append an event to a job's replay buffer and publish it with its sequence number, in one
-# step, so that the buffer order and the ids seen live are the same.
+# step, so that the buffer order and the ids seen live are the same. Fenced: an event of a
+# delivery (ARGV[3]) older than the job's newest is refused (0), so a stale run of a job
+# delivered twice can stream nothing; ARGV[3] = '' is unfenced (the API's own events).
 _APPEND_EVENT = """
+if ARGV[3] ~= '' then
+  local newest = redis.call('GET', KEYS[3])
+  if newest and tonumber(newest) > tonumber(ARGV[3]) then return 0 end
+end
 local n = redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('PUBLISH', KEYS[2], n .. '|' .. ARGV[1])
 return n
+"""
+
+# Record that delivery ARGV[1] of a job runs now; 1 if it is the newest, 0 if a later one
+# already claimed the job.
+_CLAIM_DELIVERY = """
+local newest = tonumber(redis.call('GET', KEYS[1]) or '0')
+if newest > tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
 """
 
 
@@ -72,18 +87,32 @@ class EventLog:
         self.names = names
         self.ttl_s = ttl_s
         self._append = r.register_script(_APPEND_EVENT)
+        self._claim = r.register_script(_CLAIM_DELIVERY)
 
-    async def append(self, job_id: str, event: JobEvent) -> int:
-        keys = [self.names.job_events(job_id), self.names.job_channel(job_id)]
-        return int(await self._append(keys=keys, args=[event.encode(), self.ttl_s]))
+    def _keys(self, job_id: str) -> list[str]:
+        n = self.names
+        return [n.job_events(job_id), n.job_channel(job_id), n.job_delivery(job_id)]
 
-    async def append_many(self, items: list[tuple[str, JobEvent]]) -> None:
-        """Append many events in one round trip (in order)."""
+    async def append(self, job_id: str, event: JobEvent, delivery: int | None = None) -> int:
+        """Append one event; its sequence number, or 0 if a later delivery fenced it off."""
+        fence = "" if delivery is None else str(delivery)
+        args: list[str | int] = [event.encode(), self.ttl_s, fence]
+        return int(await self._append(keys=self._keys(job_id), args=args))
+
+    async def append_many(self, items: list[tuple[str, JobEvent, int | None]]) -> list[int]:
+        """Append many events in one round trip (in order); each one's sequence number, or
+        0 where a later delivery of its job fenced it off."""
         async with self.r.pipeline(transaction=False) as pipe:
-            for job_id, event in items:
-                keys = [self.names.job_events(job_id), self.names.job_channel(job_id)]
-                await self._append(keys=keys, args=[event.encode(), self.ttl_s], client=pipe)
-            await pipe.execute()
+            for job_id, event, delivery in items:
+                fence = "" if delivery is None else str(delivery)
+                args: list[str | int] = [event.encode(), self.ttl_s, fence]
+                await self._append(keys=self._keys(job_id), args=args, client=pipe)
+            return [int(n) for n in await pipe.execute()]
+
+    async def claim_delivery(self, job_id: str, delivery: int) -> bool:
+        """Fence the job's events to this delivery; False if a later one runs already."""
+        keys = [self.names.job_delivery(job_id)]
+        return bool(await self._claim(keys=keys, args=[delivery, self.ttl_s]))
 
     async def since(self, job_id: str, after_seq: int) -> list[tuple[int, JobEvent]]:
         """Events with a sequence number above `after_seq` (1-based), in order."""
@@ -103,8 +132,9 @@ async def write_heartbeat(r: aioredis.Redis, names: RedisNames, hb: Heartbeat) -
 async def live_workers(
     r: aioredis.Redis, names: RedisNames, dead_after_s: float, now: float | None = None
 ) -> tuple[list[Heartbeat], list[Heartbeat]]:
-    """(alive, dead) workers by the age of their last heartbeat."""
-    now = time.time() if now is None else now
+    """(alive, dead) workers by the age of their last heartbeat, on Redis' clock (which
+    stamped every heartbeat): hosts whose clocks disagree still agree on who is alive."""
+    now = await redis_now(r) if now is None else now
     raw = await r.hgetall(names.workers)
     alive: list[Heartbeat] = []
     dead: list[Heartbeat] = []

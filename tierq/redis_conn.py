@@ -31,6 +31,22 @@ async def connect(
     raise RuntimeError(f"Redis at {url} did not answer PING: {last}")
 
 
+# Errors that mean Redis could not be reached (a restart, a killed connection): retried.
+REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
+
+
+def is_unavailable(error: BaseException) -> bool:
+    return isinstance(error, REDIS_UNAVAILABLE) or (
+        isinstance(error, OSError) and not isinstance(error, redis.RedisError)
+    )
+
+
+async def redis_now(r: aioredis.Redis) -> float:
+    """Redis' clock (seconds): liveness is judged by one clock, not by each host's."""
+    sec, usec = await r.time()
+    return float(sec) + float(usec) / 1e6
+
+
 def connect_sync(settings: Settings) -> redis.Redis:
     client = redis.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
     client.ping()

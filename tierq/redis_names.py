@@ -30,10 +30,6 @@ class RedisNames:
         """Set of tenant ids that have a stream in this tier."""
         return f"{self.prefix}:tenants:{Tier(tier).value}"
 
-    def worker_load(self, worker_id: str) -> str:
-        """Hash tier -> jobs in the worker's inbox (running or not yet read)."""
-        return f"{self.prefix}:load:{worker_id}"
-
     def preempt_channel(self, worker_id: str) -> str:
         return f"{self.prefix}:preempt:{worker_id}"
 
@@ -43,6 +39,8 @@ class RedisNames:
         return f"{self.prefix}:served"
 
     def inbox(self, worker_id: str) -> str:
+        """A worker's jobs: an entry lives from hand-off until the worker lets the job go,
+        so the stream's length is the worker's load (running or not yet read)."""
         return f"{self.prefix}:inbox:{worker_id}"
 
     @property
@@ -70,6 +68,24 @@ class RedisNames:
 
     def job_channel(self, job_id: str) -> str:
         return f"{self.prefix}:job:{{{job_id}}}:live"
+
+    def job_delivery(self, job_id: str) -> str:
+        """The newest delivery (attempt) of a job that runs: its events fence older ones."""
+        return f"{self.prefix}:job:{{{job_id}}}:delivery"
+
+    def job_orphan(self, job_id: str) -> str:
+        """When the reconciler first saw a running job that nothing in Redis holds."""
+        return f"{self.prefix}:job:{{{job_id}}}:orphan"
+
+    @property
+    def reconcile_lock(self) -> str:
+        """Held by the Celery worker running the reconciler: two runs never overlap."""
+        return f"{self.prefix}:reconcile:lock"
+
+    @property
+    def reconcile_queue(self) -> str:
+        """The reconciler's own Celery queue: batch work can never starve it."""
+        return f"{self.prefix}-celery-reconcile"
 
     @property
     def celery_queue(self) -> str:

@@ -6,6 +6,7 @@ Run with `celery -A workers.celery_app worker` and `celery -A workers.celery_app
 from __future__ import annotations
 
 from celery import Celery
+from kombu import Queue
 
 from tierq.redis_names import RedisNames
 from tierq.settings import get_settings
@@ -18,11 +19,18 @@ app = Celery(
     backend=settings.celery_broker_url,
     include=["workers.tasks"],
 )
+names = RedisNames(settings.redis_prefix)
+
 app.conf.update(
     task_acks_late=True,  # a task interrupted by a worker restart runs again
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
-    task_default_queue=RedisNames(settings.redis_prefix).celery_queue,
+    task_default_queue=names.celery_queue,
+    # The reconciler has a queue of its own, and `tierq run` (and compose) a Celery worker
+    # for it (`-Q` that queue): a large batch file being validated can never starve it. A
+    # worker started without -Q consumes both.
+    task_queues=[Queue(names.celery_queue), Queue(names.reconcile_queue)],
+    task_routes={"tierq.reconcile": {"queue": names.reconcile_queue}},
     task_ignore_result=True,
     result_expires=3600,
     broker_connection_retry_on_startup=True,

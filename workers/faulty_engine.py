@@ -21,7 +21,7 @@ from workers.engine import Chunk, Engine, EngineDead, EngineRequestError
 FAULT_KINDS = ("request", "validation", "random", "dead")
 
 
-def _validation_error(message: str) -> Exception:
+def _validation_error(message: str) -> BaseException:
     """vLLM's own validation error when vLLM is installed, as the real engine meets it."""
     try:
         from vllm.exceptions import VLLMValidationError

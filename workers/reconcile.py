@@ -4,11 +4,18 @@ A job that the database says is queued or running, older than a grace period (ad
 writes the row before the XADD), that Redis does not hold (the `inflight` set, written in
 the same transaction as every XADD) was lost — Redis restarted without persistence, or
 was flushed — and is enqueued again. A running one is first set back to queued.
+
+A running job is also held while a live worker lists it in its heartbeat (after a flush, a
+worker that still runs a job says so with its next heartbeat), and is put back only once
+it has been seen held by nothing for RECONCILE_ORPHAN_GRACE_S; should a live worker still
+run it after all, the job's delivery fence stops that run. One reconciler runs at a time
+(a lock in Redis), on its own Celery queue.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import redis.asyncio as aioredis
@@ -16,7 +23,8 @@ import redis.asyncio as aioredis
 from models import jobs as job_repo
 from models.db import Database
 from tierq import metrics, tenant_policy
-from tierq.queue import enqueue, held_by_redis
+from tierq.queue import enqueue, held_by_redis, live_workers
+from tierq.redis_conn import redis_now
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 from tierq.states import JobStatus
@@ -27,29 +35,72 @@ PAGE = 1000
 
 
 async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list[str]:
-    """Re-enqueue lost jobs; returns their ids."""
+    """Re-enqueue lost jobs; returns their ids (empty when another run holds the lock)."""
     names = RedisNames(settings.redis_prefix)
+    lock_ttl_s = max(60, int(settings.reconcile_interval_s * 4))
+    token = uuid.uuid4().hex
+    if not await r.set(names.reconcile_lock, token, nx=True, ex=lock_ttl_s):
+        log.info("another reconciler is running; skipping this run")
+        return []
+    try:
+        return await _reconcile(settings, db, r, names)
+    finally:
+        if await r.get(names.reconcile_lock) == token:
+            await r.delete(names.reconcile_lock)
+
+
+async def _reconcile(
+    settings: Settings, db: Database, r: aioredis.Redis, names: RedisNames
+) -> list[str]:
     cutoff = datetime.now(UTC) - timedelta(seconds=settings.reconcile_grace_s)
+    alive, _ = await live_workers(r, names, settings.worker_dead_after_s)
+    running_on_workers = {job_id for hb in alive for job_id in hb.jobs}
     lost = []
     after = None
     while True:  # page through every candidate: a large backlog must not hide the lost ones
         async with db.session() as s:
             page = await job_repo.unfinished_jobs(s, cutoff, PAGE, after)
         held = await held_by_redis(r, names, [job.id for job in page])
-        lost += [job for job, is_held in zip(page, held, strict=True) if not is_held]
+        lost += [
+            job
+            for job, is_held in zip(page, held, strict=True)
+            if not is_held and job.id not in running_on_workers
+        ]
         if len(page) < PAGE:
             break
         after = (page[-1].created_at, page[-1].id)
     requeued: list[str] = []
+    now = await redis_now(r)
     for job in lost:
+        if job.status == JobStatus.RUNNING and not await _orphaned_long_enough(
+            r, names, job.id, now, settings.reconcile_orphan_grace_s
+        ):
+            continue
         if job.status == JobStatus.RUNNING:
             async with db.transaction() as s:
-                if await job_repo.requeue_job(s, job.id, "reconciler: lost by Redis") is None:
-                    continue  # it finished meanwhile
+                back = await job_repo.requeue_job(
+                    s, job.id, "reconciler: lost by Redis", delivery=job.deliveries
+                )
+            if back is None:
+                continue  # it finished, or was delivered again, meanwhile
         await enqueue(r, names, job.to_message())
+        await r.delete(names.job_orphan(job.id))
         requeued.append(job.id)
     await tenant_policy.sync_all(db, r, names)
     if requeued:
         metrics.JOBS_REENQUEUED.inc(len(requeued))
         log.warning("reconciler re-enqueued %d jobs lost by Redis", len(requeued))
     return requeued
+
+
+async def _orphaned_long_enough(
+    r: aioredis.Redis, names: RedisNames, job_id: str, now: float, grace_s: float
+) -> bool:
+    """Whether a running job has been held by nothing for `grace_s` (marking it now if not
+    marked yet): a worker that re-registers with its next heartbeat is given that long."""
+    if grace_s <= 0:
+        return True
+    key = names.job_orphan(job_id)
+    await r.set(key, repr(now), nx=True, ex=int(grace_s * 10) + 60)
+    first = await r.get(key)
+    return first is not None and now - float(first) >= grace_s

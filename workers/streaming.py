@@ -6,25 +6,49 @@ whatever has gathered in one pipeline — while one flush is in flight the next 
 collects, so batching adapts to load, and adjacent deltas of one job merge into one.
 Order per job is kept (one flusher, FIFO), and `send()` returns once an event is written,
 which the terminal events use so that `done` follows every delta.
+
+Nothing is dropped when Redis is unreachable: a batch that failed goes back to the front
+of the queue and is retried with backoff, so a client following the job sees every delta
+once Redis is back. Every event carries its job's delivery number; Redis refuses those of
+a delivery that a later one superseded, and `on_fenced` hears of each such job once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from tierq.messages import JobEvent
 from tierq.queue import EventLog
+from tierq.redis_conn import is_unavailable
 
 log = logging.getLogger(__name__)
 
+_Pending = tuple[str, JobEvent, asyncio.Future[None] | None]
+
 
 class EventPublisher:
-    def __init__(self, events: EventLog) -> None:
+    def __init__(
+        self,
+        events: EventLog,
+        on_fenced: Callable[[str], None] | None = None,
+        retry_max_s: float = 2.0,
+    ) -> None:
         self.events = events
-        self._batch: list[tuple[str, JobEvent, asyncio.Future[None] | None]] = []
+        self.on_fenced = on_fenced
+        self.retry_max_s = retry_max_s
+        self._batch: list[_Pending] = []
         self._last_delta: dict[str, int] = {}  # job id -> index of its last delta in _batch
+        self._deliveries: dict[str, int] = {}  # job id -> the delivery this worker runs
         self._wake = asyncio.Event()
+
+    def fence(self, job_id: str, delivery: int) -> None:
+        """Events of this job are written only while `delivery` is its newest."""
+        self._deliveries[job_id] = delivery
+
+    def forget(self, job_id: str) -> None:
+        self._deliveries.pop(job_id, None)
 
     def delta(self, job_id: str, text: str) -> None:
         i = self._last_delta.get(job_id)
@@ -44,26 +68,53 @@ class EventPublisher:
         self._wake.set()
         await done
 
+    def _requeue(self, batch: list[_Pending]) -> None:
+        """Put a failed batch back in front of what gathered meanwhile, keeping order."""
+        self._batch = batch + self._batch
+        self._last_delta = {}
+        for i, (job_id, event, _) in enumerate(self._batch):
+            if event.kind == "delta":
+                self._last_delta[job_id] = i
+            else:
+                self._last_delta.pop(job_id, None)
+
     async def run(self) -> None:
+        delay = 0.05
         while True:
             await self._wake.wait()
             self._wake.clear()
             batch, self._batch, self._last_delta = self._batch, [], {}
             if not batch:
                 continue
+            items = [(job_id, ev, self._deliveries.get(job_id)) for job_id, ev, _ in batch]
             try:
-                await self.events.append_many([(job_id, event) for job_id, event, _ in batch])
+                written = await self.events.append_many(items)
             except Exception as exc:
-                for _, _, fut in batch:
-                    if fut is not None and not fut.done():
-                        fut.set_exception(exc)
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
                     # redis-py may report a cancelled read as a ConnectionError: this is
                     # our own cancellation (shutdown), not a failure to carry on past.
                     raise asyncio.CancelledError from exc
-                log.exception("publishing %d job events failed", len(batch))
+                if not is_unavailable(exc):
+                    for _, _, fut in batch:
+                        if fut is not None and not fut.done():
+                            fut.set_exception(exc)
+                    log.exception("publishing %d job events failed", len(batch))
+                    continue
+                log.warning(
+                    "Redis unreachable; retrying %d job events in %.2f s", len(batch), delay
+                )
+                self._requeue(batch)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.retry_max_s)
+                self._wake.set()
                 continue
+            delay = 0.05
+            fenced = {job_id for (job_id, _, _), n in zip(batch, written, strict=True) if n == 0}
+            for job_id in fenced:
+                log.warning("job %s runs in a later delivery elsewhere; this run stops", job_id)
+                if self.on_fenced is not None:
+                    self.on_fenced(job_id)
             for _, _, fut in batch:
                 if fut is not None and not fut.done():
                     fut.set_result(None)

@@ -18,8 +18,9 @@ from workers.engine import Chunk, EngineDead, EngineRequestError
 
 log = logging.getLogger(__name__)
 
-# Resolved by name in vLLM's engine-core process.
+# Resolved by name in vLLM's engine-core process (both also arm its parent-death signal).
 TIERED_SCHEDULER = "workers.vllm_scheduler.TieredScheduler"
+STOCK_SCHEDULER = "workers.vllm_scheduler.StockScheduler"
 
 
 def translate_error(exc: BaseException) -> BaseException:
@@ -73,7 +74,7 @@ class VllmEngine:
             gpu_memory_utilization=s.gpu_memory_utilization,
             enforce_eager=s.enforce_eager,
             scheduling_policy="priority",
-            scheduler_cls=TIERED_SCHEDULER if s.engine_priority_steps else None,
+            scheduler_cls=TIERED_SCHEDULER if s.engine_priority_steps else STOCK_SCHEDULER,
             disable_log_stats=True,
         )
         self._llm = AsyncLLM.from_engine_args(args)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
+from workers.parent_death import die_with_parent
+
 log = logging.getLogger(__name__)
 
 
@@ -132,14 +134,33 @@ def _tiered(base: type) -> type:
     return Tiered
 
 
+def _vllm_scheduler(args: tuple[Any, ...], kwargs: dict[str, Any]) -> type:
+    """The scheduler class vLLM itself would pick for this configuration (the async one
+    where async scheduling is on, as on GPUs)."""
+    config = kwargs.get("vllm_config", args[0] if args else None)
+    if config is not None and config.scheduler_config.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        return AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
 class TieredScheduler:
-    """What vLLM instantiates: the tiered version of the scheduler vLLM itself would pick
-    for this configuration (the async one where async scheduling is on, as on GPUs)."""
+    """What vLLM instantiates (in its engine-core process): the tiered version of the
+    scheduler vLLM would pick. Being built there, it also ties that process's life to
+    the worker's (workers/parent_death.py)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        config = kwargs.get("vllm_config", args[0] if args else None)
-        if config is not None and config.scheduler_config.async_scheduling:
-            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
-        else:
-            from vllm.v1.core.sched.scheduler import Scheduler as base
-        return _tiered(base)(*args, **kwargs)
+        die_with_parent()
+        return _tiered(_vllm_scheduler(args, kwargs))(*args, **kwargs)
+
+
+class StockScheduler:
+    """vLLM's own scheduler, unchanged (ENGINE_PRIORITY_STEPS=false), built through the same
+    hook so that the engine-core process dies with the worker in this mode too."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        die_with_parent()
+        return _vllm_scheduler(args, kwargs)(*args, **kwargs)

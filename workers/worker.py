@@ -1,14 +1,28 @@
 """The worker: reads its inbox, runs many jobs at once in one engine, streams, persists.
 
 At-least-once: an inbox entry is acknowledged (and deleted) only after the job's result is
-in the database. A worker that dies leaves its entries behind; a restarted worker with the
-same id reads its own pending entries first, and the dispatcher reclaims the inbox of a
-worker whose heartbeat stopped (XAUTOCLAIM). Results and usage are written once per job
-id (conditional state transitions), so running a job twice is harmless.
+in the database, and the inbox's length is the worker's load: a slot is taken exactly as
+long as its entry exists. A worker that dies leaves its entries behind; a restarted worker
+with the same id reads its own pending entries first, and the dispatcher reclaims the inbox
+of a worker whose heartbeat stopped (XAUTOCLAIM).
+
+Every job ends through one settle path (`_settle`), whatever happened to it — succeeded,
+failed with a code, cancelled, handed back (drain, preemption, a dead engine, an unknown
+error with deliveries left) or superseded by a later delivery: the database transition,
+the final event, the usage record, the inbox acknowledgement and the slot move together.
+Writes that meet an unreachable database or Redis are retried with backoff (the
+generation keeps its result meanwhile); an unknown error hands the job back for another
+delivery and fails it with `engine_error` once MAX_DELIVERIES are used.
+
+Each delivery of a job has a number (`deliveries` in the database). A run's events and its
+final transition are fenced by it, so when a job runs twice (Redis lost it and the
+reconciler put it back while a live worker still ran it) the older run can neither stream
+nor finish: it stops as soon as it learns it was superseded.
 
 Shutdown is two-staged: the first SIGTERM stops reading the inbox and lets running jobs
 finish within the drain timeout; after it (or a second signal) the rest is aborted and
-handed back to its tier's stream.
+handed back to its tier's stream. A dead engine is found within ENGINE_HEALTH_INTERVAL_S:
+the worker stops advertising capacity, hands every job back and exits non-zero.
 """
 
 from __future__ import annotations
@@ -20,35 +34,64 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
 
+from models import db as db_mod
 from models import jobs as job_repo
 from models.db import Database
+from models.records import JobRecord
 from tierq import batch_signal, metrics
 from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
-from tierq.queue import (
-    EventLog,
-    enqueue,
-    read_group,
-    wake_dispatcher,
-    write_heartbeat,
-)
+from tierq.queue import EventLog, enqueue, read_group, wake_dispatcher, write_heartbeat
+from tierq.redis_conn import is_unavailable as redis_unavailable
+from tierq.redis_conn import redis_now
 from tierq.redis_names import WORKER_GROUP, RedisNames
 from tierq.settings import Settings
 from tierq.states import JobStatus
 from tierq.tiers import vllm_priority
-from workers.engine import Engine, EngineRequestError
+from workers.engine import Engine, EngineDead, EngineRequestError
 from workers.streaming import EventPublisher
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Outcomes after which no stream or inbox holds the job any more (its `inflight` mark goes).
+_GONE = frozenset({"succeeded", "failed", "cancelled", "skipped", "abandoned"})
+# Outcomes of an entry this run does not own: nothing is reported for the job.
+_NOT_OURS = frozenset({"superseded", "duplicate"})
 
 
 def replay_seed(job_id: str) -> int:
     """A seed derived from the job id: a re-run after a crash samples the same tokens."""
     return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:4], "big")
+
+
+def unavailable(exc: BaseException) -> bool:
+    """The database or Redis could not be reached: worth waiting for, not a job's fault."""
+    return db_mod.is_unavailable(exc) or redis_unavailable(exc)
+
+
+@dataclass
+class Outcome:
+    """How one run of a job ended, before it is settled."""
+
+    # succeeded | failed | cancelled | handed_back | preempted | retry | skipped | superseded
+    kind: str
+    code: str | None = None
+    message: str | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def served(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
 
 
 class Worker:
@@ -69,7 +112,9 @@ class Worker:
         self.names = RedisNames(settings.redis_prefix)
         self.inbox = self.names.inbox(self.worker_id)
         self.events = EventLog(r, self.names, settings.replay_ttl_s)
-        self.publisher = EventPublisher(self.events)
+        self.publisher = EventPublisher(
+            self.events, self._superseded_elsewhere, settings.outage_retry_max_s
+        )
         # Slots advertised to the dispatcher: the engine's, unless told otherwise (the
         # engine-priority baseline of the QoS benchmark hands everything to the engine).
         self.capacity = capacity or settings.max_num_seqs
@@ -77,13 +122,16 @@ class Worker:
         self.reserve = min(settings.interactive_reserve, self.capacity // 2)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # job id -> its task
         self._entries: dict[str, str] = {}  # job id -> inbox entry id
+        self._jobs: dict[str, JobRecord] = {}  # job id -> the delivery this worker runs
         self._cancelled: set[str] = set()
         self._handed_back: set[str] = set()
         self._preempted: set[str] = set()
+        self._superseded: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()  # batch advance requests
         self._slot_freed = asyncio.Event()
         self._stop_reading = asyncio.Event()
         self._stopped = asyncio.Event()
+        self._engine_dead = asyncio.Event()
 
     # --- lifecycle --------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -97,42 +145,58 @@ class Worker:
             await self.r.xgroup_create(self.inbox, WORKER_GROUP, id="0", mkstream=True)
 
     async def run(self) -> None:
-        """Serve until stopped. Cancelling this task is a crash: nothing is cleaned up."""
-        await self._ensure_group()
-        await self._heartbeat()
-        await self._read_inbox("0")  # entries this worker id held when it last died
+        """Serve until stopped; raise EngineDead (after handing every job back) if the
+        engine dies. Cancelling this task is a crash: nothing is cleaned up."""
+        await self._retrying("register", self._register)
         tasks = [
             asyncio.create_task(self._inbox_loop(), name="inbox"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._control_listener(), name="control-listener"),
             asyncio.create_task(self.publisher.run(), name="event-publisher"),
+            asyncio.create_task(self._health_loop(), name="engine-health"),
         ]
         stop = asyncio.create_task(self._stop_reading.wait(), name="stop")
+        dead = asyncio.create_task(self._engine_dead.wait(), name="engine-dead")
         try:
-            done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([stop, dead, *tasks], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            for task in [stop, *tasks, *self._tasks.values()]:
+            for task in [stop, dead, *tasks, *self._tasks.values()]:
                 task.cancel()
             raise
         for task in done:
-            if task is not stop and task.exception() is not None:
-                for other in [stop, *tasks]:
+            if task not in (stop, dead) and task.exception() is not None:
+                for other in [stop, dead, *tasks]:
                     other.cancel()
                 raise RuntimeError(f"worker task {task.get_name()} died") from task.exception()
+        engine_died = self._engine_dead.is_set()
+        if engine_died:
+            log.error("the engine is dead: handing every job back, then exiting")
+            self._stop_reading.set()
+            self._stopped.set()  # no drain: nothing more can run here
         tasks[0].cancel()  # stop reading the inbox
         await asyncio.gather(tasks[0], return_exceptions=True)
+        stop.cancel()
+        dead.cancel()
         try:
             await self._drain()
         finally:
             for task in tasks[1:]:
                 task.cancel()
             await asyncio.gather(*tasks[1:], return_exceptions=True)
-            await self.r.hdel(self.names.workers, self.worker_id)
-            await wake_dispatcher(self.r, self.names)
+            with contextlib.suppress(redis.RedisError, OSError):
+                await self.r.hdel(self.names.workers, self.worker_id)
+                await wake_dispatcher(self.r, self.names)
+        if engine_died:
+            raise EngineDead("the engine died; every job was handed back")
+
+    async def _register(self) -> None:
+        await self._ensure_group()
+        await self._heartbeat()
+        await self._read_inbox("0")  # entries this worker id held when it last died
 
     async def _drain(self) -> None:
-        await self._heartbeat(draining=True)
-        if self._tasks:
+        await self._retrying("heartbeat", lambda: self._heartbeat(draining=True))
+        if self._tasks and not self._stopped.is_set():
             log.info("draining %d running jobs", len(self._tasks))
             stop: asyncio.Future[Any] = asyncio.ensure_future(self._stopped.wait())
             running: asyncio.Future[Any] = asyncio.gather(
@@ -148,9 +212,13 @@ class Worker:
             log.info("handing %d unfinished jobs back to their tiers", len(self._tasks))
             self._handed_back.update(self._tasks)
             for job_id in list(self._tasks):
-                await self.engine.abort(job_id)
+                with contextlib.suppress(Exception):  # a dead engine may refuse even this
+                    await self.engine.abort(job_id)
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         # Entries dispatched to this inbox but never read go back as well.
+        await self._retrying("hand back unread entries", self._return_unread)
+
+    async def _return_unread(self) -> None:
         while True:
             got = await read_group(
                 self.r, WORKER_GROUP, self.worker_id, {self.inbox: ">"}, count=100
@@ -159,29 +227,82 @@ class Worker:
             if not entries:
                 break
             for entry_id, fields in entries:
+                if not fields:
+                    await self.r.xack(self.inbox, WORKER_GROUP, entry_id)
+                    continue
                 msg = JobMessage.decode(fields)
-                await self._hand_back(entry_id, msg, "unread at shutdown")
+                await enqueue(self.r, self.names, msg)
+                await self._release(entry_id, msg, "handed_back")
         if await self.r.xlen(self.inbox) == 0:
             await self.r.delete(self.inbox)
+
+    async def _retrying(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """Run `op`, waiting out an unreachable database or Redis with backoff (until a
+        second stop signal); other errors propagate."""
+        delay = 0.1
+        while True:
+            try:
+                return await op()
+            except Exception as exc:
+                if not unavailable(exc) or (self._stopped.is_set() and delay > 1):
+                    raise
+                log.warning("%s: %s (%s); retrying in %.1f s", what, type(exc).__name__, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.outage_retry_max_s)
 
     # --- side tasks -------------------------------------------------------------------
     async def _heartbeat(self, draining: bool = False) -> None:
         hb = Heartbeat(
-            self.worker_id, self.capacity, len(self._tasks), time.time(), draining, self.reserve
+            self.worker_id,
+            self.capacity,
+            len(self._tasks),
+            await redis_now(self.r),
+            draining or self._engine_dead.is_set(),
+            self.reserve,
+            jobs=sorted(self._tasks),
+            engine_ok=not self._engine_dead.is_set(),
         )
         await write_heartbeat(self.r, self.names, hb)
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
-            await self._heartbeat(draining=self._stop_reading.is_set())
+            try:
+                await self._heartbeat(draining=self._stop_reading.is_set())
+            except Exception as exc:
+                if not redis_unavailable(exc) or _being_cancelled():
+                    raise
+                log.warning("heartbeat: Redis unreachable (%s); retrying", exc)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.engine_health_interval_s)
+            try:
+                await self.engine.check_health()
+            except EngineDead as exc:
+                log.error("engine health check failed: %s", exc)
+                self._engine_dead.set()
+                return
 
     async def _control_listener(self) -> None:
-        """Cancellations (from the API) and preemptions (from the dispatcher)."""
+        """Cancellations (from the API) and preemptions (from the dispatcher); resubscribes
+        after a lost connection."""
+        delay = 0.1
+        while True:
+            try:
+                await self._listen()
+            except Exception as exc:
+                if not redis_unavailable(exc) or _being_cancelled():
+                    raise
+                log.warning("control channel: Redis unreachable (%s); resubscribing", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.outage_retry_max_s)
+
+    async def _listen(self) -> None:
         pubsub = self.r.pubsub()
         preempt = self.names.preempt_channel(self.worker_id)
-        await pubsub.subscribe(self.names.cancel_channel, preempt)
         try:
+            await pubsub.subscribe(self.names.cancel_channel, preempt)
             while True:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if msg is None:
@@ -197,10 +318,20 @@ class Worker:
                     self._cancelled.add(job_id)
                 await self.engine.abort(job_id)
         finally:
-            await pubsub.aclose()
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+
+    def _superseded_elsewhere(self, job_id: str) -> None:
+        """A later delivery of the job runs elsewhere: stop this one (its events are refused)."""
+        if job_id in self._tasks and job_id not in self._superseded:
+            self._superseded.add(job_id)
+            task = asyncio.create_task(self.engine.abort(job_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     # --- the inbox --------------------------------------------------------------------
     async def _inbox_loop(self) -> None:
+        delay = 0.1
         while not self._stop_reading.is_set():
             free = self.capacity - len(self._tasks)
             if free <= 0:
@@ -209,13 +340,20 @@ class Worker:
                 continue
             try:
                 await self._read_inbox(">", count=free, block_ms=1000)
+                delay = 0.1
             except redis.ResponseError as exc:
                 # The inbox vanished: Redis restarted, or a dispatcher took this worker for
                 # dead (a long pause) and reclaimed it. Start a fresh one.
                 if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                     raise
                 log.warning("inbox %s is gone (%s); recreating it", self.inbox, exc)
-                await self._ensure_group()
+                await self._retrying("recreate inbox", self._ensure_group)
+            except Exception as exc:
+                if not redis_unavailable(exc) or _being_cancelled():
+                    raise
+                log.warning("inbox: Redis unreachable (%s); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.outage_retry_max_s)
 
     async def _read_inbox(
         self, start: str, count: int | None = None, block_ms: int | None = None
@@ -233,28 +371,33 @@ class Worker:
                 await self.r.xack(self.inbox, WORKER_GROUP, entry_id)
                 continue
             msg = JobMessage.decode(fields)
-            if msg.job_id in self._tasks:
+            held = self._entries.get(msg.job_id)
+            if held is not None:
+                if held != entry_id:
+                    # The same job dispatched here again (a duplicate enqueue): keep one
+                    # entry for it, so it holds one slot, and let the other go.
+                    self._entries[msg.job_id] = entry_id
+                    await self._release(held, msg, "duplicate")
                 continue
             self._entries[msg.job_id] = entry_id
-            self._tasks[msg.job_id] = asyncio.create_task(self._run(entry_id, msg), name=msg.job_id)
+            self._tasks[msg.job_id] = asyncio.create_task(self._run(msg), name=msg.job_id)
         metrics.WORKER_RUNNING.set(len(self._tasks))
 
-    async def _done_with_entry(
-        self, entry_id: str, msg: JobMessage, outcome: str, actual_tokens: int = 0
-    ) -> None:
-        """Let go of an inbox entry: acknowledge it, free its slot, report what it cost."""
-        report = Served(msg.job_id, msg.tenant_id, msg.tier, msg.cost, actual_tokens, outcome)
+    async def _release(self, entry_id: str, msg: JobMessage, outcome: str, actual: int = 0) -> None:
+        """Let go of an inbox entry: acknowledge and delete it (which frees its slot), report
+        what the job cost, and drop its `inflight` mark if nothing holds the job now."""
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.xack(self.inbox, WORKER_GROUP, entry_id)
             pipe.xdel(self.inbox, entry_id)
-            pipe.hincrby(self.names.worker_load(self.worker_id), msg.tier.value, -1)
-            pipe.xadd(self.names.served, report.encode(), maxlen=100_000, approximate=True)  # type: ignore[arg-type]
-            if outcome not in ("preempted", "handed_back"):
+            if outcome not in _NOT_OURS:
+                report = Served(msg.job_id, msg.tenant_id, msg.tier, msg.cost, actual, outcome)
+                pipe.xadd(self.names.served, report.encode(), maxlen=100_000, approximate=True)  # type: ignore[arg-type]
+            if outcome in _GONE:
                 pipe.srem(self.names.inflight, msg.job_id)
             pipe.lpush(self.names.dispatch_wake, "1")
             pipe.ltrim(self.names.dispatch_wake, 0, 0)
             await pipe.execute()
-        if msg.batch_id is not None and outcome not in ("preempted", "handed_back"):
+        if msg.batch_id is not None and outcome in _GONE:
             # Its batch may top up its outstanding jobs, or be finished: ask Celery now.
             task = asyncio.create_task(
                 batch_signal.poke(self.settings, self.r, self.names, msg.batch_id)
@@ -262,69 +405,83 @@ class Worker:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _hand_back(
-        self, entry_id: str, msg: JobMessage, why: str, tokens: int = 0, preempted: bool = False
-    ) -> None:
-        """Put a job back on its tier's stream (preempted: at its head), then let go of it."""
-        async with self.db.transaction() as s:
-            await job_repo.requeue_job(s, msg.job_id, why)
-        if preempted:
-            again = dataclasses.replace(msg, preemptions=msg.preemptions + 1)
-            await enqueue(self.r, self.names, again, head_of_tier=True)
-        else:
-            await enqueue(self.r, self.names, msg)
-        await self._done_with_entry(
-            entry_id, msg, "preempted" if preempted else "handed_back", tokens
-        )
-
     # --- one job ----------------------------------------------------------------------
-    async def _run(self, entry_id: str, msg: JobMessage) -> None:
+    async def _run(self, msg: JobMessage) -> None:
         try:
-            await self._run_job(entry_id, msg)
-        except Exception:
-            log.exception("job %s failed in the worker; leaving it for redelivery", msg.job_id)
+            try:
+                outcome = await self._execute(msg)
+            except Exception as exc:  # an unknown engine error, or a bug: another delivery
+                log.exception("job %s failed in the worker", msg.job_id)
+                outcome = Outcome("retry", "engine_error", f"{type(exc).__name__}: {exc}")
+            try:
+                await self._settle(msg, outcome)
+            except Exception:
+                # The database refused the outcome for good: let the entry go; the job, still
+                # unfinished there and held by nothing, is the reconciler's to put back.
+                log.exception("settling job %s failed; abandoning this run", msg.job_id)
+                entry_id = self._entries.get(msg.job_id)
+                if entry_id is not None:
+                    await self._retrying(
+                        "release", lambda: self._release(entry_id, msg, "abandoned")
+                    )
         finally:
             self._tasks.pop(msg.job_id, None)
             self._entries.pop(msg.job_id, None)
-            self._cancelled.discard(msg.job_id)
-            self._handed_back.discard(msg.job_id)
-            self._preempted.discard(msg.job_id)
+            self._jobs.pop(msg.job_id, None)
+            self.publisher.forget(msg.job_id)
+            for marks in (self._cancelled, self._handed_back, self._preempted, self._superseded):
+                marks.discard(msg.job_id)
             self._slot_freed.set()
             metrics.WORKER_RUNNING.set(len(self._tasks))
 
-    async def _run_job(self, entry_id: str, msg: JobMessage) -> None:
+    async def _start(self, msg: JobMessage) -> tuple[JobRecord | None, str]:
+        """Claim the job in the database; (job, "") to run it, else (None, outcome)."""
+        limit = self.settings.max_deliveries + msg.preemptions
         async with self.db.transaction() as s:
-            job = await job_repo.start_job(
-                s, msg.job_id, self.worker_id, self.settings.max_deliveries + msg.preemptions
-            )
-        if job is None:  # finished, cancelled or dead-lettered meanwhile: nothing to run
-            async with self.db.session() as s:
-                current = await job_repo.get_job(s, msg.job_id)
-            if current is not None and current.status == JobStatus.FAILED:
-                await self.publisher.send(msg.job_id, JobEvent("error", current.to_api()))
-            await self._done_with_entry(entry_id, msg, "skipped")
-            return
+            job = await job_repo.start_job(s, msg.job_id, self.worker_id, limit)
+        if job is not None:
+            return job, ""
+        async with self.db.session() as s:
+            current = await job_repo.get_job(s, msg.job_id)
+        if current is not None and current.status in (JobStatus.QUEUED, JobStatus.RUNNING):
+            return None, "superseded"  # another delivery claimed it first
+        if current is not None and current.status == JobStatus.FAILED:
+            await self.publisher.send(msg.job_id, JobEvent("error", current.to_api()))
+        return None, "skipped"  # finished, cancelled or dead-lettered meanwhile
+
+    async def _execute(self, msg: JobMessage) -> Outcome:
+        job, why_not = await self._retrying("start job", lambda: self._start(msg))
+        if job is None:
+            return Outcome(why_not)
+        self._jobs[job.id] = job
+        if not await self._retrying(
+            "claim delivery", lambda: self.events.claim_delivery(job.id, job.deliveries)
+        ):
+            return Outcome("superseded")
+        self.publisher.fence(job.id, job.deliveries)
         redelivered = job.deliveries > 1
-        already = await self._streamed_text(job.id) if redelivered else ""
+        already = (
+            await self._retrying("replay", lambda: self._streamed_text(job.id))
+            if redelivered
+            else ""
+        )
         params: dict[str, Any] = dict(job.params)
         if params.get("seed") is None:
             params["seed"] = replay_seed(job.id)
         metrics.QUEUE_WAIT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
 
+        out = Outcome("succeeded")
         text_parts: list[str] = []
         emitted = len(already)
         produced = 0
-        completion_tokens = 0
-        prompt_tokens = 0
-        finish_reason: str | None = None
         first = True
         try:
             async for chunk in self.engine.generate(
                 job.id, job.messages, job.prompt, params, vllm_priority(job.tier)
             ):
-                prompt_tokens = chunk.prompt_tokens
-                completion_tokens += chunk.new_tokens
-                finish_reason = chunk.finish_reason or finish_reason
+                out.prompt_tokens = chunk.prompt_tokens
+                out.completion_tokens += chunk.new_tokens
+                out.finish_reason = chunk.finish_reason or out.finish_reason
                 if chunk.text:
                     if first:
                         metrics.TTFT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
@@ -335,49 +492,115 @@ class Worker:
                         self.publisher.delta(job.id, chunk.text[max(0, emitted - start) :])
                         emitted = produced
         except EngineRequestError as exc:
-            await self._finish(entry_id, msg, JobStatus.FAILED, exc.code, str(exc))
-            return
-        served = prompt_tokens + completion_tokens
-        if msg.job_id in self._handed_back:
-            await self._hand_back(entry_id, msg, "worker shutting down", served)
-            return
-        if msg.job_id in self._preempted and finish_reason in (None, "abort"):
+            return dataclasses.replace(out, kind="failed", code=exc.code, message=str(exc))
+        except EngineDead:
+            self._engine_dead.set()
+            self._handed_back.add(job.id)
+        out.text = "".join(text_parts)
+        if job.id in self._superseded:
+            out.kind = "superseded"
+        elif job.id in self._handed_back:
+            out.kind = "handed_back"
+        elif job.id in self._preempted and out.finish_reason in (None, "abort"):
             # Its partial output is discarded in the engine; a client following the job
             # loses nothing: the re-run streams only what goes beyond what it already has.
-            await self._hand_back(entry_id, msg, "preempted", served, preempted=True)
-            return
-        if finish_reason in (None, "abort"):  # cancelled by its tenant (the API closed it)
-            await self._done_with_entry(entry_id, msg, "cancelled", served)
-            return
-        async with self.db.transaction() as s:
-            finished = await job_repo.finish_job(
-                s,
-                job.id,
-                status=JobStatus.SUCCEEDED,
-                text="".join(text_parts),
-                finish_reason=finish_reason,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-            )
-        if finished is not None:
-            metrics.JOBS_FINISHED.labels(job.tier.value, "succeeded").inc()
-            metrics.TOKENS_SERVED.labels(job.tier.value, "prompt").inc(prompt_tokens)
-            metrics.TOKENS_SERVED.labels(job.tier.value, "completion").inc(completion_tokens)
-            served_by = metrics.TENANT_TOKENS_SERVED
-            served_by.labels(job.tenant_id, job.tier.value, "prompt").inc(prompt_tokens)
-            served_by.labels(job.tenant_id, job.tier.value, "completion").inc(completion_tokens)
-            await self.publisher.send(job.id, JobEvent("done", finished.to_api()))
-        await self._done_with_entry(entry_id, msg, "succeeded", served)
+            out.kind = "preempted"
+        elif out.finish_reason in (None, "abort"):  # cancelled by its tenant (the API closed it)
+            out.kind = "cancelled"
+        return out
 
-    async def _finish(
-        self, entry_id: str, msg: JobMessage, status: JobStatus, code: str, message: str
-    ) -> None:
-        async with self.db.transaction() as s:
-            failed = await job_repo.fail_job(s, msg.job_id, code, message)
-        if failed is not None:
-            metrics.JOBS_FINISHED.labels(msg.tier.value, status.value).inc()
-            await self.publisher.send(msg.job_id, JobEvent("error", failed.to_api()))
-        await self._done_with_entry(entry_id, msg, "failed")
+    async def _settle(self, msg: JobMessage, out: Outcome) -> None:
+        """The one place a run of a job ends: database, final event, inbox and slot."""
+        job = self._jobs.get(msg.job_id)
+        delivery = job.deliveries if job is not None else None
+        kind = out.kind
+        if kind == "retry":
+            limit = self.settings.max_deliveries + msg.preemptions
+            if job is not None and job.deliveries < limit:
+                kind = "handed_back"
+                log.warning("job %s goes back for another delivery: %s", msg.job_id, out.message)
+            else:
+                kind = "failed"
+        if kind == "succeeded":
+
+            async def finish() -> JobRecord | None:
+                async with self.db.transaction() as s:
+                    return await job_repo.finish_job(
+                        s,
+                        msg.job_id,
+                        status=JobStatus.SUCCEEDED,
+                        text=out.text,
+                        finish_reason=out.finish_reason,
+                        prompt_tokens=out.prompt_tokens,
+                        completion_tokens=out.completion_tokens,
+                        delivery=delivery,
+                    )
+
+            finished = await self._retrying("finish job", finish)
+            if finished is not None:
+                self._count_success(finished, out)
+                await self._retrying(
+                    "done event",
+                    lambda: self.publisher.send(msg.job_id, JobEvent("done", finished.to_api())),
+                )
+            else:
+                kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
+        elif kind == "failed":
+            code = out.code or "engine_error"
+            message = out.message or "the engine failed"
+
+            async def fail() -> JobRecord | None:
+                async with self.db.transaction() as s:
+                    return await job_repo.fail_job(s, msg.job_id, code, message, delivery=delivery)
+
+            failed = await self._retrying("fail job", fail)
+            if failed is not None:
+                metrics.JOBS_FINISHED.labels(msg.tier.value, "failed").inc()
+                await self._retrying(
+                    "error event",
+                    lambda: self.publisher.send(msg.job_id, JobEvent("error", failed.to_api())),
+                )
+            else:
+                kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
+        elif kind in ("handed_back", "preempted"):
+            preempted = kind == "preempted"
+
+            async def hand_back() -> bool:
+                async with self.db.transaction() as s:
+                    why = out.message or ("preempted" if preempted else "worker handed it back")
+                    back = await job_repo.requeue_job(s, msg.job_id, why, delivery=delivery)
+                return back is not None
+
+            if await self._retrying("requeue job", hand_back):
+                again = dataclasses.replace(msg, preemptions=msg.preemptions + preempted)
+                await self._retrying(
+                    "enqueue", lambda: enqueue(self.r, self.names, again, head_of_tier=preempted)
+                )
+            else:
+                kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
+        entry_id = self._entries.get(msg.job_id)
+        if entry_id is not None:
+            await self._retrying("release", lambda: self._release(entry_id, msg, kind, out.served))
+
+    async def _why_not(self, job_id: str, delivery: int | None) -> str:
+        """Why a run's final transition found the job elsewhere: a later delivery owns it
+        (superseded), or it ended meanwhile (cancelled by its tenant, say)."""
+        async with self.db.session() as s:
+            current = await job_repo.get_job(s, job_id)
+        if current is None:
+            return "skipped"
+        if delivery is not None and current.deliveries != delivery:
+            return "superseded"
+        return "cancelled" if current.status == JobStatus.CANCELLED else "skipped"
+
+    def _count_success(self, job: JobRecord, out: Outcome) -> None:
+        tier = job.tier.value
+        metrics.JOBS_FINISHED.labels(tier, "succeeded").inc()
+        metrics.TOKENS_SERVED.labels(tier, "prompt").inc(out.prompt_tokens)
+        metrics.TOKENS_SERVED.labels(tier, "completion").inc(out.completion_tokens)
+        served_by = metrics.TENANT_TOKENS_SERVED
+        served_by.labels(job.tenant_id, tier, "prompt").inc(out.prompt_tokens)
+        served_by.labels(job.tenant_id, tier, "completion").inc(out.completion_tokens)
 
     async def _streamed_text(self, job_id: str) -> str:
         """The text a previous delivery of this job already streamed to clients."""
@@ -389,12 +612,18 @@ class Worker:
         return "".join(parts)
 
 
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def run_worker(
     settings: Settings,
     engine_factory: Callable[[Settings], Engine],
     install_signals: Callable[[Worker], Awaitable[None]] | None = None,
 ) -> None:
-    """Start the engine, then serve the inbox until stopped (the `tierq worker` command)."""
+    """Start the engine, then serve the inbox until stopped (the `tierq worker` command).
+    Raises EngineDead when the engine died (the command exits non-zero)."""
     from tierq.redis_conn import connect
 
     engine = engine_factory(settings)
@@ -410,6 +639,7 @@ async def run_worker(
     try:
         await worker.run()
     finally:
-        await engine.shutdown()
+        with contextlib.suppress(Exception):  # a dead engine may fail to shut down cleanly
+            await engine.shutdown()
         await r.aclose()
         await db.close()

@@ -137,6 +137,11 @@ async def test_the_reconciler_puts_back_a_running_job_whose_worker_and_redis_are
         await platform.kill_worker("gone")
         keys = [k async for k in platform.r.scan_iter(match=f"{platform.settings.redis_prefix}:*")]
         await platform.r.delete(*keys)
+        # Held by nothing, but a live worker could still re-register it with its next
+        # heartbeat: the first pass only marks it; once the grace has passed, it goes back.
+        platform.settings.reconcile_orphan_grace_s = 0.5
+        assert await reconcile(platform.settings, platform.db, platform.r) == []
+        await asyncio.sleep(0.6)
         assert await reconcile(platform.settings, platform.db, platform.r) == [job["id"]]
         await platform.start_worker("fresh", cost=SLOW)
         final = await wait_for(c, job["id"])

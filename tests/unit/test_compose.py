@@ -58,5 +58,20 @@ def test_every_command_exists() -> None:
             assert "tierq.reconcile" in celery_app.conf.beat_schedule["reconcile"]["task"]
             importlib.import_module("workers.tasks")
             assert "tierq.reconcile" in celery_app.tasks
+            if "-Q" in command:  # a queue that this deployment's tasks are routed to
+                queue = command[command.index("-Q") + 1]
+                assert queue in {q.name for q in celery_app.conf.task_queues}, (name, queue)
         checked += 1
-    assert checked == 6  # migrate, api, dispatcher, worker, celery worker and beat
+    # migrate, api, dispatcher, worker, celery worker, the reconciler's celery worker, beat
+    assert checked == 7
+
+
+def test_the_reconciler_has_a_celery_worker_of_its_own() -> None:
+    """Batch validation on the default queue can never delay the reconciler."""
+    from workers.celery_app import app as celery_app
+
+    queues = {name: s["command"] for name, s in _services().items() if "-Q" in str(s.get("command"))}
+    route = celery_app.conf.task_routes["tierq.reconcile"]["queue"]
+    consumers = [n for n, cmd in queues.items() if route in cmd]  # type: ignore[operator]
+    assert consumers == ["celery-reconciler"]
+    assert route not in queues["celery-worker"]  # type: ignore[operator]
