@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.db import is_unavailable as db_unavailable
@@ -110,8 +112,7 @@ def install(app: FastAPI) -> None:
             exc.status_code, str(exc.detail), code, headers=dict(exc.headers or {})
         )
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _dependency(_: Request, exc: Exception) -> JSONResponse:
         if db_unavailable(exc) or redis_unavailable(exc):
             # A restart or a lost connection: the SDKs retry after Retry-After. Nothing was
             # accepted that could not be recorded (admission commits the row first).
@@ -122,7 +123,17 @@ def install(app: FastAPI) -> None:
                 "service_unavailable",
                 headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
             )
-        log.exception("unhandled error", exc_info=exc)
-        return error_response(
-            500, "The server had an error processing the request.", "internal_error"
-        )
+        return _internal(exc)
+
+    # Handled here, not by the catch-all below (which Starlette re-raises to the server).
+    for dependency_error in (sa_exc.DBAPIError, sa_exc.TimeoutError, redis.RedisError, OSError):
+        app.add_exception_handler(dependency_error, _dependency)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return _internal(exc)
+
+
+def _internal(exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(500, "The server had an error processing the request.", "internal_error")

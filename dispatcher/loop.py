@@ -302,6 +302,10 @@ class Dispatcher:
                 await self._refresh_tenant_policy(now)
                 moved = await self.step(alive)
                 delay = 0.1
+                if moved == 0:
+                    await self.r.blpop(
+                        [self.names.dispatch_wake], timeout=self.settings.dispatch_idle_wait_s
+                    )
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 if _being_cancelled():  # redis-py may turn a cancelled read into this
                     raise
@@ -314,11 +318,6 @@ class Dispatcher:
                 if "NOGROUP" not in str(exc):
                     raise
                 recovered = False
-                continue
-            if moved == 0:
-                await self.r.blpop(
-                    [self.names.dispatch_wake], timeout=self.settings.dispatch_idle_wait_s
-                )
 
     async def _recover(self) -> None:
         """Rebuild what this process knows from Redis: the read-ahead from the pending

@@ -11,7 +11,7 @@ import asyncio
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -26,6 +26,7 @@ from models.db import Database
 from models.tables import Base
 from tierq.bootstrap import ensure_tenant_key
 from tierq.settings import Settings
+from workers.engine import Engine
 from workers.simulated_engine import CostModel, SimulatedEngine
 from workers.worker import Worker
 
@@ -129,10 +130,17 @@ class Platform:
     def start_dispatcher(self) -> None:
         self.tasks.append(asyncio.create_task(self.dispatcher.run()))
 
-    async def start_worker(self, worker_id: str, cost: CostModel | None = None) -> Worker:
+    async def start_worker(
+        self,
+        worker_id: str,
+        cost: CostModel | None = None,
+        wrap: Callable[[Engine], Engine] | None = None,
+    ) -> Worker:
+        """A worker on the simulated engine; `wrap` puts a wrapper (faults) around it."""
         engine = SimulatedEngine(cost or CostModel(slots=self.settings.max_num_seqs).scaled(20))
         await engine.start()
-        worker = Worker(self.settings, self.db, self.r, engine, worker_id=worker_id)
+        hosted: Engine = engine if wrap is None else wrap(engine)
+        worker = Worker(self.settings, self.db, self.r, hosted, worker_id=worker_id)
         task = asyncio.create_task(worker.run())
         self.workers[worker_id] = (worker, task, engine)
         return worker

@@ -103,7 +103,7 @@ class ChaosConfig:
     engine: str = "simulated"
     rate: float = 8.0  # jobs submitted per second
     fault_every_s: float = 4.0
-    workers: int = 2
+    workers: int = 2  # worker processes (each hosts an engine)
     engine_fault_rate: float = 0.02
     settle_s: float = 60.0  # after the load: how long accepted jobs may take to finish
     follow_every: int = 4  # every Nth job is followed over SSE
@@ -221,7 +221,7 @@ class Supervisor:
         for name, c in self.children.items():
             if c.proc is None or name in self._due or c.proc.poll() is None:
                 continue
-            c.signal_group(signal.SIGKILL)  # whatever is left of its group
+            _kill_group(c)  # whatever is left of its group (vLLM's engine core, say)
             if name in self.planned:
                 self.planned.discard(name)
                 self._due[name] = now
@@ -264,8 +264,16 @@ class Supervisor:
         for c in self.children.values():
             if c.proc is not None:
                 c.proc.wait()
-                c.signal_group(signal.SIGKILL)
+                _kill_group(c)
             c.pid_path.unlink(missing_ok=True)
+
+
+def _kill_group(c: Child) -> None:
+    """SIGKILL what is left of an exited child's process group (Child.signal_group only
+    signals a child that is still running)."""
+    if c.proc is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(c.proc.pid, signal.SIGKILL)
 
 
 @dataclass
@@ -333,7 +341,7 @@ class Followed:
 
 
 def _span(ids: list[int]) -> str:
-    """ "1..19" for a run of consecutive ids, else the ids themselves (40 at most)."""
+    """A run of consecutive ids as "1..19", any other list as itself (40 ids at most)."""
     if ids and ids == list(range(ids[0], ids[0] + len(ids))):
         return f"{ids[0]}..{ids[-1]}"
     return ",".join(map(str, ids[:40]))
@@ -352,8 +360,6 @@ class Accepted:
     index: int
     tier: str
     max_tokens: int
-    at: float  # wall clock of the 2xx answer
-    attempts: int
 
 
 class Load:
@@ -419,7 +425,7 @@ class Load:
                 continue
             if resp.is_success:
                 job_id = resp.json()["id"]
-                self.accepted[job_id] = Accepted(i, tier, max_tokens, time.time(), attempt)
+                self.accepted[job_id] = Accepted(i, tier, max_tokens)
                 if i % self.cfg.follow_every == 0:
                     task = asyncio.create_task(self._follow(job_id, key))
                     self.followers.add(task)
@@ -884,6 +890,7 @@ async def _figures(
         "engine_fault_rate": cfg.engine_fault_rate,
         "submitted": len(accepted) + load.unanswered + sum(load.refused.values()),
         "accepted": len(accepted),
+        "accepted_by_tier": dict(sorted(Counter(a.tier for a in accepted.values()).items())),
         "never_accepted": load.unanswered,
         "refused": dict(load.refused),
         "client_retries": load.retries,

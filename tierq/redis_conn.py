@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import redis
 import redis.asyncio as aioredis
@@ -11,6 +13,8 @@ import redis.asyncio as aioredis
 from tierq.settings import Settings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 async def connect(
@@ -39,6 +43,21 @@ def is_unavailable(error: BaseException) -> bool:
     return isinstance(error, REDIS_UNAVAILABLE) or (
         isinstance(error, OSError) and not isinstance(error, redis.RedisError)
     )
+
+
+async def with_retries(
+    op: Callable[[], Awaitable[T]], attempts: int = 4, delay_s: float = 0.05
+) -> T:
+    """Run a Redis operation again (on a fresh connection) while Redis is unreachable, a
+    few times with backoff: a killed connection or a failover is usually over at once."""
+    for attempt in range(attempts):
+        try:
+            return await op()
+        except Exception as exc:
+            if not is_unavailable(exc) or attempt == attempts - 1:
+                raise
+            await asyncio.sleep(delay_s * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 async def redis_now(r: aioredis.Redis) -> float:

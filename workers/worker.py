@@ -407,30 +407,40 @@ class Worker:
 
     # --- one job ----------------------------------------------------------------------
     async def _run(self, msg: JobMessage) -> None:
+        me = asyncio.current_task()
         try:
             try:
                 outcome = await self._execute(msg)
             except Exception as exc:  # an unknown engine error, or a bug: another delivery
                 log.exception("job %s failed in the worker", msg.job_id)
                 outcome = Outcome("retry", "engine_error", f"{type(exc).__name__}: {exc}")
+            # From here on the entry is this run's alone: an entry for the job read from now
+            # on (the job handed back and dispatched here again) starts a run of its own.
+            job = self._jobs.get(msg.job_id)
+            entry_id = self._entries.pop(msg.job_id, None)
             try:
-                await self._settle(msg, outcome)
+                await self._settle(msg, outcome, job, entry_id)
             except Exception:
                 # The database refused the outcome for good: let the entry go; the job, still
                 # unfinished there and held by nothing, is the reconciler's to put back.
                 log.exception("settling job %s failed; abandoning this run", msg.job_id)
-                entry_id = self._entries.get(msg.job_id)
                 if entry_id is not None:
                     await self._retrying(
                         "release", lambda: self._release(entry_id, msg, "abandoned")
                     )
         finally:
-            self._tasks.pop(msg.job_id, None)
-            self._entries.pop(msg.job_id, None)
-            self._jobs.pop(msg.job_id, None)
-            self.publisher.forget(msg.job_id)
-            for marks in (self._cancelled, self._handed_back, self._preempted, self._superseded):
-                marks.discard(msg.job_id)
+            if self._tasks.get(msg.job_id) is me:  # unless a new run of the job took over
+                self._tasks.pop(msg.job_id, None)
+                self._entries.pop(msg.job_id, None)
+                self._jobs.pop(msg.job_id, None)
+                self.publisher.forget(msg.job_id)
+                for marks in (
+                    self._cancelled,
+                    self._handed_back,
+                    self._preempted,
+                    self._superseded,
+                ):
+                    marks.discard(msg.job_id)
             self._slot_freed.set()
             metrics.WORKER_RUNNING.set(len(self._tasks))
 
@@ -509,9 +519,10 @@ class Worker:
             out.kind = "cancelled"
         return out
 
-    async def _settle(self, msg: JobMessage, out: Outcome) -> None:
+    async def _settle(
+        self, msg: JobMessage, out: Outcome, job: JobRecord | None, entry_id: str | None
+    ) -> None:
         """The one place a run of a job ends: database, final event, inbox and slot."""
-        job = self._jobs.get(msg.job_id)
         delivery = job.deliveries if job is not None else None
         kind = out.kind
         if kind == "retry":
@@ -578,7 +589,6 @@ class Worker:
                 )
             else:
                 kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
-        entry_id = self._entries.get(msg.job_id)
         if entry_id is not None:
             await self._retrying("release", lambda: self._release(entry_id, msg, kind, out.served))
 

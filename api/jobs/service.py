@@ -21,6 +21,7 @@ from models.records import JobRecord, TenantRecord
 from tierq import metrics
 from tierq.messages import JobEvent, estimate_tokens
 from tierq.queue import EventLog, enqueue, forget_inflight
+from tierq.redis_conn import with_retries
 from tierq.redis_names import RedisNames
 from tierq.requests import JobCreate, Refused, check
 from tierq.settings import Settings
@@ -141,7 +142,7 @@ async def submit(
         metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()
         metrics.TENANT_ADMITTED.labels(tenant.id, job.tier.value).inc()
         try:
-            await enqueue(r, names, job.to_message())
+            await with_retries(lambda: enqueue(r, names, job.to_message()))
         except (redis.RedisError, OSError):
             if not online:
                 # The row is committed, so the job is accepted: the reconciler enqueues it.

@@ -70,7 +70,9 @@ def test_the_reconciler_has_a_celery_worker_of_its_own() -> None:
     """Batch validation on the default queue can never delay the reconciler."""
     from workers.celery_app import app as celery_app
 
-    queues = {name: s["command"] for name, s in _services().items() if "-Q" in str(s.get("command"))}
+    queues = {
+        name: s["command"] for name, s in _services().items() if "-Q" in str(s.get("command"))
+    }
     route = celery_app.conf.task_routes["tierq.reconcile"]["queue"]
     consumers = [n for n, cmd in queues.items() if route in cmd]  # type: ignore[operator]
     assert consumers == ["celery-reconciler"]

@@ -1,0 +1,384 @@
+"""Every failure ends a job or hands it back, on real PostgreSQL and Redis.
+
+The engine is the simulated one wrapped in the fault-injecting engine
+(workers/faulty_engine.py), which raises each class of failure an engine raises — the
+request refused, vLLM's own validation error, an unknown error, the engine dying. Redis
+faults are real: `CLIENT KILL` of every connection, keys deleted under running workers.
+After each: every job ends `succeeded` or `failed` with a clear code, every inbox is empty
+(the worker's load is back to zero), nothing is pending in any consumer group, and each
+succeeded job has exactly one usage record matching its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import exc as sa_exc
+
+from dispatcher.loop import Dispatcher
+from models import jobs as job_repo
+from tests.conftest import Platform
+from tests.helpers import client, read_sse, wait_for
+from tierq.queue import enqueue
+from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP
+from workers import worker as worker_mod
+from workers.engine import Engine
+from workers.faulty_engine import FaultyEngine
+from workers.reconcile import reconcile
+from workers.simulated_engine import CostModel
+
+pytestmark = pytest.mark.integration
+
+CHAT = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 20}
+SLOW = CostModel(slots=8).scaled(2)  # 60 tokens take about a second
+
+
+def faulty(kind: str, rate: float = 1.0) -> Any:
+    def wrap(engine: Engine) -> Engine:
+        return FaultyEngine(engine, rate, seed=7, kinds=(kind,))
+
+    return wrap
+
+
+async def assert_nothing_left(platform: Platform, job_ids: list[str]) -> list[dict[str, Any]]:
+    """Every job ended with a code, no slot or entry leaked, each success billed once."""
+    r, names = platform.r, platform.dispatcher.names
+    finals = []
+    async with platform.db.session() as s:
+        for job_id in job_ids:
+            job = await job_repo.get_job(s, job_id)
+            assert job is not None
+            assert job.status.value in ("succeeded", "failed"), (job_id, job.status)
+            usage = await job_repo.usage_for_job(s, job_id)
+            if job.status.value == "succeeded":
+                assert len(usage) == 1 and usage[0].completion_tokens == job.completion_tokens
+            else:
+                assert job.error_code, job_id
+                assert usage == []
+            history = [st for st, _ in await job_repo.transitions(s, job_id)]
+            assert history.count("succeeded") + history.count("failed") == 1, history
+            finals.append(job.to_api())
+    # The inboxes of every worker are empty: each slot was given back.
+    for worker_id in platform.workers:
+        for _ in range(100):
+            if await r.xlen(names.inbox(worker_id)) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await r.xlen(names.inbox(worker_id)) == 0, worker_id
+        if await r.exists(names.inbox(worker_id)):
+            pending: Any = await r.xpending(names.inbox(worker_id), WORKER_GROUP)
+            assert pending["pending"] == 0
+    # Nothing is pending in the dispatcher's group on any tier stream.
+    async for key in r.scan_iter(match=f"{platform.settings.redis_prefix}:stream:*"):
+        pending = await r.xpending(key, DISPATCH_GROUP)
+        assert pending["pending"] == 0, key
+    return finals
+
+
+async def submit(c: httpx.AsyncClient, n: int, body: dict[str, Any] = CHAT) -> list[str]:
+    ids = []
+    for _ in range(n):
+        resp = await c.post("/v1/jobs", json=body)
+        assert resp.status_code == 202, resp.text
+        ids.append(resp.json()["id"])
+    return ids
+
+
+@pytest.mark.parametrize(
+    ("kind", "code"),
+    [("request", "invalid_request"), ("validation", "context_length_exceeded")],
+)
+async def test_a_request_the_engine_refuses_fails_with_its_code_and_frees_its_slot(
+    platform: Platform, tenant_key: str, kind: str, code: str
+) -> None:
+    platform.start_dispatcher()
+    await platform.start_worker("w1", wrap=faulty(kind))
+    async with client(platform.url, tenant_key) as c:
+        ids = await submit(c, 12)  # more than the worker's 8 slots: a leak would jam it
+        finals = [await wait_for(c, i, timeout=30) for i in ids]
+    assert {(f["status"], f["error"]["code"]) for f in finals} == {("failed", code)}
+    await assert_nothing_left(platform, ids)
+
+
+async def test_an_unknown_engine_error_is_retried_then_fails_with_engine_error(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.settings.max_deliveries = 3
+    platform.start_dispatcher()
+    await platform.start_worker("w1", wrap=faulty("random"))
+    async with client(platform.url, tenant_key) as c:
+        ids = await submit(c, 10)
+        finals = [await wait_for(c, i, timeout=30) for i in ids]
+    assert {(f["status"], f["error"]["code"]) for f in finals} == {("failed", "engine_error")}
+    await assert_nothing_left(platform, ids)
+    async with platform.db.session() as s:
+        for job_id in ids:
+            job = await job_repo.get_job(s, job_id)
+            assert job is not None and job.deliveries == 3  # every delivery was used
+
+
+async def test_an_unknown_error_once_is_retried_and_the_job_succeeds(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.start_dispatcher()
+    await platform.start_worker("w1", wrap=faulty("random", rate=0.5))
+    async with client(platform.url, tenant_key) as c:
+        ids = await submit(c, 16)
+        finals = [await wait_for(c, i, timeout=60) for i in ids]
+    # Half fail on each delivery, so with 3 deliveries most succeed; none is left hanging.
+    assert sum(f["status"] == "succeeded" for f in finals) >= 8
+    assert all(f["status"] == "succeeded" or f["error"]["code"] == "engine_error" for f in finals)
+    await assert_nothing_left(platform, ids)
+
+
+async def test_a_dead_engine_hands_its_jobs_back_and_the_worker_exits(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.settings.engine_health_interval_s = 0.1
+    platform.start_dispatcher()
+    await platform.start_worker("doomed", cost=SLOW, wrap=faulty("dead", rate=0.3))
+    _, task, _ = platform.workers["doomed"]
+    async with client(platform.url, tenant_key) as c:
+        ids = await submit(c, 6, {**CHAT, "max_tokens": 40})
+        with pytest.raises(worker_mod.EngineDead):
+            await asyncio.wait_for(task, 30)  # it stops on its own, loudly
+        # It stopped advertising capacity: its heartbeat is gone.
+        names = platform.dispatcher.names
+        assert await platform.r.hget(names.workers, "doomed") is None
+        platform.workers.pop("doomed")
+        async with platform.db.session() as s:
+            statuses = {(await job_repo.get_job(s, i)).status.value for i in ids}  # type: ignore[union-attr]
+        assert statuses <= {"queued", "succeeded"}  # handed back, none left running
+        await platform.start_worker("healthy", cost=SLOW)
+        finals = [await wait_for(c, i, timeout=60) for i in ids]
+    assert {f["status"] for f in finals} == {"succeeded"}
+    await assert_nothing_left(platform, ids)
+
+
+async def test_a_transient_database_error_in_finish_is_retried(
+    platform: Platform, tenant_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_finish = job_repo.finish_job
+    failures = {"left": 3}
+
+    async def flaky_finish(*args: Any, **kwargs: Any) -> Any:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise sa_exc.OperationalError("UPDATE jobs", {}, ConnectionResetError("reset"))
+        return await real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(worker_mod.job_repo, "finish_job", flaky_finish)
+    platform.start_dispatcher()
+    await platform.start_worker("w1")
+    async with client(platform.url, tenant_key) as c:
+        ids = await submit(c, 3)
+        finals = [await wait_for(c, i, timeout=30) for i in ids]
+    assert failures["left"] == 0
+    assert {f["status"] for f in finals} == {"succeeded"}
+    await assert_nothing_left(platform, ids)
+
+
+async def test_a_database_that_refuses_the_result_leaves_the_job_to_the_reconciler(
+    platform: Platform, tenant_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-transient error in finish: the slot is freed, and the job, held by nothing,
+    goes back through the reconciler until it is dead-lettered — never stuck running."""
+
+    async def refusing_finish(*args: Any, **kwargs: Any) -> Any:
+        raise sa_exc.DataError("UPDATE jobs", {}, ValueError("refused"))
+
+    monkeypatch.setattr(worker_mod.job_repo, "finish_job", refusing_finish)
+    platform.settings.max_deliveries = 2
+    platform.settings.reconcile_orphan_grace_s = 0.0
+    platform.start_dispatcher()
+    await platform.start_worker("w1")
+    async with client(platform.url, tenant_key) as c:
+        (job_id,) = await submit(c, 1)
+        for _ in range(10):
+            await asyncio.sleep(0.5)
+            await reconcile(platform.settings, platform.db, platform.r)
+            if (await c.get(f"/v1/jobs/{job_id}")).json()["status"] == "failed":
+                break
+        final = await wait_for(c, job_id, timeout=5)
+    assert final["status"] == "failed"
+    assert final["error"]["code"] == "max_deliveries_exceeded"
+    await assert_nothing_left(platform, [job_id])
+
+
+async def test_a_duplicate_entry_for_a_running_job_holds_no_slot_and_is_acknowledged(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.start_dispatcher()
+    await platform.start_worker("w1", cost=SLOW)
+    async with client(platform.url, tenant_key) as c:
+        (job_id,) = await submit(c, 1, {**CHAT, "max_tokens": 60})
+        await wait_for(c, job_id, ("running",))
+        async with platform.db.session() as s:
+            record = await job_repo.get_job(s, job_id)
+        assert record is not None
+        names = platform.dispatcher.names
+        await platform.r.xadd(names.inbox("w1"), record.to_message().encode())  # type: ignore[arg-type]
+        for _ in range(100):  # the worker adopts the new entry and lets the old one go
+            if await platform.r.xlen(names.inbox("w1")) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert await platform.r.xlen(names.inbox("w1")) == 1
+        final = await wait_for(c, job_id)
+    assert final["status"] == "succeeded"
+    await assert_nothing_left(platform, [job_id])
+    async with platform.db.session() as s:
+        assert (await job_repo.get_job(s, job_id)).deliveries == 1  # type: ignore[union-attr]
+
+
+async def test_a_job_run_twice_streams_and_finishes_once(
+    platform: Platform, tenant_key: str
+) -> None:
+    """Redis lost track of a running job and it was enqueued again while its first run
+    went on: the later delivery fences the earlier off — no delta twice, one finish."""
+    platform.start_dispatcher()
+    await platform.start_worker("first", cost=SLOW)
+    async with client(platform.url, tenant_key) as c:
+        (job_id,) = await submit(c, 1, {**CHAT, "max_tokens": 60})
+        follower = asyncio.create_task(read_sse(c, f"/v1/jobs/{job_id}/events"))
+        await read_sse(c, f"/v1/jobs/{job_id}/events", limit=5)  # under way on `first`
+        await platform.start_worker("second", cost=SLOW)
+        async with platform.db.session() as s:
+            record = await job_repo.get_job(s, job_id)
+        assert record is not None
+        await enqueue(platform.r, platform.dispatcher.names, record.to_message())
+        final = await wait_for(c, job_id, timeout=30)
+        events = await asyncio.wait_for(follower, 30)
+    assert final["status"] == "succeeded"
+    text = "".join(e["data"]["text"] for e in events if e["event"] == "delta")
+    assert text == final["result"]["text"] == "".join(f" tok{i}" for i in range(1, 61))
+    assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
+    assert [e["event"] for e in events].count("done") == 1
+    async with platform.db.session() as s:
+        assert (await job_repo.get_job(s, job_id)).deliveries == 2  # type: ignore[union-attr]
+    await assert_nothing_left(platform, [job_id])
+
+
+async def test_after_a_redis_flush_a_job_a_live_worker_runs_is_not_run_again(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.settings.reconcile_orphan_grace_s = 1.0
+    platform.start_dispatcher()
+    await platform.start_worker("w1", cost=SLOW)
+    async with client(platform.url, tenant_key) as c:
+        (job_id,) = await submit(c, 1, {**CHAT, "max_tokens": 100})
+        await wait_for(c, job_id, ("running",))
+        keys = [k async for k in platform.r.scan_iter(match=f"{platform.settings.redis_prefix}:*")]
+        await platform.r.delete(*keys)  # Redis restarted empty
+        for _ in range(4):  # the reconciler runs while the worker still generates
+            assert await reconcile(platform.settings, platform.db, platform.r) == []
+            await asyncio.sleep(0.4)
+        final = await wait_for(c, job_id, timeout=30)
+    assert final["status"] == "succeeded"
+    async with platform.db.session() as s:
+        assert (await job_repo.get_job(s, job_id)).deliveries == 1  # type: ignore[union-attr]
+    await assert_nothing_left(platform, [job_id])
+
+
+async def test_client_kill_during_hand_offs_loses_nothing(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.start_dispatcher()
+    await platform.start_worker("w1")
+    await platform.start_worker("w2")
+    async with client(platform.url, tenant_key) as c:
+        ids: list[str] = []
+        for _ in range(8):
+            ids += await submit(c, 5)
+            # Every connection but this one: the dispatcher's, the workers' and the API's.
+            await platform.r.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await asyncio.sleep(0.1)
+        finals = [await wait_for(c, i, timeout=60) for i in ids]
+    assert {f["status"] for f in finals} == {"succeeded"}
+    await assert_nothing_left(platform, ids)
+
+
+async def test_a_restarted_dispatcher_delivers_every_pending_entry_of_a_shard(
+    platform: Platform, tenant_key: str
+) -> None:
+    """A dispatcher read 100 entries of one tenant's shard and died before handing them
+    out: they are pending for its consumer name, and its successor delivers all 100."""
+    async with client(platform.url, tenant_key) as c:
+        ids = await submit(c, 100, {**CHAT, "max_tokens": 2})
+        first = Dispatcher(platform.settings, platform.r)
+        await first._recover()
+        for _ in range(10):  # read the whole shard into its read-ahead (pending now)
+            first._buffered.clear()
+            await first._read()
+        tenant = await _tenant_of(platform, ids[0])
+        stream = platform.dispatcher.names.tier_stream("standard", tenant)
+        pending: Any = await platform.r.xpending(stream, DISPATCH_GROUP)
+        assert pending["pending"] == 100
+        platform.start_dispatcher()  # same consumer name, as a restarted process has
+        await platform.start_worker("w1")
+        finals = [await wait_for(c, i, timeout=60) for i in ids]
+    assert {f["status"] for f in finals} == {"succeeded"}
+    await assert_nothing_left(platform, ids)
+
+
+async def _tenant_of(platform: Platform, job_id: str) -> str:
+    async with platform.db.session() as s:
+        job = await job_repo.get_job(s, job_id)
+    assert job is not None
+    return job.tenant_id
+
+
+async def test_max_running_holds_across_a_dispatcher_restart(platform: Platform) -> None:
+    from tests.integration.test_admin_quotas_billing import admin, jobs_of, new_tenant
+
+    capped_id, capped_key = await new_tenant(platform)
+    async with admin(platform) as a:
+        await a.put(f"/admin/tenants/{capped_id}/quota", json={"max_running": 2})
+    platform.start_dispatcher()
+    await platform.start_worker("w1", cost=SLOW)
+    async with client(platform.url, capped_key) as c:
+        ids = await submit(c, 6, {**CHAT, "max_tokens": 60})
+        for _ in range(100):
+            if sum(j.status == "running" for j in await jobs_of(platform, capped_id)) == 2:
+                break
+            await asyncio.sleep(0.05)
+        # The dispatcher stops; a new one (a new process, an empty memory) takes over.
+        platform.dispatcher.request_stop()
+        await asyncio.sleep(0.3)
+        platform.dispatcher = Dispatcher(platform.settings, platform.r)
+        platform.start_dispatcher()
+        peak = 0
+        for _ in range(200):
+            jobs = await jobs_of(platform, capped_id)
+            peak = max(peak, sum(j.status == "running" for j in jobs))
+            if all(j.status == "succeeded" for j in jobs):
+                break
+            await asyncio.sleep(0.05)
+        finals = [await wait_for(c, i, timeout=60) for i in ids]
+    assert {f["status"] for f in finals} == {"succeeded"}
+    assert peak == 2
+
+
+async def test_the_api_answers_503_with_retry_after_while_the_database_is_unreachable(
+    platform: Platform, tenant_key: str
+) -> None:
+    from api.app import build_app
+
+    down = platform.settings.model_copy(
+        update={"database_url": "postgresql+asyncpg://postgres@127.0.0.1:1/nowhere"}
+    )
+    app = build_app(down)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://api",
+            headers={"Authorization": f"Bearer {tenant_key}"},
+        ) as c,
+    ):
+        resp = await c.post("/v1/jobs", json=CHAT)
+    assert resp.status_code == 503, resp.text
+    assert resp.headers["Retry-After"].isdigit()
+    assert resp.json()["error"]["code"] == "service_unavailable"
