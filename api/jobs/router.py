@@ -87,7 +87,8 @@ async def job_events(
         raise not_found("job", job_id)
     last_seq = 0
     if last_event_id:
-        if not last_event_id.isdigit():
+        # ASCII digits only ("²".isdigit() is true), and no more of them than an id has.
+        if not (last_event_id.isascii() and last_event_id.isdigit() and len(last_event_id) < 19):
             raise APIError(400, "Last-Event-ID must be an event id.", "invalid_last_event_id")
         last_seq = int(last_event_id)
     stream = job_event_stream(db, r, names, events, job, last_seq)

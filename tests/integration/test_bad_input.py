@@ -124,3 +124,10 @@ async def test_unknown_routes_and_ids_answer_in_the_error_shape(
         assert_openai_error(await c.get("/v1/jobs", params={"limit": 0}), 400)
         bad_last = await c.get("/v1/jobs/job_x/events", headers={"Last-Event-ID": "x"})
         assert_openai_error(bad_last, 404, "job_not_found")
+        # For a job that exists, the header itself is judged: a 400, never a 500.
+        job = (await c.post("/v1/jobs", json=OK)).json()
+        # Non-ASCII digits travel as raw bytes, as a hostile client sends them.
+        superscript_two, fullwidth_one = b"\xb2", "\uff11".encode()
+        for bad in (b"x", b"-1", b"1.5", superscript_two, fullwidth_one, b"9" * 40):
+            resp = await c.get(f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": bad})
+            assert_openai_error(resp, 400, "invalid_last_event_id")

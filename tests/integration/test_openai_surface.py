@@ -17,6 +17,7 @@ from models import jobs as job_repo
 from models import tenants as tenant_repo
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error
+from tierq.messages import Served
 from workers.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
@@ -216,7 +217,18 @@ async def test_a_client_that_hangs_up_cancels_its_job(platform: Platform, tenant
             break
         await asyncio.sleep(0.1)
     assert job.status.value == "cancelled"
-    assert (job.completion_tokens or 0) < 1000
+    # The engine really let it go: its slot is free long before 1,000 tokens (30 s at this
+    # speed), and the worker reported the run as cancelled after a fraction of them.
+    _, _, engine = platform.workers["w1"]
+    for _ in range(50):
+        if engine.running == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert engine.running == 0
+    reports = await platform.r.xrange(platform.dispatcher.names.served)
+    mine = [Served.decode(f) for _, f in reports if Served.decode(f).job_id == job_id]
+    assert [m.outcome for m in mine] == ["cancelled"]
+    assert 0 < mine[0].actual < mine[0].estimated - 500  # most of the 1,000 never generated
 
 
 async def test_redis_refusing_the_job_gets_503_with_retry_after(

@@ -9,6 +9,7 @@ import pytest
 from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client, read_sse, wait_for
+from tierq.messages import Served
 from tierq.queue import enqueue
 from workers.reconcile import reconcile
 from workers.simulated_engine import CostModel
@@ -63,28 +64,42 @@ async def test_a_restarted_worker_with_the_same_id_resumes_its_pending_entries(
     assert done["status"] == "succeeded"
 
 
-async def test_a_job_delivered_twice_is_recorded_once(platform: Platform, tenant_key: str) -> None:
+async def test_a_job_delivered_twice_is_run_to_the_end_once(
+    platform: Platform, tenant_key: str
+) -> None:
     async with client(platform.url, tenant_key) as c:
         job = (await c.post("/v1/jobs", json={**CHAT, "max_tokens": 5})).json()
         async with platform.db.session() as s:
             record = await job_repo.get_job(s, job["id"])
         assert record is not None
         await enqueue(platform.r, platform.dispatcher.names, record.to_message())  # a duplicate
+        follower = asyncio.create_task(read_sse(c, f"/v1/jobs/{job['id']}/events"))
         platform.start_dispatcher()
         await platform.start_worker("w1")
         await platform.start_worker("w2")
         done = await wait_for(c, job["id"])
-        for _ in range(100):  # both deliveries consumed
-            names = platform.dispatcher.names
-            if (
-                await platform.r.xlen(names.inbox("w1")) + await platform.r.xlen(names.inbox("w2"))
-                == 0
-            ):
+        events = await asyncio.wait_for(follower, 10)
+        names = platform.dispatcher.names
+        for _ in range(100):  # both deliveries consumed: each inbox empty again
+            inboxes = [await platform.r.xlen(names.inbox(w)) for w in ("w1", "w2")]
+            if inboxes == [0, 0]:
                 break
             await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"entries left in the inboxes: {inboxes}")
     assert done["status"] == "succeeded"
+    # One run reached the end: one success in the history, one usage record, and a follower
+    # saw the text once (a second run is skipped, or fences the first off and goes on).
+    assert (
+        "".join(e["data"]["text"] for e in events if e["event"] == "delta")
+        == (done["result"]["text"])
+    )
     async with platform.db.session() as s:
+        history = [status for status, _ in await job_repo.transitions(s, job["id"])]
         assert len(await job_repo.usage_for_job(s, job["id"])) == 1
+    assert history.count("succeeded") == 1
+    reports = [Served.decode(f) for _, f in await platform.r.xrange(names.served)]
+    assert [r.outcome for r in reports if r.job_id == job["id"]].count("succeeded") == 1
 
 
 async def test_a_job_that_keeps_dying_is_dead_lettered(platform: Platform, tenant_key: str) -> None:
