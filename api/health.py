@@ -20,6 +20,7 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz")
 async def readyz(db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep) -> JSONResponse:
     checks: dict[str, str] = {}
+    body_extra: dict[str, list[str]] = {}
     try:
         await db.ping()
         checks["database"] = "ok"
@@ -30,13 +31,26 @@ async def readyz(db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep)
         await r.ping()
         checks["redis"] = "ok"
         alive, _ = await live_workers(r, names, settings.worker_dead_after_s)
-        workers = len([w for w in alive if not w.draining])
-        checks["workers"] = "ok" if workers else "error: no live worker heartbeat"
+        dead_engines = sorted(w.worker_id for w in alive if not w.engine_ok)
+        workers = len([w for w in alive if not w.draining and w.engine_ok])
+        if workers:
+            checks["workers"] = "ok"
+        elif dead_engines:
+            checks["workers"] = f"error: engine dead on {', '.join(dead_engines)}"
+        else:
+            checks["workers"] = "error: no live worker heartbeat"
+        if dead_engines:
+            body_extra["dead_engines"] = dead_engines
     except Exception as exc:
         checks["redis"] = f"error: {type(exc).__name__}"
         checks["workers"] = "unknown"
     ready = all(v == "ok" for v in checks.values())
-    body = {"status": "ready" if ready else "not_ready", "checks": checks, "workers": workers}
+    body = {
+        "status": "ready" if ready else "not_ready",
+        "checks": checks,
+        "workers": workers,
+        **body_extra,
+    }
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

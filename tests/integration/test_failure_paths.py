@@ -142,6 +142,7 @@ async def test_a_dead_engine_hands_its_jobs_back_and_the_worker_exits(
     await platform.start_worker("doomed", cost=SLOW, wrap=faulty("dead", rate=0.3))
     _, task, _ = platform.workers["doomed"]
     async with client(platform.url, tenant_key) as c:
+        assert (await c.get("/readyz")).status_code == 200
         ids = await submit(c, 6, {**CHAT, "max_tokens": 40})
         with pytest.raises(worker_mod.EngineDead):
             await asyncio.wait_for(task, 30)  # it stops on its own, loudly
@@ -156,6 +157,22 @@ async def test_a_dead_engine_hands_its_jobs_back_and_the_worker_exits(
         finals = [await wait_for(c, i, timeout=60) for i in ids]
     assert {f["status"] for f in finals} == {"succeeded"}
     await assert_nothing_left(platform, ids)
+
+
+async def test_readyz_names_a_worker_whose_engine_died(platform: Platform) -> None:
+    from tierq.messages import Heartbeat
+    from tierq.queue import write_heartbeat
+    from tierq.redis_conn import redis_now
+
+    names = platform.dispatcher.names
+    now = await redis_now(platform.r)
+    hb = Heartbeat("w-dead", 8, 0, now, draining=True, engine_ok=False)
+    await write_heartbeat(platform.r, names, hb)
+    async with client(platform.url, None) as c:
+        resp = await c.get("/readyz")
+    assert resp.status_code == 503
+    assert resp.json()["checks"]["workers"] == "error: engine dead on w-dead"
+    assert resp.json()["dead_engines"] == ["w-dead"]
 
 
 async def test_a_transient_database_error_in_finish_is_retried(
