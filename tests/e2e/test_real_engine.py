@@ -1,9 +1,10 @@
 """The whole platform as real processes with the real vLLM engine and the bundled model.
 
 `tierq run` with the real PostgreSQL and Redis URLs: submit, poll, SSE with a late
-joiner, cancel of a long job, a worker killed with SIGKILL mid-job whose job still
-finishes on the restarted worker, interactive work behind a full engine, and the
-official `openai` SDK (chat, streaming, a small batch) against it.
+joiner, cancel of a long job, prompts past the context refused by the engine itself, a
+worker killed with SIGKILL mid-job (its engine process dies with it; the job finishes on
+the restarted worker), an engine that dies under a live worker, interactive work behind
+a full engine, and the official `openai` SDK (chat, streaming, a small batch) against it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import asyncio
 import json
 import os
 import signal
+import time
 
+import psutil
 import pytest
 from openai import AsyncOpenAI
 from sqlalchemy import text
@@ -100,6 +103,61 @@ async def test_cancel_aborts_a_long_running_job(pg_platform: LivePlatform) -> No
     assert nxt["status"] == "succeeded"
 
 
+def _engine_processes(pid: int) -> list[psutil.Process]:
+    """The processes a worker started (vLLM's engine core and what it started)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+async def _history_and_usage(database_url: str | None, job_id: str) -> tuple[list[str], list[int]]:
+    assert database_url is not None
+    db = Database(database_url)
+    try:
+        async with db.session() as s:
+            history = await s.execute(
+                text("SELECT status FROM job_transitions WHERE job_id = :id ORDER BY id"),
+                {"id": job_id},
+            )
+            usage = await s.execute(
+                text("SELECT completion_tokens FROM usage_records WHERE job_id = :id"),
+                {"id": job_id},
+            )
+            return list(history.scalars().all()), list(usage.scalars().all())
+    finally:
+        await db.close()
+
+
+async def test_prompts_past_the_context_fail_at_once_and_leave_every_slot_free(
+    pg_platform: LivePlatform,
+) -> None:
+    """70 prompts of about 3,000 tokens (the context is 2,048) from one tenant: each fails
+    with the engine's own validation error, none holds a slot, and a normal job after them
+    runs at once."""
+    too_long = {"prompt": "word " * 3000, "max_tokens": 16, "tier": "standard"}
+    async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
+        ids = [(await c.post("/v1/jobs", json=too_long)).json()["id"] for _ in range(70)]
+        finals = [await wait_for(c, i, timeout=300) for i in ids]
+        started = time.monotonic()
+        ok = await wait_for(c, (await c.post("/v1/jobs", json=PARIS)).json()["id"], timeout=120)
+        waited = time.monotonic() - started
+    assert {(f["status"], f["error"]["code"]) for f in finals} == {
+        ("failed", "context_length_exceeded")
+    }
+    assert ok["status"] == "succeeded" and "Paris" in ok["result"]["text"]
+    assert waited < 30, f"the normal job waited {waited:.1f} s behind the failed ones"
+
+
 async def test_a_worker_killed_mid_job_is_restarted_and_the_job_finishes_once(
     pg_platform: LivePlatform,
 ) -> None:
@@ -107,40 +165,52 @@ async def test_a_worker_killed_mid_job_is_restarted_and_the_job_finishes_once(
         job = (await c.post("/v1/jobs", json={**STORY, "max_tokens": 200})).json()
         stream = asyncio.create_task(read_sse(c, f"/v1/jobs/{job['id']}/events"))
         await read_sse(c, f"/v1/jobs/{job['id']}/events", limit=3)  # generation under way
-        os.killpg(pg_platform.pid_of("worker"), signal.SIGKILL)  # worker and its engine core
+        worker_pid = pg_platform.pid_of("worker")
+        engine = _engine_processes(worker_pid)
+        assert engine, "the worker hosts no engine process"
+        os.kill(worker_pid, signal.SIGKILL)  # the worker alone: nothing tells its engine
+        left = _wait_gone(engine, timeout=15)
+        assert left == [], f"engine processes outlived their worker: {left}"
         done = await wait_for(c, job["id"], timeout=300)
         events = await stream
     assert done["status"] == "succeeded"
     assert "".join(e["data"]["text"] for e in events[:-1]) == done["result"]["text"]
     assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
-    assert pg_platform.database_url is not None
-    db = Database(pg_platform.database_url)
-    try:
-        async with db.session() as s:
-            history = (
-                (
-                    await s.execute(
-                        text("SELECT status FROM job_transitions WHERE job_id = :id ORDER BY id"),
-                        {"id": job["id"]},
-                    )
-                )
-                .scalars()
-                .all()
-            )
-            usage = (
-                (
-                    await s.execute(
-                        text("SELECT completion_tokens FROM usage_records WHERE job_id = :id"),
-                        {"id": job["id"]},
-                    )
-                )
-                .scalars()
-                .all()
-            )
-    finally:
-        await db.close()
-    assert list(history) == ["queued", "running", "running", "succeeded"]
-    assert list(usage) == [done["usage"]["completion_tokens"]]
+    history, usage = await _history_and_usage(pg_platform.database_url, job["id"])
+    assert history == ["queued", "running", "running", "succeeded"]
+    assert usage == [done["usage"]["completion_tokens"]]
+
+
+async def test_a_dead_engine_is_noticed_its_jobs_handed_back_and_its_worker_restarted(
+    pg_platform: LivePlatform,
+) -> None:
+    """The engine core dies under a live worker: within seconds the worker stops taking
+    work, hands its job back and exits non-zero; the supervisor starts a new one, which
+    finishes the job."""
+    async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
+        job = (await c.post("/v1/jobs", json={**STORY, "max_tokens": 200})).json()
+        await read_sse(c, f"/v1/jobs/{job['id']}/events", limit=3)  # generation under way
+        worker_pid = pg_platform.pid_of("worker")
+        worker = psutil.Process(worker_pid)
+        for proc in _engine_processes(worker_pid):
+            proc.kill()
+        # The worker notices, hands the job back and exits (status 3) on its own.
+        deadline = time.monotonic() + 30
+        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the worker did not notice its dead engine"
+            await asyncio.sleep(0.2)
+        for _ in range(50):  # the supervisor saw it exit with EXIT_ENGINE_DEAD
+            if "worker exited with 3" in pg_platform.output.read_text():
+                break
+            await asyncio.sleep(0.2)
+        assert "worker exited with 3" in pg_platform.output.read_text()
+        back = (await c.get(f"/v1/jobs/{job['id']}")).json()
+        assert back["status"] in ("queued", "running", "succeeded")  # never stuck on the dead one
+        done = await wait_for(c, job["id"], timeout=300)
+    assert done["status"] == "succeeded"
+    history, usage = await _history_and_usage(pg_platform.database_url, job["id"])
+    assert history[:3] == ["queued", "running", "queued"]  # handed back by the worker itself
+    assert history[-1] == "succeeded" and len(usage) == 1
 
 
 async def test_an_interactive_job_behind_a_full_engine_of_batch_work_starts_at_once(
@@ -219,8 +289,16 @@ async def test_the_openai_sdk_chats_streams_and_runs_a_batch_on_the_real_engine(
         }
         for country in ("France", "Italy", "Spain", "Germany")
     ]
+    # A line that passes every check before the engine (its characters are well within
+    # the limit) but whose prompt is past the model's context once tokenised: the engine's
+    # own validation error fails it, and the batch still completes.
+    past_context = [{"role": "user", "content": "word " * 3000}]
     lines.append(
-        {**lines[0], "custom_id": "too-long", "body": {**lines[0]["body"], "max_tokens": 4096}}
+        {
+            **lines[0],
+            "custom_id": "too-long",
+            "body": {**lines[0]["body"], "messages": past_context},
+        }
     )
     data = "".join(json.dumps(x) + "\n" for x in lines).encode()
     file = await sdk.files.create(file=("capitals.jsonl", data), purpose="batch")
