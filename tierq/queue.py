@@ -19,15 +19,39 @@ from tierq.redis_names import RedisNames
 # step, so that the buffer order and the ids seen live are the same. Fenced: an event of a
 # delivery (ARGV[3]) older than the job's newest is refused (0), so a stale run of a job
 # delivered twice can stream nothing; ARGV[3] = '' is unfenced (the API's own events).
+# Checked: given the sequence number the writer expects (ARGV[4]), a buffer shorter than
+# the events before it means Redis lost it (a restart, a flush): -1, and the writer
+# restores the buffer (RESTORE_EVENTS) so that ids stay what clients already saw; a buffer
+# that already holds that number means this is a retry of a write that went through
+# before its reply was lost: nothing is appended twice.
 _APPEND_EVENT = """
 if ARGV[3] ~= '' then
   local newest = redis.call('GET', KEYS[3])
   if newest and tonumber(newest) > tonumber(ARGV[3]) then return 0 end
 end
+if ARGV[4] ~= '' then
+  local len = redis.call('LLEN', KEYS[1])
+  local want = tonumber(ARGV[4])
+  if len < want - 1 then return -1 end
+  if len >= want then return want end
+end
 local n = redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('PUBLISH', KEYS[2], n .. '|' .. ARGV[1])
 return n
+"""
+
+# Rewrite a lost replay buffer: every event (ARGV[3..]) in order; the ones after the first
+# ARGV[2] (those never written) are also published with their sequence numbers.
+_RESTORE_EVENTS = """
+redis.call('DEL', KEYS[1])
+local written = tonumber(ARGV[2])
+for i = 3, #ARGV do
+  redis.call('RPUSH', KEYS[1], ARGV[i])
+  if i - 2 > written then redis.call('PUBLISH', KEYS[2], (i - 2) .. '|' .. ARGV[i]) end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return #ARGV - 2
 """
 
 # Record that delivery ARGV[1] of a job runs now; 1 if it is the newest, 0 if a later one
@@ -88,6 +112,7 @@ class EventLog:
         self.ttl_s = ttl_s
         self._append = r.register_script(_APPEND_EVENT)
         self._claim = r.register_script(_CLAIM_DELIVERY)
+        self._restore = r.register_script(_RESTORE_EVENTS)
 
     def _keys(self, job_id: str) -> list[str]:
         n = self.names
@@ -96,18 +121,29 @@ class EventLog:
     async def append(self, job_id: str, event: JobEvent, delivery: int | None = None) -> int:
         """Append one event; its sequence number, or 0 if a later delivery fenced it off."""
         fence = "" if delivery is None else str(delivery)
-        args: list[str | int] = [event.encode(), self.ttl_s, fence]
+        args: list[str | int] = [event.encode(), self.ttl_s, fence, ""]
         return int(await self._append(keys=self._keys(job_id), args=args))
 
-    async def append_many(self, items: list[tuple[str, JobEvent, int | None]]) -> list[int]:
-        """Append many events in one round trip (in order); each one's sequence number, or
-        0 where a later delivery of its job fenced it off."""
+    async def append_many(
+        self, items: list[tuple[str, JobEvent, int | None, int | None]]
+    ) -> list[int]:
+        """Append many events (job, event, delivery, expected sequence number) in one round
+        trip, in order; each one's sequence number, 0 where a later delivery of its job
+        fenced it off, or -1 where the job's buffer was lost (see `restore`)."""
         async with self.r.pipeline(transaction=False) as pipe:
-            for job_id, event, delivery in items:
+            for job_id, event, delivery, expected in items:
                 fence = "" if delivery is None else str(delivery)
-                args: list[str | int] = [event.encode(), self.ttl_s, fence]
+                check = "" if expected is None else str(expected)
+                args: list[str | int] = [event.encode(), self.ttl_s, fence, check]
                 await self._append(keys=self._keys(job_id), args=args, client=pipe)
             return [int(n) for n in await pipe.execute()]
+
+    async def restore(self, job_id: str, encoded: list[str], written: int) -> None:
+        """Rewrite a job's lost buffer with all its events, publishing those after the
+        first `written` (which clients may have seen already)."""
+        keys = self._keys(job_id)[:2]
+        args: list[str | int] = [self.ttl_s, written, *encoded]
+        await self._restore(keys=keys, args=args)
 
     async def claim_delivery(self, job_id: str, delivery: int) -> bool:
         """Fence the job's events to this delivery; False if a later one runs already."""

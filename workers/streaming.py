@@ -11,6 +11,12 @@ Nothing is dropped when Redis is unreachable: a batch that failed goes back to t
 of the queue and is retried with backoff, so a client following the job sees every delta
 once Redis is back. Every event carries its job's delivery number; Redis refuses those of
 a delivery that a later one superseded, and `on_fenced` hears of each such job once.
+
+Nothing is renumbered when Redis loses its data either (a restart without persistence, a
+flush): the publisher keeps every event of each job it runs (the ones an earlier delivery
+wrote included) and the sequence number it expects next; when Redis reports the job's
+buffer shorter than that, the publisher rewrites it whole, so a client reconnecting with
+Last-Event-ID gets exactly what it missed.
 """
 
 from __future__ import annotations
@@ -41,14 +47,19 @@ class EventPublisher:
         self._batch: list[_Pending] = []
         self._last_delta: dict[str, int] = {}  # job id -> index of its last delta in _batch
         self._deliveries: dict[str, int] = {}  # job id -> the delivery this worker runs
+        # job id -> every event of it written so far, encoded (its buffer, as Redis had it)
+        self._written: dict[str, list[str]] = {}
         self._wake = asyncio.Event()
 
-    def fence(self, job_id: str, delivery: int) -> None:
-        """Events of this job are written only while `delivery` is its newest."""
+    def fence(self, job_id: str, delivery: int, earlier: list[JobEvent] | None = None) -> None:
+        """Events of this job are written only while `delivery` is its newest; `earlier`
+        are the events earlier deliveries wrote (its buffer when this one started)."""
         self._deliveries[job_id] = delivery
+        self._written[job_id] = [e.encode() for e in earlier or []]
 
     def forget(self, job_id: str) -> None:
         self._deliveries.pop(job_id, None)
+        self._written.pop(job_id, None)
 
     def delta(self, job_id: str, text: str) -> None:
         i = self._last_delta.get(job_id)
@@ -78,6 +89,34 @@ class EventPublisher:
             else:
                 self._last_delta.pop(job_id, None)
 
+    def _items(self, batch: list[_Pending]) -> list[tuple[str, JobEvent, int | None, int | None]]:
+        """Each event with its job's delivery and the sequence number it should get."""
+        nxt = {job_id: len(events) + 1 for job_id, events in self._written.items()}
+        items: list[tuple[str, JobEvent, int | None, int | None]] = []
+        for job_id, event, _ in batch:
+            expected = nxt.get(job_id)
+            if expected is not None:
+                nxt[job_id] = expected + 1
+            items.append((job_id, event, self._deliveries.get(job_id), expected))
+        return items
+
+    async def _restore_lost(self, batch: list[_Pending], written: list[int]) -> None:
+        """Rewrite the buffers Redis lost (-1): the job's earlier events, then the ones of
+        this batch that were refused — published, so live followers get them."""
+        lost: dict[str, list[str]] = {}
+        for i, ((job_id, event, _), n) in enumerate(zip(batch, written, strict=True)):
+            if n == -1:
+                lost.setdefault(job_id, []).append(event.encode())
+                written[i] = 1  # written by the restore below
+        for job_id, refused in lost.items():
+            earlier = self._written.get(job_id, [])
+            log.warning(
+                "job %s: Redis lost its replay buffer; restoring %d events",
+                job_id,
+                len(earlier) + len(refused),
+            )
+            await self.events.restore(job_id, [*earlier, *refused], len(earlier))
+
     async def run(self) -> None:
         delay = 0.05
         while True:
@@ -86,9 +125,9 @@ class EventPublisher:
             batch, self._batch, self._last_delta = self._batch, [], {}
             if not batch:
                 continue
-            items = [(job_id, ev, self._deliveries.get(job_id)) for job_id, ev, _ in batch]
             try:
-                written = await self.events.append_many(items)
+                written = await self.events.append_many(self._items(batch))
+                await self._restore_lost(batch, written)
             except Exception as exc:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
@@ -101,6 +140,8 @@ class EventPublisher:
                             fut.set_exception(exc)
                     log.exception("publishing %d job events failed", len(batch))
                     continue
+                # Some of the batch may have been written before the connection went: the
+                # expected sequence numbers make the retry skip those (no event twice).
                 log.warning(
                     "Redis unreachable; retrying %d job events in %.2f s", len(batch), delay
                 )
@@ -110,6 +151,9 @@ class EventPublisher:
                 self._wake.set()
                 continue
             delay = 0.05
+            for (job_id, event, _), n in zip(batch, written, strict=True):
+                if n != 0 and job_id in self._written:
+                    self._written[job_id].append(event.encode())
             fenced = {job_id for (job_id, _, _), n in zip(batch, written, strict=True) if n == 0}
             for job_id in fenced:
                 log.warning("job %s runs in a later delivery elsewhere; this run stops", job_id)

@@ -468,13 +468,14 @@ class Worker:
             "claim delivery", lambda: self.events.claim_delivery(job.id, job.deliveries)
         ):
             return Outcome("superseded")
-        self.publisher.fence(job.id, job.deliveries)
-        redelivered = job.deliveries > 1
-        already = (
-            await self._retrying("replay", lambda: self._streamed_text(job.id))
-            if redelivered
-            else ""
+        # What earlier deliveries streamed (read after the claim: they can add no more).
+        earlier = (
+            await self._retrying("replay", lambda: self.events.since(job.id, 0))
+            if job.deliveries > 1
+            else []
         )
+        self.publisher.fence(job.id, job.deliveries, [event for _, event in earlier])
+        already = "".join(e.data.get("text", "") for _, e in earlier if e.kind == "delta")
         params: dict[str, Any] = dict(job.params)
         if params.get("seed") is None:
             params["seed"] = replay_seed(job.id)
@@ -611,15 +612,6 @@ class Worker:
         served_by = metrics.TENANT_TOKENS_SERVED
         served_by.labels(job.tenant_id, tier, "prompt").inc(out.prompt_tokens)
         served_by.labels(job.tenant_id, tier, "completion").inc(out.completion_tokens)
-
-    async def _streamed_text(self, job_id: str) -> str:
-        """The text a previous delivery of this job already streamed to clients."""
-        parts = [
-            e.data.get("text", "")
-            for _, e in await self.events.since(job_id, 0)
-            if e.kind == "delta"
-        ]
-        return "".join(parts)
 
 
 def _being_cancelled() -> bool:

@@ -299,6 +299,30 @@ async def test_after_a_redis_flush_a_job_a_live_worker_runs_is_not_run_again(
     await assert_nothing_left(platform, [job_id])
 
 
+async def test_a_follower_reconnecting_after_redis_lost_its_data_misses_nothing(
+    platform: Platform, tenant_key: str
+) -> None:
+    """Redis restarts empty mid-stream: the worker restores the job's replay buffer with
+    the ids clients already saw, so a reconnect with Last-Event-ID resumes exactly."""
+    platform.start_dispatcher()
+    await platform.start_worker("w1", cost=SLOW)
+    async with client(platform.url, tenant_key) as c:
+        (job_id,) = await submit(c, 1, {**CHAT, "max_tokens": 60})
+        first = await read_sse(c, f"/v1/jobs/{job_id}/events", limit=5)
+        keys = [k async for k in platform.r.scan_iter(match=f"{platform.settings.redis_prefix}:*")]
+        await platform.r.delete(*keys)  # Redis restarted without persistence
+        await asyncio.sleep(0.3)  # the worker streams on meanwhile
+        rest = await read_sse(
+            c, f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": first[-1]["id"]}
+        )
+        final = await wait_for(c, job_id, timeout=30)
+    events = first + rest
+    assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
+    text = "".join(e["data"]["text"] for e in events if e["event"] == "delta")
+    assert text == final["result"]["text"] == "".join(f" tok{i}" for i in range(1, 61))
+    assert events[-1]["event"] == "done"
+
+
 async def test_client_kill_during_hand_offs_loses_nothing(
     platform: Platform, tenant_key: str
 ) -> None:
