@@ -48,6 +48,7 @@ from dispatcher.policy import (
 from tierq import metrics
 from tierq.messages import Heartbeat, JobMessage, Served
 from tierq.queue import claim_all, live_workers, read_group
+from tierq.redis_conn import is_unavailable as redis_unavailable
 from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP, RedisNames
 from tierq.settings import Settings
 from tierq.tiers import TIER_ORDER, Tier
@@ -116,6 +117,7 @@ class Dispatcher:
         # connection) are still to be re-read; absent once they all were
         self._history: dict[str, str] = {}
         self._recovering = False
+        self._connected_at = time.monotonic()
         self._served_cursor = "0-0"
         self.max_running: dict[str, dict[str, int]] = {}  # tenant -> scope -> cap
         self._policy_read_at = 0.0
@@ -286,6 +288,7 @@ class Dispatcher:
         last_reclaim = 0.0
         recovered = False
         delay = 0.1
+        dead_after = self.settings.worker_dead_after_s
         while not self._stop.is_set():
             try:
                 if not recovered:
@@ -295,7 +298,11 @@ class Dispatcher:
                     self.r, self.names, self.settings.worker_dead_after_s
                 )
                 now = time.time()
-                if dead and now - last_reclaim > 1.0:
+                # Right after (re)connecting, heartbeats written during an outage may not
+                # be there yet: a worker is judged dead only after a full dead_after of
+                # this process seeing Redis, so an outage does not cost live generations.
+                settled = time.monotonic() - self._connected_at >= dead_after
+                if dead and settled and now - last_reclaim > 1.0:
                     await self.reclaim(dead)
                     last_reclaim = now
                 await self._take_served_reports()
@@ -306,23 +313,24 @@ class Dispatcher:
                     await self.r.blpop(
                         [self.names.dispatch_wake], timeout=self.settings.dispatch_idle_wait_s
                     )
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
+            except Exception as exc:
                 if _being_cancelled():  # redis-py may turn a cancelled read into this
                     raise
-                log.warning("Redis unreachable; retrying in %.1f s", delay, exc_info=True)
+                if redis_unavailable(exc):
+                    log.warning("Redis unreachable; retrying in %.1f s", delay, exc_info=True)
+                elif isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
+                    log.warning("a consumer group vanished (%s); recovering", exc)
+                else:
+                    raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.outage_retry_max_s)
                 recovered = False  # a restarted Redis has no groups; re-read what is pending
-                continue
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                recovered = False
 
     async def _recover(self) -> None:
         """Rebuild what this process knows from Redis: the read-ahead from the pending
         entries (read by `_read` page by page), and the jobs that run, from the inboxes."""
         self._forget_buffers()
+        self._connected_at = time.monotonic()
         # Reports from before now concern jobs the inboxes below no longer hold.
         last: Any = await self.r.xrevrange(self.names.served, count=1)
         self._served_cursor = str(last[0][0]) if last else "0-0"
@@ -413,17 +421,28 @@ class Dispatcher:
         for hb in dead:
             inbox = self.names.inbox(hb.worker_id)
             moved = 0
-            # Entries the worker had read but not finished: claim them (atomically, so two
-            # dispatchers never both move one), then requeue; then the entries it never read.
-            for entry_id, fields in await claim_all(self.r, inbox, WORKER_GROUP, self.consumer):
-                moved += await self._requeue(inbox, entry_id, fields)
-            while True:
-                got = await read_group(self.r, WORKER_GROUP, self.consumer, {inbox: ">"}, count=100)
-                entries = got[0][1] if got else []
-                if not entries:
-                    break
-                for entry_id, fields in entries:
+            try:
+                # Entries the worker had read but not finished: claim them (atomically, so
+                # two dispatchers never both move one), then requeue; then the unread ones.
+                for entry_id, fields in await claim_all(self.r, inbox, WORKER_GROUP, self.consumer):
                     moved += await self._requeue(inbox, entry_id, fields)
+                while True:
+                    got = await read_group(
+                        self.r, WORKER_GROUP, self.consumer, {inbox: ">"}, count=100
+                    )
+                    entries = got[0][1] if got else []
+                    if not entries:
+                        break
+                    for entry_id, fields in entries:
+                        moved += await self._requeue(inbox, entry_id, fields)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # The inbox lost its group (Redis restarted under the worker): every entry
+                # it still has is unclaimed by anyone; move them all.
+                leftover: Any = await self.r.xrange(inbox)
+                for entry_id, fields in leftover:
+                    moved += await self._requeue(inbox, entry_id, dict(fields or {}))
             async with self.r.pipeline(transaction=True) as pipe:
                 pipe.delete(inbox)
                 pipe.hdel(self.names.workers, hb.worker_id)

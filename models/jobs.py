@@ -188,12 +188,13 @@ async def start_job(
     """Claim a job for a worker: queued -> running, or running -> running on redelivery.
 
     Returns the job to run, or None when it must not run (finished, cancelled, unknown,
-    or dead-lettered here because it was delivered more than `max_deliveries` times).
+    or dead-lettered here because it was delivered more than `max_deliveries` times, not
+    counting the deliveries that ended in a preemption).
     """
     current = await get_job(s, job_id)
     if current is None or current.status not in (JobStatus.QUEUED, JobStatus.RUNNING):
         return None
-    if current.deliveries >= max_deliveries:
+    if current.deliveries - current.preemptions >= max_deliveries:
         await _transition(
             s,
             job_id,
@@ -313,11 +314,24 @@ async def cancel_job(s: AsyncSession, job_id: str) -> JobRecord | None:
 
 
 async def requeue_job(
-    s: AsyncSession, job_id: str, detail: str, delivery: int | None = None
+    s: AsyncSession,
+    job_id: str,
+    detail: str,
+    delivery: int | None = None,
+    *,
+    preempted: bool = False,
 ) -> JobRecord | None:
-    """running -> queued: a worker hands the job back (drain) or it was found orphaned."""
+    """running -> queued: a worker hands the job back (drain, preemption) or it was found
+    orphaned. A preemption is counted, so that delivery is not held against the job."""
+    values: dict[str, Any] = {"preemptions": Job.preemptions + 1} if preempted else {}
     return await _transition(
-        s, job_id, JobStatus.QUEUED, sources=(JobStatus.RUNNING,), detail=detail, delivery=delivery
+        s,
+        job_id,
+        JobStatus.QUEUED,
+        sources=(JobStatus.RUNNING,),
+        detail=detail,
+        delivery=delivery,
+        **values,
     )
 
 

@@ -90,6 +90,7 @@ class JobRecord:
     reserved_tokens: int = 0
     input_price: Decimal | None = None
     output_price: Decimal | None = None
+    preemptions: int = 0  # deliveries that ended in a preemption (not failures)
 
     @classmethod
     def from_row(cls, row: Job) -> JobRecord:
@@ -121,6 +122,7 @@ class JobRecord:
             reserved_tokens=row.reserved_tokens,
             input_price=row.input_price,
             output_price=row.output_price,
+            preemptions=row.preemptions or 0,
         )
 
     def to_message(self) -> JobMessage:
@@ -134,6 +136,7 @@ class JobRecord:
             params=self.params,
             enqueued_at=self.created_at.timestamp(),
             cost=estimate_tokens(self.messages, self.prompt, int(self.params.get("max_tokens", 1))),
+            preemptions=self.preemptions,
             batch_id=self.batch_id,
         )
 

@@ -111,6 +111,9 @@ class Job(Base):
     error_code: Mapped[str | None] = mapped_column(String(60))
     error_message: Mapped[str | None] = mapped_column(Text)
     deliveries: Mapped[int] = mapped_column(Integer, default=0)
+    # Deliveries that ended in a preemption (room made for interactive work): they do not
+    # count towards MAX_DELIVERIES, whichever process enqueues the job next.
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     worker_id: Mapped[str | None] = mapped_column(String(200))
     # Set for the jobs a batch expands into: the batch, the input line (0-based), its custom_id.
     batch_id: Mapped[str | None] = mapped_column(

@@ -39,10 +39,17 @@ async def connect(
 REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
 
 
+# Replies of a Redis that is up but cannot serve writes for now (a replica after a
+# failover, a failed snapshot, a busy script): waited out like an unreachable one.
+_TRANSIENT_REPLIES = ("READONLY", "MISCONF", "BUSY ", "LOADING", "MASTERDOWN", "TRYAGAIN")
+
+
 def is_unavailable(error: BaseException) -> bool:
-    return isinstance(error, REDIS_UNAVAILABLE) or (
-        isinstance(error, OSError) and not isinstance(error, redis.RedisError)
-    )
+    if isinstance(error, REDIS_UNAVAILABLE):
+        return True
+    if isinstance(error, redis.ResponseError):
+        return str(error).startswith(_TRANSIENT_REPLIES)
+    return isinstance(error, OSError)
 
 
 async def with_retries(

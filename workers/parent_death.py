@@ -34,4 +34,6 @@ def die_with_parent() -> bool:
         return False
     if os.getppid() != parent.pid:  # the parent died before the signal was armed
         os._exit(1)
+    # Said on stderr, which the worker's log collects (logging is not set up here yet).
+    print(f"tierq: process {os.getpid()} dies with its parent {parent.pid}", file=sys.stderr)
     return True

@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 
 PAGE = 1000
 
+# Release the lock only if this run still holds it (it may have expired and been taken).
+_RELEASE_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list[str]:
     """Re-enqueue lost jobs; returns their ids (empty when another run holds the lock)."""
@@ -45,8 +51,7 @@ async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list
     try:
         return await _reconcile(settings, db, r, names)
     finally:
-        if await r.get(names.reconcile_lock) == token:
-            await r.delete(names.reconcile_lock)
+        await r.eval(_RELEASE_LOCK, 1, names.reconcile_lock, token)
 
 
 async def _reconcile(
@@ -61,11 +66,17 @@ async def _reconcile(
         async with db.session() as s:
             page = await job_repo.unfinished_jobs(s, cutoff, PAGE, after)
         held = await held_by_redis(r, names, [job.id for job in page])
-        lost += [
-            job
-            for job, is_held in zip(page, held, strict=True)
-            if not is_held and job.id not in running_on_workers
+        found = [
+            is_held or job.id in running_on_workers for job, is_held in zip(page, held, strict=True)
         ]
+        lost += [job for job, is_found in zip(page, found, strict=True) if not is_found]
+        # A running job seen held again starts its grace afresh should it be lost later
+        # (one key a command: per-job keys live in different cluster slots).
+        async with r.pipeline(transaction=False) as pipe:
+            for job, is_found in zip(page, found, strict=True):
+                if is_found and job.status == JobStatus.RUNNING:
+                    pipe.delete(names.job_orphan(job.id))
+            await pipe.execute()
         if len(page) < PAGE:
             break
         after = (page[-1].created_at, page[-1].id)

@@ -31,7 +31,8 @@ from tierq.redis_conn import is_unavailable
 
 log = logging.getLogger(__name__)
 
-_Pending = tuple[str, JobEvent, asyncio.Future[None] | None]
+# (job id, event, future of a send(), the job's delivery when the event was queued)
+_Pending = tuple[str, JobEvent, asyncio.Future[None] | None, int | None]
 
 
 class EventPublisher:
@@ -50,6 +51,12 @@ class EventPublisher:
         # job id -> every event of it written so far, encoded (its buffer, as Redis had it)
         self._written: dict[str, list[str]] = {}
         self._wake = asyncio.Event()
+        self._abandoned = False
+
+    def abandon(self) -> None:
+        """Stop retrying while Redis is unreachable (a hard stop): pending sends fail."""
+        self._abandoned = True
+        self._wake.set()
 
     def fence(self, job_id: str, delivery: int, earlier: list[JobEvent] | None = None) -> None:
         """Events of this job are written only while `delivery` is its newest; `earlier`
@@ -62,20 +69,20 @@ class EventPublisher:
         self._written.pop(job_id, None)
 
     def delta(self, job_id: str, text: str) -> None:
+        delivery = self._deliveries.get(job_id)
         i = self._last_delta.get(job_id)
-        if i is not None:
-            _, event, _ = self._batch[i]
-            event.data["text"] += text
+        if i is not None and self._batch[i][3] == delivery:
+            self._batch[i][1].data["text"] += text
             return
         self._last_delta[job_id] = len(self._batch)
-        self._batch.append((job_id, JobEvent("delta", {"text": text}), None))
+        self._batch.append((job_id, JobEvent("delta", {"text": text}), None, delivery))
         self._wake.set()
 
     async def send(self, job_id: str, event: JobEvent) -> None:
         """Queue an event after everything queued for the job so far; wait until written."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._last_delta.pop(job_id, None)  # later deltas must not merge into earlier ones
-        self._batch.append((job_id, event, done))
+        self._batch.append((job_id, event, done, self._deliveries.get(job_id)))
         self._wake.set()
         await done
 
@@ -83,28 +90,29 @@ class EventPublisher:
         """Put a failed batch back in front of what gathered meanwhile, keeping order."""
         self._batch = batch + self._batch
         self._last_delta = {}
-        for i, (job_id, event, _) in enumerate(self._batch):
+        for i, (job_id, event, _, _) in enumerate(self._batch):
             if event.kind == "delta":
                 self._last_delta[job_id] = i
             else:
                 self._last_delta.pop(job_id, None)
 
     def _items(self, batch: list[_Pending]) -> list[tuple[str, JobEvent, int | None, int | None]]:
-        """Each event with its job's delivery and the sequence number it should get."""
+        """Each event with the delivery it was queued under (the fence) and, while that
+        delivery still runs here, the sequence number it should get."""
         nxt = {job_id: len(events) + 1 for job_id, events in self._written.items()}
         items: list[tuple[str, JobEvent, int | None, int | None]] = []
-        for job_id, event, _ in batch:
-            expected = nxt.get(job_id)
+        for job_id, event, _, delivery in batch:
+            expected = nxt.get(job_id) if self._deliveries.get(job_id) == delivery else None
             if expected is not None:
                 nxt[job_id] = expected + 1
-            items.append((job_id, event, self._deliveries.get(job_id), expected))
+            items.append((job_id, event, delivery, expected))
         return items
 
     async def _restore_lost(self, batch: list[_Pending], written: list[int]) -> None:
         """Rewrite the buffers Redis lost (-1): the job's earlier events, then the ones of
         this batch that were refused — published, so live followers get them."""
         lost: dict[str, list[str]] = {}
-        for i, ((job_id, event, _), n) in enumerate(zip(batch, written, strict=True)):
+        for i, ((job_id, event, _, _), n) in enumerate(zip(batch, written, strict=True)):
             if n == -1:
                 lost.setdefault(job_id, []).append(event.encode())
                 written[i] = 1  # written by the restore below
@@ -134,8 +142,8 @@ class EventPublisher:
                     # redis-py may report a cancelled read as a ConnectionError: this is
                     # our own cancellation (shutdown), not a failure to carry on past.
                     raise asyncio.CancelledError from exc
-                if not is_unavailable(exc):
-                    for _, _, fut in batch:
+                if not is_unavailable(exc) or self._abandoned:
+                    for _, _, fut, _ in batch:
                         if fut is not None and not fut.done():
                             fut.set_exception(exc)
                     log.exception("publishing %d job events failed", len(batch))
@@ -151,14 +159,18 @@ class EventPublisher:
                 self._wake.set()
                 continue
             delay = 0.05
-            for (job_id, event, _), n in zip(batch, written, strict=True):
-                if n != 0 and job_id in self._written:
+            for (job_id, event, _, delivery), n in zip(batch, written, strict=True):
+                if n != 0 and job_id in self._written and self._deliveries.get(job_id) == delivery:
                     self._written[job_id].append(event.encode())
-            fenced = {job_id for (job_id, _, _), n in zip(batch, written, strict=True) if n == 0}
+            fenced = {
+                job_id
+                for (job_id, _, _, delivery), n in zip(batch, written, strict=True)
+                if n == 0 and self._deliveries.get(job_id) == delivery
+            }
             for job_id in fenced:
                 log.warning("job %s runs in a later delivery elsewhere; this run stops", job_id)
                 if self.on_fenced is not None:
                     self.on_fenced(job_id)
-            for _, _, fut in batch:
+            for _, _, fut, _ in batch:
                 if fut is not None and not fut.done():
                     fut.set_result(None)

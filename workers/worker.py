@@ -66,6 +66,15 @@ _GONE = frozenset({"succeeded", "failed", "cancelled", "skipped", "abandoned"})
 _NOT_OURS = frozenset({"superseded", "duplicate"})
 
 
+# Delete a worker's inbox and its heartbeat, if (and only if) the inbox is empty.
+_RETIRE_IF_EMPTY = """
+if redis.call('XLEN', KEYS[1]) > 0 then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+
 def replay_seed(job_id: str) -> int:
     """A seed derived from the job id: a re-run after a crash samples the same tokens."""
     return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:4], "big")
@@ -132,6 +141,7 @@ class Worker:
         self._stop_reading = asyncio.Event()
         self._stopped = asyncio.Event()
         self._engine_dead = asyncio.Event()
+        self._retire_if_empty = r.register_script(_RETIRE_IF_EMPTY)
 
     # --- lifecycle --------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -184,8 +194,7 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*tasks[1:], return_exceptions=True)
             with contextlib.suppress(redis.RedisError, OSError):
-                await self.r.hdel(self.names.workers, self.worker_id)
-                await wake_dispatcher(self.r, self.names)
+                await self._retire()
         if engine_died:
             raise EngineDead("the engine died; every job was handed back")
 
@@ -209,12 +218,20 @@ class Worker:
             )
             stop.cancel()
         if self._tasks:
+            # Past the drain: what still runs goes back, and outages are no longer waited
+            # out for long (a supervisor is waiting for this process to end).
+            self._stopped.set()
+            self.publisher.abandon()
             log.info("handing %d unfinished jobs back to their tiers", len(self._tasks))
             self._handed_back.update(self._tasks)
             for job_id in list(self._tasks):
                 with contextlib.suppress(Exception):  # a dead engine may refuse even this
                     await self.engine.abort(job_id)
-            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            _, stuck = await asyncio.wait(
+                list(self._tasks.values()), timeout=self.settings.drain_timeout_s
+            )
+            for task in stuck:  # their entries stay pending: reclaimed once we are gone
+                task.cancel()
         # Entries dispatched to this inbox but never read go back as well.
         await self._retrying("hand back unread entries", self._return_unread)
 
@@ -233,8 +250,20 @@ class Worker:
                 msg = JobMessage.decode(fields)
                 await enqueue(self.r, self.names, msg)
                 await self._release(entry_id, msg, "handed_back")
-        if await self.r.xlen(self.inbox) == 0:
-            await self.r.delete(self.inbox)
+
+    async def _retire(self) -> None:
+        """Leave the worker table — only with an empty inbox (checked and done at once, in
+        Redis). An entry dispatched after the draining heartbeat went out is handed back
+        first; one that still lands keeps the inbox, and the heartbeat, stale now, makes
+        the dispatcher reclaim it."""
+        for _ in range(3):
+            if await self._retire_if_empty(
+                keys=[self.inbox, self.names.workers], args=[self.worker_id]
+            ):
+                await wake_dispatcher(self.r, self.names)
+                return
+            await self._return_unread()
+        log.warning("inbox %s is not empty; leaving it to the dispatcher", self.inbox)
 
     async def _retrying(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """Run `op`, waiting out an unreachable database or Redis with backoff (until a
@@ -316,7 +345,10 @@ class Worker:
                 else:
                     log.info("aborting cancelled job %s", job_id)
                     self._cancelled.add(job_id)
-                await self.engine.abort(job_id)
+                try:
+                    await self.engine.abort(job_id)
+                except Exception:  # a dead engine refuses even this; the health loop acts
+                    log.warning("aborting job %s failed", job_id, exc_info=True)
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()
@@ -332,6 +364,7 @@ class Worker:
     # --- the inbox --------------------------------------------------------------------
     async def _inbox_loop(self) -> None:
         delay = 0.1
+        start = ">"
         while not self._stop_reading.is_set():
             free = self.capacity - len(self._tasks)
             if free <= 0:
@@ -339,6 +372,11 @@ class Worker:
                 await self._slot_freed.wait()
                 continue
             try:
+                if start == "0":
+                    # After an error: entries read but not taken on (or released) are
+                    # pending; the ones running here are recognised and skipped.
+                    await self._read_inbox("0")
+                    start = ">"
                 await self._read_inbox(">", count=free, block_ms=1000)
                 delay = 0.1
             except redis.ResponseError as exc:
@@ -351,6 +389,7 @@ class Worker:
             except Exception as exc:
                 if not redis_unavailable(exc) or _being_cancelled():
                     raise
+                start = "0"
                 log.warning("inbox: Redis unreachable (%s); retrying in %.1f s", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.outage_retry_max_s)
@@ -366,22 +405,37 @@ class Worker:
             count=count,
             block_ms=block_ms,
         )
+        # Every entry read is taken on before anything else is awaited: an error below
+        # must not leave one pending with nobody running it.
+        done_with: list[tuple[str, JobMessage | None, str]] = []
         for entry_id, fields in got[0][1] if got else []:
-            if not fields:  # a pending entry whose body was deleted: nothing to run
-                await self.r.xack(self.inbox, WORKER_GROUP, entry_id)
+            try:
+                msg = JobMessage.decode(fields) if fields else None
+            except (ValueError, TypeError, KeyError):
+                log.exception("inbox entry %s is not a job; dropping it", entry_id)
+                msg = None
+            if msg is None:  # deleted meanwhile, or unreadable: nothing to run
+                done_with.append((entry_id, None, "skipped"))
                 continue
-            msg = JobMessage.decode(fields)
             held = self._entries.get(msg.job_id)
             if held is not None:
                 if held != entry_id:
                     # The same job dispatched here again (a duplicate enqueue): keep one
                     # entry for it, so it holds one slot, and let the other go.
                     self._entries[msg.job_id] = entry_id
-                    await self._release(held, msg, "duplicate")
+                    done_with.append((held, msg, "duplicate"))
                 continue
             self._entries[msg.job_id] = entry_id
             self._tasks[msg.job_id] = asyncio.create_task(self._run(msg), name=msg.job_id)
         metrics.WORKER_RUNNING.set(len(self._tasks))
+        for entry_id, maybe_msg, outcome in done_with:
+            if maybe_msg is None:
+                async with self.r.pipeline(transaction=True) as pipe:
+                    pipe.xack(self.inbox, WORKER_GROUP, entry_id)
+                    pipe.xdel(self.inbox, entry_id)
+                    await pipe.execute()
+            else:
+                await self._release(entry_id, maybe_msg, outcome)
 
     async def _release(self, entry_id: str, msg: JobMessage, outcome: str, actual: int = 0) -> None:
         """Let go of an inbox entry: acknowledge and delete it (which frees its slot), report
@@ -446,7 +500,7 @@ class Worker:
 
     async def _start(self, msg: JobMessage) -> tuple[JobRecord | None, str]:
         """Claim the job in the database; (job, "") to run it, else (None, outcome)."""
-        limit = self.settings.max_deliveries + msg.preemptions
+        limit = self.settings.max_deliveries
         async with self.db.transaction() as s:
             job = await job_repo.start_job(s, msg.job_id, self.worker_id, limit)
         if job is not None:
@@ -508,16 +562,21 @@ class Worker:
             self._engine_dead.set()
             self._handed_back.add(job.id)
         out.text = "".join(text_parts)
+        stopped_early = out.finish_reason in (None, "abort")
         if job.id in self._superseded:
             out.kind = "superseded"
+        elif not stopped_early:
+            pass  # it finished: a late hand-back or preemption mark does not undo that
         elif job.id in self._handed_back:
             out.kind = "handed_back"
-        elif job.id in self._preempted and out.finish_reason in (None, "abort"):
+        elif job.id in self._preempted:
             # Its partial output is discarded in the engine; a client following the job
             # loses nothing: the re-run streams only what goes beyond what it already has.
             out.kind = "preempted"
-        elif out.finish_reason in (None, "abort"):  # cancelled by its tenant (the API closed it)
+        elif job.id in self._cancelled:  # cancelled by its tenant (the API closed it)
             out.kind = "cancelled"
+        else:  # the engine stopped it for a reason of its own: another delivery
+            out.kind, out.code, out.message = "retry", "engine_error", "the engine aborted it"
         return out
 
     async def _settle(
@@ -527,8 +586,8 @@ class Worker:
         delivery = job.deliveries if job is not None else None
         kind = out.kind
         if kind == "retry":
-            limit = self.settings.max_deliveries + msg.preemptions
-            if job is not None and job.deliveries < limit:
+            failed_deliveries = job.deliveries - job.preemptions if job is not None else 0
+            if job is not None and failed_deliveries < self.settings.max_deliveries:
                 kind = "handed_back"
                 log.warning("job %s goes back for another delivery: %s", msg.job_id, out.message)
             else:
@@ -580,7 +639,9 @@ class Worker:
             async def hand_back() -> bool:
                 async with self.db.transaction() as s:
                     why = out.message or ("preempted" if preempted else "worker handed it back")
-                    back = await job_repo.requeue_job(s, msg.job_id, why, delivery=delivery)
+                    back = await job_repo.requeue_job(
+                        s, msg.job_id, why, delivery=delivery, preempted=preempted
+                    )
                 return back is not None
 
             if await self._retrying("requeue job", hand_back):
@@ -602,7 +663,17 @@ class Worker:
             return "skipped"
         if delivery is not None and current.deliveries != delivery:
             return "superseded"
-        return "cancelled" if current.status == JobStatus.CANCELLED else "skipped"
+        if current.status in (JobStatus.QUEUED, JobStatus.RUNNING):
+            return "superseded"  # put back meanwhile (the reconciler): not this run's any more
+        if current.status == JobStatus.CANCELLED:
+            return "cancelled"
+        if current.worker_id == self.worker_id and current.status in (
+            JobStatus.SUCCEEDED,
+            JobStatus.FAILED,
+        ):
+            # This run's own commit, whose reply was lost: the final event is still owed.
+            await self.publisher.send(job_id, _final_event(current))
+        return "skipped"
 
     def _count_success(self, job: JobRecord, out: Outcome) -> None:
         tier = job.tier.value
@@ -612,6 +683,10 @@ class Worker:
         served_by = metrics.TENANT_TOKENS_SERVED
         served_by.labels(job.tenant_id, tier, "prompt").inc(out.prompt_tokens)
         served_by.labels(job.tenant_id, tier, "completion").inc(out.completion_tokens)
+
+
+def _final_event(job: JobRecord) -> JobEvent:
+    return JobEvent("error" if job.status == JobStatus.FAILED else "done", job.to_api())
 
 
 def _being_cancelled() -> bool:

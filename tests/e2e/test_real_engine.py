@@ -168,6 +168,10 @@ async def test_a_worker_killed_mid_job_is_restarted_and_the_job_finishes_once(
         worker_pid = pg_platform.pid_of("worker")
         engine = _engine_processes(worker_pid)
         assert engine, "the worker hosts no engine process"
+        # vLLM's engine core armed the parent-death signal (tierq's scheduler hook), so it
+        # does not rely on the supervisor killing the group (compose has no such thing).
+        armed = f"dies with its parent {worker_pid}"
+        assert armed in (pg_platform.state_dir / "logs" / "worker.log").read_text()
         os.kill(worker_pid, signal.SIGKILL)  # the worker alone: nothing tells its engine
         left = _wait_gone(engine, timeout=15)
         assert left == [], f"engine processes outlived their worker: {left}"
