@@ -70,6 +70,8 @@ from tierq.bootstrap import ensure_tenant_key
 from tierq.embedded import Child, components
 from tierq.settings import Settings
 
+REDIS_PREFIX = "tierq-chaos"
+
 log = logging.getLogger("tierq.bench.chaos")
 
 DEFAULT_PG_SERVER = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
@@ -677,7 +679,7 @@ async def run_chaos(base: Settings, cfg: ChaosConfig) -> dict[str, Any]:
             update={
                 "database_url": db_url,
                 "redis_url": redis_server.url,
-                "redis_prefix": "tierq-chaos",
+                "redis_prefix": REDIS_PREFIX,
                 "state_dir": state,
                 "api_host": "127.0.0.1",
                 "api_port": _free_port(),
@@ -761,6 +763,7 @@ async def _drive(
             )
             await load.drain(load.submitters, load_end + SUBMIT_GRACE_S + 5 - time.monotonic())
             await _wait_terminal(db, list(load.accepted), settle_deadline)
+            leaked = await _leaked_entries(redis_server.url, time.monotonic() + 10)
             # Followers of finished jobs end within the API's recheck interval.
             await load.drain(load.followers, min(10.0, settle_deadline - time.monotonic() + 5))
         finally:
@@ -770,7 +773,33 @@ async def _drive(
                 task.cancel()
             await asyncio.gather(*load.submitters, *load.followers, return_exceptions=True)
     ended = time.time()
-    return await _figures(cfg, load, faults + sup.exits, sup, db, started, ended)
+    result = await _figures(cfg, load, faults + sup.exits, sup, db, started, ended)
+    result["leaked_entries"] = leaked
+    result["targets_met"] = result["targets_met"] and leaked == 0
+    return result
+
+
+async def _leaked_entries(redis_url: str, deadline: float) -> int:
+    """Once every job ended: entries still in a worker's inbox (each a slot held) plus
+    entries pending in any consumer group. 0 when nothing leaked; polled until the
+    deadline, since the last releases follow the last finishes by a moment."""
+    r = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        while True:
+            leaked = 0
+            async for key in r.scan_iter(match=f"{REDIS_PREFIX}:*"):
+                if await r.type(key) != "stream":
+                    continue
+                if ":inbox:" in key:
+                    leaked += int(await r.xlen(key))
+                    continue
+                for group in await r.xinfo_groups(key):
+                    leaked += int(group["pending"])
+            if leaked == 0 or time.monotonic() > deadline:
+                return leaked
+            await asyncio.sleep(0.5)
+    finally:
+        await r.aclose()
 
 
 async def _figures(

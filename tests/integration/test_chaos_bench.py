@@ -62,5 +62,7 @@ def test_chaos_run_loses_nothing_and_doubles_nothing() -> None:
     assert result["lost"] == 0, summary
     assert result["double_billed"] == 0, summary
     assert result["double_streamed"] == 0, summary
+    assert result["stream_gaps"] == 0, summary  # a follower missed no delta, Redis restarts too
+    assert result["leaked_entries"] == 0, summary  # no slot held, nothing left pending
     assert "none" not in result["failed"], summary  # every failure has a code
     assert result["max_recovery_s"] is not None and result["max_recovery_s"] <= 15, summary
