@@ -289,7 +289,15 @@ class Dispatcher:
         recovered = False
         delay = 0.1
         dead_after = self.settings.worker_dead_after_s
+        last_tick = time.monotonic()
         while not self._stop.is_set():
+            tick = time.monotonic()
+            if tick - last_tick > dead_after / 2:
+                # This loop stood still (Redis hung, this process was paused): the workers'
+                # heartbeats may have stood still with it. Give them dead_after again.
+                log.warning("the dispatcher stalled for %.1f s", tick - last_tick)
+                self._connected_at = tick
+            last_tick = tick
             try:
                 if not recovered:
                     await self._recover()

@@ -31,6 +31,8 @@ from tierq.redis_conn import is_unavailable
 
 log = logging.getLogger(__name__)
 
+RETRY_FIRST_S = 0.05  # the first wait before writing again while Redis is unreachable
+
 # (job id, event, future of a send(), the job's delivery when the event was queued)
 _Pending = tuple[str, JobEvent, asyncio.Future[None] | None, int | None]
 
@@ -52,6 +54,9 @@ class EventPublisher:
         self._written: dict[str, list[str]] = {}
         self._wake = asyncio.Event()
         self._abandoned = False
+        self._delay = RETRY_FIRST_S
+        self._in_flight: set[str] = set()  # jobs with events in the flush under way
+        self._flushed = asyncio.Condition()
 
     def abandon(self) -> None:
         """Stop retrying while Redis is unreachable (a hard stop): pending sends fail."""
@@ -67,6 +72,18 @@ class EventPublisher:
     def forget(self, job_id: str) -> None:
         self._deliveries.pop(job_id, None)
         self._written.pop(job_id, None)
+
+    async def flush(self, job_id: str) -> None:
+        """Wait until every event queued for the job so far is written (or dropped by a
+        hard stop): the worker records a job as finished only after its deltas are in
+        Redis, so whoever sees it finished in the database finds every delta there."""
+        async with self._flushed:
+            await self._flushed.wait_for(
+                lambda: (
+                    job_id not in self._in_flight
+                    and all(pending[0] != job_id for pending in self._batch)
+                )
+            )
 
     def delta(self, job_id: str, text: str) -> None:
         delivery = self._deliveries.get(job_id)
@@ -126,51 +143,60 @@ class EventPublisher:
             await self.events.restore(job_id, [*earlier, *refused], len(earlier))
 
     async def run(self) -> None:
-        delay = 0.05
         while True:
             await self._wake.wait()
             self._wake.clear()
             batch, self._batch, self._last_delta = self._batch, [], {}
             if not batch:
                 continue
+            self._in_flight = {pending[0] for pending in batch}
             try:
-                written = await self.events.append_many(self._items(batch))
-                await self._restore_lost(batch, written)
-            except Exception as exc:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    # redis-py may report a cancelled read as a ConnectionError: this is
-                    # our own cancellation (shutdown), not a failure to carry on past.
-                    raise asyncio.CancelledError from exc
-                if not is_unavailable(exc) or self._abandoned:
-                    for _, _, fut, _ in batch:
-                        if fut is not None and not fut.done():
-                            fut.set_exception(exc)
-                    log.exception("publishing %d job events failed", len(batch))
-                    continue
-                # Some of the batch may have been written before the connection went: the
-                # expected sequence numbers make the retry skip those (no event twice).
-                log.warning(
-                    "Redis unreachable; retrying %d job events in %.2f s", len(batch), delay
-                )
-                self._requeue(batch)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.retry_max_s)
-                self._wake.set()
-                continue
-            delay = 0.05
-            for (job_id, event, _, delivery), n in zip(batch, written, strict=True):
-                if n != 0 and job_id in self._written and self._deliveries.get(job_id) == delivery:
-                    self._written[job_id].append(event.encode())
-            fenced = {
-                job_id
-                for (job_id, _, _, delivery), n in zip(batch, written, strict=True)
-                if n == 0 and self._deliveries.get(job_id) == delivery
-            }
-            for job_id in fenced:
-                log.warning("job %s runs in a later delivery elsewhere; this run stops", job_id)
-                if self.on_fenced is not None:
-                    self.on_fenced(job_id)
-            for _, _, fut, _ in batch:
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
+                await self._write(batch)
+            finally:
+                self._in_flight = set()
+                async with self._flushed:
+                    self._flushed.notify_all()
+
+    async def _write(self, batch: list[_Pending]) -> None:
+        """Write one batch; on an outage put it back in front, to be retried after a wait."""
+        try:
+            written = await self.events.append_many(self._items(batch))
+            await self._restore_lost(batch, written)
+        except Exception as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # redis-py may report a cancelled read as a ConnectionError: this is our
+                # own cancellation (shutdown), not a failure to carry on past.
+                raise asyncio.CancelledError from exc
+            if not is_unavailable(exc) or self._abandoned:
+                for _, _, fut, _ in batch:
+                    if fut is not None and not fut.done():
+                        fut.set_exception(exc)
+                log.exception("publishing %d job events failed", len(batch))
+                return
+            # Some of the batch may have been written before the connection went: the
+            # expected sequence numbers make the retry skip those (no event twice).
+            log.warning(
+                "Redis unreachable; retrying %d job events in %.2f s", len(batch), self._delay
+            )
+            self._requeue(batch)
+            await asyncio.sleep(self._delay)
+            self._delay = min(self._delay * 2, self.retry_max_s)
+            self._wake.set()
+            return
+        self._delay = RETRY_FIRST_S
+        for (job_id, event, _, delivery), n in zip(batch, written, strict=True):
+            if n != 0 and job_id in self._written and self._deliveries.get(job_id) == delivery:
+                self._written[job_id].append(event.encode())
+        fenced = {
+            job_id
+            for (job_id, _, _, delivery), n in zip(batch, written, strict=True)
+            if n == 0 and self._deliveries.get(job_id) == delivery
+        }
+        for job_id in fenced:
+            log.warning("job %s runs in a later delivery elsewhere; this run stops", job_id)
+            if self.on_fenced is not None:
+                self.on_fenced(job_id)
+        for _, _, fut, _ in batch:
+            if fut is not None and not fut.done():
+                fut.set_result(None)

@@ -585,6 +585,10 @@ class Worker:
         """The one place a run of a job ends: database, final event, inbox and slot."""
         delivery = job.deliveries if job is not None else None
         kind = out.kind
+        if kind in ("succeeded", "retry", "failed"):
+            # Its deltas reach Redis before the database calls it finished: a follower that
+            # sees it finished there finds every delta in the replay buffer.
+            await self.publisher.flush(msg.job_id)
         if kind == "retry":
             failed_deliveries = job.deliveries - job.preemptions if job is not None else 0
             if job is not None and failed_deliveries < self.settings.max_deliveries:

@@ -188,7 +188,9 @@ async def test_max_running_caps_how_many_of_a_tenants_jobs_run_at_once(platform:
         await a.put(f"/admin/tenants/{capped_id}/quota", json={"max_running": 2})
     platform.start_dispatcher()
     await platform.start_worker("w1", cost=CostModel(slots=8))  # real-time speed
-    body = {"prompt": "a story", "max_tokens": 60}
+    # Interactive: all 8 slots are open to both, so the other tenant's 4 can run beside the
+    # capped tenant's 2 whatever the order the dispatcher sees them in.
+    body = {"prompt": "a story", "max_tokens": 60, "tier": "interactive"}
     async with client(platform.url, capped_key) as c, client(platform.url, free_key) as f:
         capped = [(await c.post("/v1/jobs", json=body)).json()["id"] for _ in range(6)]
         free = [(await f.post("/v1/jobs", json=body)).json()["id"] for _ in range(4)]

@@ -12,6 +12,7 @@ succeeded job has exactly one usage record matching its result.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from typing import Any
 
@@ -466,3 +467,74 @@ async def test_the_api_answers_503_with_retry_after_while_the_database_is_unreac
     assert resp.status_code == 503, resp.text
     assert resp.headers["Retry-After"].isdigit()
     assert resp.json()["error"]["code"] == "service_unavailable"
+
+
+@pytest.fixture
+async def own_redis(settings: Any) -> Any:
+    """A redis-server of this test's own, which it may freeze (SIGSTOP) without harming
+    anything else."""
+    import shutil
+    import signal
+    import subprocess
+
+    from tests.conftest import free_port
+
+    binary = shutil.which("redis-server")
+    assert binary is not None, "redis-server is needed"
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(url, decode_responses=True)
+    for _ in range(100):
+        try:
+            await r.ping()
+            break
+        except Exception:
+            await asyncio.sleep(0.05)
+    yield url, r, proc
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGCONT)
+    await r.aclose()
+    proc.kill()
+    proc.wait()
+
+
+async def test_redis_frozen_for_seconds_costs_no_running_generation(
+    settings: Any, db: Any, tenant_key: str, own_redis: Any
+) -> None:
+    """Redis stops answering for 5 s (more than WORKER_DEAD_AFTER_S) while jobs stream:
+    every process waits, and afterwards each job finishes in its first delivery — nothing
+    was reclaimed, re-run or lost, and a follower saw every delta once."""
+    import signal
+
+    url, r, proc = own_redis
+    cfg = settings.model_copy(update={"redis_url": url})
+    p = Platform(cfg, db, r)
+    await p.start_api()
+    try:
+        p.start_dispatcher()
+        await p.start_worker("w1", cost=SLOW)
+        async with client(p.url, tenant_key) as c:
+            ids = await submit(c, 4, {**CHAT, "max_tokens": 80})
+            follower = asyncio.create_task(read_sse(c, f"/v1/jobs/{ids[0]}/events"))
+            for job_id in ids:
+                await wait_for(c, job_id, ("running",))
+            proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(5)
+            proc.send_signal(signal.SIGCONT)
+            finals = [await wait_for(c, i, timeout=60) for i in ids]
+            events = await asyncio.wait_for(follower, 30)
+        assert {f["status"] for f in finals} == {"succeeded"}
+        async with db.session() as s:
+            for job_id in ids:
+                assert (await job_repo.get_job(s, job_id)).deliveries == 1  # type: ignore[union-attr]
+        text = "".join(e["data"]["text"] for e in events if e["event"] == "delta")
+        assert text == finals[0]["result"]["text"]
+        await assert_nothing_left(p, ids)
+    finally:
+        await p.stop()
