@@ -23,7 +23,15 @@ async def test_embedded_default_serves_and_ctrl_c_leaves_nothing_behind(tmp_path
         assert (live.state_dir / "tierq.db").is_file()
         names = {p.name for p in (live.state_dir / "pids").iterdir()}
         assert names == {
-            f"{c}.pid" for c in ("api", "dispatcher", "worker", "celery-worker", "celery-beat")
+            f"{c}.pid"
+            for c in (
+                "api",
+                "dispatcher",
+                "worker",
+                "celery-worker",
+                "celery-reconciler",
+                "celery-beat",
+            )
         }
         async with client(live.url, live.key) as c:
             job = (
