@@ -136,6 +136,7 @@ class Worker:
         self._handed_back: set[str] = set()
         self._preempted: set[str] = set()
         self._superseded: set[str] = set()
+        self._settling: set[str] = set()  # entry ids whose run is being settled
         self._background: set[asyncio.Task[None]] = set()  # batch advance requests
         self._slot_freed = asyncio.Event()
         self._stop_reading = asyncio.Event()
@@ -246,6 +247,7 @@ class Worker:
             for entry_id, fields in entries:
                 if not fields:
                     await self.r.xack(self.inbox, WORKER_GROUP, entry_id)
+                    await self.r.xdel(self.inbox, entry_id)
                     continue
                 msg = JobMessage.decode(fields)
                 await enqueue(self.r, self.names, msg)
@@ -409,6 +411,8 @@ class Worker:
         # must not leave one pending with nobody running it.
         done_with: list[tuple[str, JobMessage | None, str]] = []
         for entry_id, fields in got[0][1] if got else []:
+            if entry_id in self._settling:
+                continue  # its run is ending; the settle lets the entry go
             try:
                 msg = JobMessage.decode(fields) if fields else None
             except (ValueError, TypeError, KeyError):
@@ -462,6 +466,7 @@ class Worker:
     # --- one job ----------------------------------------------------------------------
     async def _run(self, msg: JobMessage) -> None:
         me = asyncio.current_task()
+        entry_id: str | None = None
         try:
             try:
                 outcome = await self._execute(msg)
@@ -472,6 +477,8 @@ class Worker:
             # on (the job handed back and dispatched here again) starts a run of its own.
             job = self._jobs.get(msg.job_id)
             entry_id = self._entries.pop(msg.job_id, None)
+            if entry_id is not None:
+                self._settling.add(entry_id)
             try:
                 await self._settle(msg, outcome, job, entry_id)
             except Exception:
@@ -483,6 +490,8 @@ class Worker:
                         "release", lambda: self._release(entry_id, msg, "abandoned")
                     )
         finally:
+            if entry_id is not None:
+                self._settling.discard(entry_id)
             if self._tasks.get(msg.job_id) is me:  # unless a new run of the job took over
                 self._tasks.pop(msg.job_id, None)
                 self._entries.pop(msg.job_id, None)
