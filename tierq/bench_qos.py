@@ -54,7 +54,7 @@ from models.db import Database
 from tierq.queue import enqueue
 from tierq.settings import Settings
 from tierq.tiers import TIER_ORDER, Tier
-from workers.engine import Chunk, Engine
+from workers.engine import Chunk, Engine, EngineWrapper
 from workers.simulated_engine import CostModel, SimulatedEngine
 from workers.worker import Worker
 
@@ -125,27 +125,14 @@ class Trace:
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # (t, in engine, arrived)
 
 
-class InstrumentedEngine:
+class InstrumentedEngine(EngineWrapper):
     """Wraps an engine and records when each request entered it, its first token, and
     every token it served."""
 
     def __init__(self, inner: Engine, trace: Trace) -> None:
-        self.inner = inner
+        super().__init__(inner, f"instrumented-{inner.name}")
         self.trace = trace
-        self.name = f"instrumented-{inner.name}"
         self.active = 0
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def shutdown(self) -> None:
-        await self.inner.shutdown()
-
-    async def check_health(self) -> None:
-        await self.inner.check_health()
-
-    async def abort(self, request_id: str) -> None:
-        await self.inner.abort(request_id)
 
     async def generate(
         self,

@@ -57,3 +57,24 @@ class Engine(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
+
+
+class EngineWrapper:
+    """An engine around another one (fault injection, instrumentation): everything but
+    `generate` goes to the inner engine unchanged."""
+
+    def __init__(self, inner: Engine, name: str) -> None:
+        self.inner = inner
+        self.name = name
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def shutdown(self) -> None:
+        await self.inner.shutdown()
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self.inner.check_health()

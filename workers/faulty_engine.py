@@ -16,7 +16,7 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
-from workers.engine import Chunk, Engine, EngineDead, EngineRequestError
+from workers.engine import Chunk, Engine, EngineDead, EngineRequestError, EngineWrapper
 
 FAULT_KINDS = ("request", "validation", "random", "dead")
 
@@ -32,7 +32,7 @@ def _validation_error(message: str) -> BaseException:
     return translate_error(VLLMValidationError(message))
 
 
-class FaultyEngine:
+class FaultyEngine(EngineWrapper):
     def __init__(
         self,
         inner: Engine,
@@ -43,22 +43,12 @@ class FaultyEngine:
         unknown = set(kinds) - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds: {sorted(unknown)}")
-        self.inner = inner
+        super().__init__(inner, f"faulty-{inner.name}")
         self.rate = rate
         self.kinds = kinds
         self.rng = random.Random(seed)
-        self.name = f"faulty-{inner.name}"
         self.dead = False
         self.injected: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def shutdown(self) -> None:
-        await self.inner.shutdown()
-
-    async def abort(self, request_id: str) -> None:
-        await self.inner.abort(request_id)
 
     async def check_health(self) -> None:
         if self.dead:
