@@ -13,7 +13,7 @@ from api.admin.router import router as admin_router
 from api.batches.router import router as batches_router
 from api.files.router import router as files_router
 from api.jobs.router import router as jobs_router
-from api.limits import BodySizeLimit
+from api.limits import BodySizeLimit, HostileInput
 from api.openai.router import router as openai_router
 from api.usage import router as usage_router
 from models.db import Database
@@ -51,6 +51,7 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.names = RedisNames(settings.redis_prefix)
     errors.install(app)
+    app.add_middleware(HostileInput)  # inside the size limit: what it buffers is bounded
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,

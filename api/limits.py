@@ -1,4 +1,5 @@
-"""A pure-ASGI guard that refuses request bodies over the size limit (413), streamed or not."""
+"""Pure-ASGI guards at the door: request bodies over the size limit (413, streamed or not),
+and input that no route may take (400): see tierq/hostile.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_body
+from tierq.hostile import suspect, unstorable
 
 
 class _TooLarge(Exception):
@@ -104,3 +106,86 @@ class BodySizeLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+class HostileInput:
+    """Refuse (400, OpenAI's error shape) a request whose path, query string or JSON body
+    holds what tierq/hostile.py names — before any route, so none can store it, whatever
+    its schema. Runs inside BodySizeLimit: the body it buffers is already bounded. A body
+    that could not hold such a value (the usual one) is not parsed here."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        why = _bad_target(scope)
+        if why is not None:
+            await _refuse(send, why)
+            return
+        headers = dict(scope.get("headers", []))
+        if b"json" not in headers.get(b"content-type", b"") or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body.extend(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        if suspect(bytes(body)):
+            try:
+                why = unstorable(json.loads(body))
+            except RecursionError:
+                why = "the body is nested too deeply"
+            except ValueError:
+                why = None  # not JSON at all: the route says so in its own words
+            if why is not None:
+                await _refuse(send, why)
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _bad_target(scope: Scope) -> str | None:
+    from urllib.parse import parse_qsl
+
+    why = unstorable(scope.get("path", ""))
+    if why is not None:
+        return f"the path {why.removeprefix('a value ')}"
+    raw = scope.get("query_string", b"").decode("latin-1")
+    try:
+        pairs = parse_qsl(raw, keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError:
+        return "the query string is not UTF-8"
+    for name, value in pairs:
+        why = unstorable(name) or unstorable(value)
+        if why is not None:
+            return f"the query parameter '{name[:40]}' {why.removeprefix('a value ')}"
+    return None
+
+
+async def _refuse(send: Send, why: str) -> None:
+    body = json.dumps(
+        error_body(400, f"The request cannot be taken: {why}.", "invalid_request")
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 400,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -23,14 +23,16 @@ def parse_time(value: str | None, name: str) -> datetime | None:
         if value.lstrip("-").replace(".", "", 1).isdigit():
             return datetime.fromtimestamp(float(value), UTC)
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except (ValueError, OverflowError):
+        # In UTC here, where it is checked: 9999-12-31T23:59-14:00 is past the last date.
+        parsed = (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).astimezone(UTC)
+    except (ValueError, OverflowError, OSError):  # OSError: a timestamp the C library refuses
         raise APIError(
             400,
             f"'{name}' must be Unix seconds or an ISO 8601 date or date-time.",
             "invalid_request",
             param=name,
         ) from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    return parsed
 
 
 def parse_group_by(value: str | None) -> tuple[str, ...]:

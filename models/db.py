@@ -20,7 +20,20 @@ def is_unavailable(error: BaseException) -> bool:
     connection, an exhausted pool): worth retrying, unlike an error in the statement."""
     if isinstance(error, exc.DBAPIError) and error.connection_invalidated:
         return True
-    return isinstance(error, exc.OperationalError | exc.InterfaceError | exc.TimeoutError | OSError)
+    if isinstance(error, exc.OperationalError) and "sqlite" in type(error.orig).__module__:
+        # SQLite's OperationalError also means "no such table": only a lock or an
+        # unreadable file is worth waiting for.
+        message = str(error.orig).lower()
+        return any(k in message for k in ("locked", "unable to open", "disk i/o", "busy"))
+    # The network's own errors (refused, reset, timed out); not any OSError.
+    return isinstance(
+        error,
+        exc.OperationalError
+        | exc.InterfaceError
+        | exc.TimeoutError
+        | ConnectionError
+        | TimeoutError,
+    )
 
 
 def make_engine(url: str, **kwargs: Any) -> AsyncEngine:

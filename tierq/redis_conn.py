@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -49,7 +50,8 @@ def is_unavailable(error: BaseException) -> bool:
         return True
     if isinstance(error, redis.ResponseError):
         return str(error).startswith(_TRANSIENT_REPLIES)
-    return isinstance(error, OSError)
+    # The network's own errors (refused, reset, timed out); not any OSError.
+    return isinstance(error, ConnectionError | TimeoutError | socket.gaierror)
 
 
 async def with_retries(

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierq.hostile import unstorable
+
 
 @dataclass
 class Validation:
@@ -49,10 +51,13 @@ def check_line(raw: bytes, endpoint: str) -> tuple[dict[str, Any] | None, tuple[
     """The parsed line, or the (code, message) of what is wrong with it."""
     try:
         item = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None, ("invalid_json_line", "This line is not parseable as valid JSON.")
     if not isinstance(item, dict):
         return None, ("invalid_json_line", "Each line must be a JSON object.")
+    why = unstorable(item)
+    if why is not None:  # as the API refuses it online (PostgreSQL could not store it)
+        return None, ("invalid_request", f"The line cannot be taken: {why}.")
     custom_id = item.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return None, ("missing_custom_id", "The line has no 'custom_id' string.")

@@ -53,17 +53,21 @@ class TenantUpdate(BaseModel):
     status: Literal["active", "suspended"] | None = None
 
 
+INT32_MAX = 2**31 - 1  # the quota columns' INTEGER
+INT64_MAX = 2**63 - 1  # BIGINT
+
+
 class QuotaSet(BaseModel):
     """Each limit nullable (null: no limit); `tier` makes it a per-tier quota."""
 
     model_config = ConfigDict(extra="forbid")
 
     tier: Tier | None = None
-    requests_per_minute: int | None = Field(default=None, ge=0)
-    tokens_per_minute: int | None = Field(default=None, ge=0)
-    max_running: int | None = Field(default=None, ge=0)
-    max_queued: int | None = Field(default=None, ge=0)
-    token_budget: int | None = Field(default=None, ge=0)
+    requests_per_minute: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    tokens_per_minute: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    max_running: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    max_queued: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    token_budget: int | None = Field(default=None, ge=0, le=INT64_MAX)
     spend_budget: Decimal | None = None
     budget_period: Literal["day", "month", "total"] = "month"
 

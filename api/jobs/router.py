@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from api.deps import DbDep, EventsDep, NamesDep, RedisDep, SettingsDep, TenantDep
@@ -15,7 +15,7 @@ from api.jobs.events import job_event_stream
 from api.pages import list_page
 from models import jobs as job_repo
 from tierq.requests import JobCreate
-from tierq.states import JobStatus
+from tierq.states import TERMINAL, JobStatus
 from tierq.tiers import Tier
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -80,7 +80,7 @@ async def job_events(
     names: NamesDep,
     events: EventsDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
-) -> EventSourceResponse:
+) -> Response:
     async with db.session() as s:
         job = await job_repo.get_job(s, job_id, tenant.id)
     if job is None:
@@ -91,5 +91,9 @@ async def job_events(
         if not (last_event_id.isascii() and last_event_id.isdigit() and len(last_event_id) < 19):
             raise APIError(400, "Last-Event-ID must be an event id.", "invalid_last_event_id")
         last_seq = int(last_event_id)
+    if last_seq > 0 and job.status in TERMINAL and not await events.since(job.id, last_seq):
+        # The client already has the final event: 204 is what ends EventSource's
+        # reconnecting (another final event would have it reconnect forever).
+        return Response(status_code=204)
     stream = job_event_stream(db, r, names, events, job, last_seq)
     return EventSourceResponse(stream, ping=15)
