@@ -95,17 +95,7 @@ class BodySizeLimit:
                 await self._refuse(send, limit)
 
     async def _refuse(self, send: Send, limit: int) -> None:
-        body = json.dumps(
-            error_body(413, f"The request body exceeds {limit} bytes.", "request_too_large")
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 413, f"The request body exceeds {limit} bytes.", "request_too_large")
 
 
 class HostileInput:
@@ -178,13 +168,16 @@ def _bad_target(scope: Scope) -> str | None:
 
 
 async def _refuse(send: Send, why: str) -> None:
-    body = json.dumps(
-        error_body(400, f"The request cannot be taken: {why}.", "invalid_request")
-    ).encode()
+    await send_error(send, 400, f"The request cannot be taken: {why}.", "invalid_request")
+
+
+async def send_error(send: Send, status: int, message: str, code: str) -> None:
+    """An error answered from a guard, before any route: OpenAI's error shape."""
+    body = json.dumps(error_body(status, message, code)).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": 400,
+            "status": status,
             "headers": [(b"content-type", b"application/json")],
         }
     )
