@@ -19,11 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from sqlalchemy import exc as sa_exc
 
 from dispatcher.loop import Dispatcher
 from models import jobs as job_repo
-from tests.conftest import Platform
+from tests.conftest import REDIS_TEST_URL, Platform
 from tests.helpers import client, read_sse, wait_for
 from tierq.queue import enqueue
 from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP
@@ -49,7 +50,18 @@ def faulty(kind: str, rate: float = 1.0) -> Any:
 
 async def assert_nothing_left(platform: Platform, job_ids: list[str]) -> list[dict[str, Any]]:
     """Every job ended with a code, no slot or entry leaked, each success billed once."""
-    r, names = platform.r, platform.dispatcher.names
+    # A client of its own: the platform's pool may hold connections a fault killed.
+    r = aioredis.Redis.from_url(platform.settings.resolved_redis_url, decode_responses=True)
+    try:
+        return await _assert_nothing_left(platform, job_ids, r)
+    finally:
+        await r.aclose()
+
+
+async def _assert_nothing_left(
+    platform: Platform, job_ids: list[str], r: aioredis.Redis
+) -> list[dict[str, Any]]:
+    names = platform.dispatcher.names
     finals = []
     async with platform.db.session() as s:
         for job_id in job_ids:
@@ -350,10 +362,15 @@ async def test_client_kill_during_hand_offs_loses_nothing(
             ids += await submit(c, 5)
             # Every connection but this one: the dispatcher's, the workers' and the API's,
             # and the subscriptions (the workers' control channels, SSE followers).
-            killed = await platform.r.execute_command(
-                "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"
-            )
-            killed += await platform.r.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+            # (From a connection of its own: the platform's pool is among the killed.)
+            killer = aioredis.Redis.from_url(REDIS_TEST_URL)
+            try:
+                killed = await killer.execute_command(
+                    "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"
+                )
+                killed += await killer.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+            finally:
+                await killer.aclose()
             assert killed > 0
             await asyncio.sleep(0.1)
         finals = [await wait_for(c, i, timeout=60) for i in ids]
@@ -489,8 +506,6 @@ async def own_redis(settings: Any) -> Any:
         stdout=subprocess.DEVNULL,
     )
     url = f"redis://127.0.0.1:{port}/0"
-    import redis.asyncio as aioredis
-
     r = aioredis.Redis.from_url(url, decode_responses=True)
     for _ in range(100):
         try:
