@@ -260,22 +260,50 @@ async def finish_job(
     if job is not None and prompt_tokens is not None and completion_tokens is not None:
         # The conditional transition above admits one finisher per job; the primary key on
         # job_id would refuse a second record even if it did not.
-        price_in = job.input_price or Decimal(0)
-        price_out = job.output_price or Decimal(0)
-        s.add(
-            UsageRecord(
-                job_id=job.id,
-                tenant_id=job.tenant_id,
-                tier=job.tier.value,
-                model=job.model,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                input_price=price_in,
-                output_price=price_out,
-                cost=cost_of(prompt_tokens, completion_tokens, price_in, price_out),
-                created_at=utcnow(),
-            )
+        s.add(_usage_record(job, prompt_tokens, completion_tokens))
+    return job
+
+
+def _usage_record(job: JobRecord, prompt_tokens: int, completion_tokens: int) -> UsageRecord:
+    """The ledger's row for a job: its tokens at the prices it was admitted under."""
+    price_in = job.input_price or Decimal(0)
+    price_out = job.output_price or Decimal(0)
+    return UsageRecord(
+        job_id=job.id,
+        tenant_id=job.tenant_id,
+        tier=job.tier.value,
+        model=job.model,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        input_price=price_in,
+        output_price=price_out,
+        cost=cost_of(prompt_tokens, completion_tokens, price_in, price_out),
+        created_at=utcnow(),
+    )
+
+
+async def bill_cancelled(
+    s: AsyncSession, job_id: str, prompt_tokens: int, completion_tokens: int
+) -> JobRecord | None:
+    """A cancelled job is billed for what the engine did before it stopped (its prompt and
+    the tokens generated): the job shows that usage, and the ledger has its row — once
+    (the conditional update admits one biller; None when it is not cancelled, or billed)."""
+    stmt = (
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.status == JobStatus.CANCELLED.value,
+            Job.prompt_tokens.is_(None),
         )
+        .values(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        .returning(Job)
+        .execution_options(synchronize_session=False)
+    )
+    row = (await s.execute(stmt)).scalar_one_or_none()
+    if row is None:
+        return None
+    job = JobRecord.from_row(row)
+    s.add(_usage_record(job, prompt_tokens, completion_tokens))
     return job
 
 

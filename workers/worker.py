@@ -664,8 +664,21 @@ class Worker:
                 )
             else:
                 kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
+        if kind == "cancelled" and job is not None and out.served > 0:
+            await self._retrying("bill cancelled", lambda: self._bill_cancelled(msg, out))
         if entry_id is not None:
             await self._retrying("release", lambda: self._release(entry_id, msg, kind, out.served))
+
+    async def _bill_cancelled(self, msg: JobMessage, out: Outcome) -> None:
+        """The engine did the work up to the cancellation: the tenant pays for it."""
+        async with self.db.transaction() as s:
+            billed = await job_repo.bill_cancelled(
+                s, msg.job_id, out.prompt_tokens, out.completion_tokens
+            )
+        if billed is not None:
+            tier = msg.tier.value
+            metrics.TOKENS_SERVED.labels(tier, "prompt").inc(out.prompt_tokens)
+            metrics.TOKENS_SERVED.labels(tier, "completion").inc(out.completion_tokens)
 
     async def _why_not(self, job_id: str, delivery: int | None) -> str:
         """Why a run's final transition found the job elsewhere: a later delivery owns it

@@ -179,6 +179,7 @@ async def _await_final(ctx: _Context, job: JobRecord) -> JobRecord:
                 raise APIError(499, "The client closed the request.", "client_closed_request")
     except (redis.RedisError, OSError):
         log.exception("lost the event stream of %s", job.id)
+        ctx.cancel_later(job.id)  # answered with an error: it must not run (and bill) on
         raise APIError(
             503,
             "The queue is unavailable; the request was not completed.",
@@ -189,6 +190,7 @@ async def _await_final(ctx: _Context, job: JobRecord) -> JobRecord:
         waiter.cancel()
     final = await ctx.job(job.id)
     if final.status not in TERMINAL:  # the stream ended without a terminal state
+        ctx.cancel_later(job.id)
         raise APIError(
             503, "The job did not finish.", "service_unavailable", retry_after_s=RETRY_AFTER_S
         )
@@ -232,11 +234,13 @@ async def _stream(
             break
         else:
             finished = True
+            ctx.cancel_later(job.id)  # answered with an error: it must not run on
             yield _data(error_body(503, "The job's stream ended early.", "service_unavailable"))
         yield b"data: [DONE]\n\n"
     except (redis.RedisError, OSError):
         finished = True
         log.exception("lost the event stream of %s", job.id)
+        ctx.cancel_later(job.id)  # answered with an error: it must not run on
         yield _data(error_body(503, "The queue became unavailable.", "service_unavailable"))
         yield b"data: [DONE]\n\n"
     finally:

@@ -186,6 +186,37 @@ async def test_a_dead_engine_hands_its_jobs_back_and_the_worker_exits(
     await assert_nothing_left(platform, ids)
 
 
+async def test_a_cancelled_job_is_billed_for_what_the_engine_generated_and_once(
+    platform: Platform, tenant_key: str
+) -> None:
+    platform.start_dispatcher()
+    await platform.start_worker("w1", cost=SLOW)
+    async with client(platform.url, tenant_key) as c:
+        (running,) = await submit(c, 1, {**CHAT, "max_tokens": 200})
+        await read_sse(c, f"/v1/jobs/{running}/events", limit=10)  # tokens generated
+        assert (await c.post(f"/v1/jobs/{running}/cancel")).status_code == 200
+        (queued,) = await submit(c, 1, {**CHAT, "tier": "batch"})
+        assert (await c.post(f"/v1/jobs/{queued}/cancel")).status_code == 200  # never ran
+        for _ in range(100):
+            billed = (await c.get(f"/v1/jobs/{running}")).json()
+            if billed["usage"] is not None:
+                break
+            await asyncio.sleep(0.05)
+        never_ran = (await c.get(f"/v1/jobs/{queued}")).json()
+        await asyncio.sleep(0.5)  # the worker is done with both
+        again = (await c.post(f"/v1/jobs/{running}/cancel")).json()
+    assert billed["status"] == "cancelled"
+    assert 10 <= billed["usage"]["completion_tokens"] < 200
+    assert never_ran["usage"] is None
+    assert again["usage"] == billed["usage"]  # cancelling twice bills nothing more
+    async with platform.db.session() as s:
+        ledger = await job_repo.usage_for_job(s, running)
+        assert await job_repo.usage_for_job(s, queued) == []
+    assert [(u.prompt_tokens, u.completion_tokens) for u in ledger] == [
+        (billed["usage"]["prompt_tokens"], billed["usage"]["completion_tokens"])
+    ]
+
+
 async def test_readyz_names_a_worker_whose_engine_died(platform: Platform) -> None:
     from tierq.messages import Heartbeat
     from tierq.queue import write_heartbeat

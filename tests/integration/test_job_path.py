@@ -236,7 +236,16 @@ async def test_cancel_a_running_job_aborts_it_in_the_engine(
     assert finished["status"] == "cancelled"
     assert again.status_code == 409 and again.json()["error"]["code"] == "job_not_cancellable"
     async with platform.db.session() as s:
-        assert await job_repo.usage_for_job(s, job["id"]) == []
+        usage = await job_repo.usage_for_job(s, job["id"])
+        record = await job_repo.get_job(s, job["id"])
+    # Billed for what the engine did before the abort (at most the tokens it was allowed),
+    # once; an abort before any token would leave nothing to bill.
+    assert record is not None and record.status.value == "cancelled"
+    if usage:
+        assert len(usage) == 1 and usage[0].completion_tokens == record.completion_tokens
+        assert (record.completion_tokens or 0) < 1500
+    else:
+        assert record.completion_tokens is None
 
 
 async def test_readyz_needs_a_worker_heartbeat(platform: Platform) -> None:

@@ -229,6 +229,19 @@ async def test_a_client_that_hangs_up_cancels_its_job(platform: Platform, tenant
     mine = [Served.decode(f) for _, f in reports if Served.decode(f).job_id == job_id]
     assert [m.outcome for m in mine] == ["cancelled"]
     assert 0 < mine[0].actual < mine[0].estimated - 500  # most of the 1,000 never generated
+    # The tokens it did generate are billed: on the job, and once in the ledger.
+    for _ in range(50):
+        job = await _job(platform, job_id)
+        if job.completion_tokens:
+            break
+        await asyncio.sleep(0.1)
+    assert job.prompt_tokens and 0 < (job.completion_tokens or 0) < 1000
+    async with platform.db.session() as s:
+        usage = await job_repo.usage_for_job(s, job_id)
+    assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [
+        (job.prompt_tokens, job.completion_tokens)
+    ]
+    assert mine[0].actual == job.prompt_tokens + job.completion_tokens
 
 
 async def test_redis_refusing_the_job_gets_503_with_retry_after(
