@@ -121,9 +121,14 @@ async def update_tenant(s: AsyncSession, tenant_id: str, **values: Any) -> Tenan
     return TenantRecord.from_row(row)
 
 
-async def lock_tenant(s: AsyncSession, tenant_id: str) -> None:
-    """Serialise admissions of one tenant for the rest of the transaction (quota checks)."""
-    await s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
+async def lock_tenant(s: AsyncSession, tenant_id: str, *, exclusive: bool = True) -> str | None:
+    """Lock the tenant's row for the rest of the transaction and return its status (None:
+    no such tenant). Exclusive: admissions of one tenant run one at a time (quota checks);
+    shared: they run side by side, but a suspension (an UPDATE of the row) waits for them,
+    and they see it once it committed — so no job is admitted past a suspension."""
+    stmt = select(Tenant.status).where(Tenant.id == tenant_id)
+    stmt = stmt.with_for_update() if exclusive else stmt.with_for_update(read=True)
+    return (await s.execute(stmt)).scalar_one_or_none()
 
 
 async def issue_key(s: AsyncSession, tenant_id: str) -> IssuedKey:

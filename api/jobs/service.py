@@ -175,9 +175,13 @@ async def _admit(
         for q in await quota_repo.quotas_of(s, tenant.id)
         if q.tier in (quota_repo.ALL_TIERS, tier.value) and not q.empty
     ]
+    # The tenant's status as of this transaction, not as of authentication: a suspension
+    # that committed meanwhile refuses the job, and one that comes later cancels it.
+    status = await tenant_repo.lock_tenant(s, tenant.id, exclusive=bool(quotas))
+    if status != tenant_repo.ACTIVE:
+        raise _refuse(403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=tier)
     if not quotas:
         return
-    await tenant_repo.lock_tenant(s, tenant.id)
     cost = quota_repo.reservation_cost(reserved, max_tokens, price_in, price_out)
     for quota in quotas:
         refusal = await quota_repo.check(s, quota, tier.value, reserved, cost)

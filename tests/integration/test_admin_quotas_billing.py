@@ -430,3 +430,38 @@ async def test_operators_use_the_admin_cli(platform: Platform) -> None:
         in metrics
     )
     assert f'tierq_tenant_jobs_admitted_total{{tenant="{tenant_id}",tier="standard"}}' in metrics
+
+
+@pytest.mark.parametrize("with_quota", [False, True])
+async def test_a_suspension_committed_after_authentication_still_refuses_the_job(
+    platform: Platform, with_quota: bool
+) -> None:
+    """Admission reads the tenant's status under a lock on its row, in the transaction that
+    inserts the job — not the snapshot authentication took a moment earlier."""
+    from api.errors import APIError
+    from api.jobs import service
+    from models import tenants as tenant_repo
+    from tierq.requests import JobCreate
+
+    tenant_id, key = await new_tenant(platform)
+    if with_quota:
+        async with admin(platform) as a:
+            await a.put(f"/admin/tenants/{tenant_id}/quota", json={"requests_per_minute": 100})
+    async with platform.db.session() as s:
+        owner = await tenant_repo.owner_of_key(s, key)
+    assert owner is not None and owner.tenant.status == "active"  # authenticated
+    async with admin(platform) as a:
+        assert (await a.post(f"/admin/tenants/{tenant_id}/suspend")).status_code == 200
+    body = JobCreate(messages=[{"role": "user", "content": "hi"}], max_tokens=8)  # type: ignore[list-item]
+    with pytest.raises(APIError) as refused:
+        await service.submit(
+            platform.db,
+            platform.r,
+            platform.dispatcher.names,
+            platform.settings,
+            owner.tenant,
+            body,
+            None,
+        )
+    assert refused.value.status == 403 and refused.value.code == "tenant_suspended"
+    assert await jobs_of(platform, tenant_id) == []
