@@ -46,27 +46,11 @@ class BodySizeLimit:
         if limit != self.max_bytes:
             await self._counted(scope, receive, send, limit)
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            body.extend(message.get("body", b""))
-            if len(body) > limit:
-                await self._refuse(send, limit)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        body = await read_body(receive, limit)
+        if body is None:
+            await self._refuse(send, limit)
+            return
+        await self.app(scope, replaying(body, receive), send)
 
     async def _counted(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         """A large chunked upload is not buffered: it is counted as the app reads it, and
@@ -119,15 +103,9 @@ class HostileInput:
         if b"json" not in headers.get(b"content-type", b"") or scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            body.extend(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        if suspect(bytes(body)):
+        body = await read_body(receive)
+        assert body is not None  # no limit here: BodySizeLimit, outside, bounds it
+        if suspect(body):
             try:
                 why = unstorable(json.loads(body))
             except RecursionError:
@@ -137,16 +115,36 @@ class HostileInput:
             if why is not None:
                 await _refuse(send, why)
                 return
-        replayed = False
+        await self.app(scope, replaying(body, receive), send)
 
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
 
-        await self.app(scope, replay, send)
+async def read_body(receive: Receive, limit: int | None = None) -> bytes | None:
+    """A request's whole body, read ahead of the app; None once it outgrows `limit`."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        body.extend(message.get("body", b""))
+        if limit is not None and len(body) > limit:
+            return None
+        if not message.get("more_body", False):
+            break
+    return bytes(body)
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app the body read ahead, then the rest of the exchange."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _bad_target(scope: Scope) -> str | None:

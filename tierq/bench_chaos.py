@@ -450,7 +450,7 @@ class Load:
             if seen.last_id is not None:
                 headers["Last-Event-ID"] = str(seen.last_id)
             seen.connects += 1
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # a lost stream: reconnect below
                 async with self.client.stream(
                     "GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=timeout
                 ) as resp:
@@ -458,8 +458,6 @@ class Load:
                         await _read_events(resp, seen)
                     else:
                         await resp.aread()
-            except httpx.HTTPError:
-                pass
             if seen.terminal is None:
                 await asyncio.sleep(RETRY_S)
 

@@ -246,8 +246,7 @@ class Worker:
                 break
             for entry_id, fields in entries:
                 if not fields:
-                    await self.r.xack(self.inbox, WORKER_GROUP, entry_id)
-                    await self.r.xdel(self.inbox, entry_id)
+                    await self._drop_entry(entry_id)
                     continue
                 msg = JobMessage.decode(fields)
                 await enqueue(self.r, self.names, msg)
@@ -434,12 +433,16 @@ class Worker:
         metrics.WORKER_RUNNING.set(len(self._tasks))
         for entry_id, maybe_msg, outcome in done_with:
             if maybe_msg is None:
-                async with self.r.pipeline(transaction=True) as pipe:
-                    pipe.xack(self.inbox, WORKER_GROUP, entry_id)
-                    pipe.xdel(self.inbox, entry_id)
-                    await pipe.execute()
+                await self._drop_entry(entry_id)
             else:
                 await self._release(entry_id, maybe_msg, outcome)
+
+    async def _drop_entry(self, entry_id: str) -> None:
+        """Let go of an entry that carries no job (deleted meanwhile, or unreadable)."""
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.xack(self.inbox, WORKER_GROUP, entry_id)
+            pipe.xdel(self.inbox, entry_id)
+            await pipe.execute()
 
     async def _release(self, entry_id: str, msg: JobMessage, outcome: str, actual: int = 0) -> None:
         """Let go of an inbox entry: acknowledge and delete it (which frees its slot), report
@@ -571,22 +574,27 @@ class Worker:
             self._engine_dead.set()
             self._handed_back.add(job.id)
         out.text = "".join(text_parts)
-        stopped_early = out.finish_reason in (None, "abort")
         if job.id in self._superseded:
             out.kind = "superseded"
-        elif not stopped_early:
-            pass  # it finished: a late hand-back or preemption mark does not undo that
-        elif job.id in self._handed_back:
-            out.kind = "handed_back"
-        elif job.id in self._preempted:
+        elif out.finish_reason in (None, "abort"):
+            # It stopped early (a finished one stays finished, whatever marks came late).
+            out.kind = self._why_stopped(job.id)
+            if out.kind == "retry":
+                out.code, out.message = "engine_error", "the engine aborted it"
+        return out
+
+    def _why_stopped(self, job_id: str) -> str:
+        """Why the engine stopped a job before it finished: this worker's own doing, or
+        (retry) a reason of the engine's own."""
+        if job_id in self._handed_back:
+            return "handed_back"
+        if job_id in self._preempted:
             # Its partial output is discarded in the engine; a client following the job
             # loses nothing: the re-run streams only what goes beyond what it already has.
-            out.kind = "preempted"
-        elif job.id in self._cancelled:  # cancelled by its tenant (the API closed it)
-            out.kind = "cancelled"
-        else:  # the engine stopped it for a reason of its own: another delivery
-            out.kind, out.code, out.message = "retry", "engine_error", "the engine aborted it"
-        return out
+            return "preempted"
+        if job_id in self._cancelled:  # cancelled by its tenant (the API closed it)
+            return "cancelled"
+        return "retry"
 
     async def _settle(
         self, msg: JobMessage, out: Outcome, job: JobRecord | None, entry_id: str | None
