@@ -179,6 +179,7 @@ class FileRecord:
     filename: str
     bytes: int
     created_at: datetime
+    expires_at: datetime | None = None
 
     @classmethod
     def from_row(cls, row: File) -> FileRecord:
@@ -189,6 +190,7 @@ class FileRecord:
             row.filename,
             row.bytes,
             as_utc(row.created_at) or row.created_at,
+            as_utc(row.expires_at),
         )
 
     def to_api(self) -> dict[str, Any]:
@@ -202,7 +204,7 @@ class FileRecord:
             "purpose": self.purpose,
             "status": "processed",
             "status_details": None,
-            "expires_at": None,
+            "expires_at": unix(self.expires_at),
         }
 
 

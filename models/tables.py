@@ -165,7 +165,10 @@ class File(Base):
     """An uploaded or generated file; its bytes live on the files volume, not in the database."""
 
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_files_tenant_created", "tenant_id", "created_at"),
+        Index("ix_files_expires_at", "expires_at"),  # the removal task's scan
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
@@ -173,6 +176,8 @@ class File(Base):
     filename: Mapped[str] = mapped_column(String(512))
     bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Past this the file is gone from the API at once; Celery removes its row and bytes.
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Batch(Base):

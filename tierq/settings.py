@@ -38,6 +38,14 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 512 * 1024 * 1024
     # Uploaded and generated files live here; None means `<state_dir>/files`.
     files_dir: Path | None = None
+    # Per tenant: the bytes of its live files (uploads and batch outputs) and how many it
+    # may hold; an upload past either is refused with 413. 0: no limit.
+    file_storage_quota_bytes: int = Field(default=10 * 1024**3, ge=0)
+    max_files_per_tenant: int = Field(default=10_000, ge=0)
+    # Expiry of uploads that do not ask for one (OpenAI: 30 days for purpose batch) and of
+    # batch output and error files; 0: never. Beat removes expired files this often.
+    file_expiry_s: int = Field(default=30 * 86_400, ge=0)
+    file_expiry_interval_s: float = Field(default=300.0, gt=0)
     max_prompt_chars: int = 200_000
     list_page_max: int = 100
 

@@ -144,7 +144,9 @@ class BatchRunner:
 
     async def _validate(self, batch: BatchRecord) -> bool:
         async with self.db.session() as s:
-            source = await file_repo.get_file(s, batch.input_file_id, batch.tenant_id)
+            source = await file_repo.get_file(
+                s, batch.input_file_id, batch.tenant_id, include_expired=True
+            )
         if source is None or not file_path(self.settings, source.id).exists():
             return await self._fail(
                 batch, [_error("file_not_found", "The input file no longer exists.")]
@@ -204,7 +206,7 @@ class BatchRunner:
     async def _pump(self, batch: BatchRecord) -> bool:
         """Top the batch's outstanding jobs up to the bound; finalise when all are done."""
         async with self.db.session() as s:
-            source = await file_repo.get_file(s, batch.input_file_id)
+            source = await file_repo.get_file(s, batch.input_file_id, include_expired=True)
             counts = await batch_repo.job_counts(s, batch.id)
         size = source.bytes if source is not None else batch.next_offset
         outstanding = counts.get(JobStatus.QUEUED, 0) + counts.get(JobStatus.RUNNING, 0)
@@ -376,7 +378,13 @@ class BatchRunner:
                 for kept in (output_id, error_id):
                     if kept is not None:
                         await file_repo.add_file(
-                            s, kept[0], batch.tenant_id, "batch_output", kept[1], kept[2]
+                            s,
+                            kept[0],
+                            batch.tenant_id,
+                            "batch_output",
+                            kept[1],
+                            kept[2],
+                            expires_after_s=self.settings.file_expiry_s,
                         )
         if moved is None:  # someone else closed it meanwhile: our copies are not needed
             for kept in (output_id, error_id):

@@ -50,5 +50,10 @@ app.conf.update(
             "schedule": settings.batch_tick_s,
             "options": {"expires": settings.batch_tick_s},
         },
+        "files": {
+            "task": "tierq.files.expire",
+            "schedule": settings.file_expiry_interval_s,
+            "options": {"expires": settings.file_expiry_interval_s},
+        },
     },
 )

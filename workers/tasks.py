@@ -18,6 +18,7 @@ from tierq.redis_conn import connect
 from workers.batches import BatchRunner
 from workers.billing import roll_up_invoices
 from workers.celery_app import app, settings
+from workers.files_expiry import remove_expired_files
 from workers.reconcile import reconcile
 
 T = TypeVar("T")
@@ -71,3 +72,10 @@ def billing_rollup(period: str | None = None) -> list[str]:
     the last month's invoice is final once its late-finishing jobs are in). Idempotent."""
     rt = _rt()
     return rt.run(roll_up_invoices(rt.db, period))
+
+
+@app.task(name="tierq.files.expire")
+def files_expire() -> int:
+    """Remove expired files (rows and bytes), except the input of a batch in progress."""
+    rt = _rt()
+    return len(rt.run(remove_expired_files(settings, rt.db)))

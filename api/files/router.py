@@ -9,61 +9,164 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 
 from api.deps import DbDep, SettingsDep, TenantDep
 from api.errors import APIError, not_found
 from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
-from models.tenants import new_id
+from models.db import Database
+from models.tenants import lock_tenant, new_id
 from tierq import metrics
+from tierq.hostile import unstorable
 from tierq.settings import Settings
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
 UPLOAD_PURPOSES = ("batch",)
 COPY_CHUNK = 1024 * 1024
+# Room for the multipart framing and the other fields: a refusal by Content-Length alone
+# (before any byte is spooled) must never refuse a file that would fit.
+FRAMING_BYTES = 64 * 1024
+# OpenAI's expires_after, as the SDKs send it in a multipart form.
+EXPIRES_ANCHOR, EXPIRES_SECONDS = "expires_after[anchor]", "expires_after[seconds]"
+EXPIRES_MIN_S, EXPIRES_MAX_S = 3600, 30 * 86_400
 
 
 @router.post("")
 async def create_file(
     request: Request, tenant: TenantDep, db: DbDep, settings: SettingsDep
 ) -> dict[str, Any]:
-    """multipart/form-data with `file` and `purpose` (OpenAI's contract)."""
+    """multipart/form-data with `file`, `purpose` and optionally `expires_after[anchor]`
+    and `expires_after[seconds]` (OpenAI's contract). The tenant's storage quota and file
+    count are checked under its row lock in the transaction that adds the file."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(
             415,
             "Upload a file as multipart/form-data with 'file' and 'purpose'.",
             "invalid_content_type",
         )
+    await _refuse_early(request, tenant.id, db, settings)
     # Starlette spools a file part to a temporary file beyond 1 MB: never whole in memory.
     async with request.form(max_files=1, max_fields=8) as form:
-        purpose = form.get("purpose")
-        upload = form.get("file")
-        if not isinstance(purpose, str) or not purpose:
-            raise APIError(400, "'purpose' is required.", "invalid_request", param="purpose")
-        if purpose not in UPLOAD_PURPOSES:
-            raise APIError(
-                400,
-                f"purpose '{purpose}' is not supported here; "
-                f"use one of: {', '.join(UPLOAD_PURPOSES)}.",
-                "invalid_purpose",
-                param="purpose",
-            )
+        purpose, upload = _purpose(form), form.get("file")
         if not isinstance(upload, UploadFile):
             raise APIError(400, "'file' must be a file part.", "invalid_request", param="file")
+        expires_after_s, filename = _expires_after(form, settings), _filename(upload)
         file_id = new_id("file")
         size = await _store(upload, settings, file_id)
-        filename = os.path.basename(upload.filename or "upload.jsonl")[:512] or "upload.jsonl"
     try:
         async with db.transaction() as s:
-            record = await file_repo.add_file(s, file_id, tenant.id, purpose, filename, size)
+            if _limited(settings):
+                await lock_tenant(s, tenant.id, exclusive=True)
+                _check_room(await file_repo.storage_used(s, tenant.id), size, settings)
+            record = await file_repo.add_file(
+                s, file_id, tenant.id, purpose, filename, size, expires_after_s=expires_after_s
+            )
     except BaseException:
         _path(settings, file_id).unlink(missing_ok=True)
         raise
     metrics.FILES_UPLOADED_BYTES.inc(size)
     return record.to_api()
+
+
+def _purpose(form: FormData) -> str:
+    purpose = form.get("purpose")
+    if not isinstance(purpose, str) or not purpose:
+        raise APIError(400, "'purpose' is required.", "invalid_request", param="purpose")
+    if purpose not in UPLOAD_PURPOSES:
+        raise APIError(
+            400,
+            f"purpose '{purpose}' is not supported here; use one of: {', '.join(UPLOAD_PURPOSES)}.",
+            "invalid_purpose",
+            param="purpose",
+        )
+    return purpose
+
+
+def _filename(upload: UploadFile) -> str:
+    filename = os.path.basename(upload.filename or "upload.jsonl")[:512] or "upload.jsonl"
+    why = unstorable(filename)
+    if why is not None:  # PostgreSQL cannot store it: a 400, not a 500 at the INSERT
+        raise APIError(
+            400, f"The file's name cannot be stored: {why}.", "invalid_request", param="file"
+        )
+    return filename
+
+
+def _expires_after(form: FormData, settings: Settings) -> int:
+    """Seconds from now until the upload expires (0: never): what the client asked for,
+    else FILE_EXPIRY_S (OpenAI: batch files expire after 30 days unless asked otherwise)."""
+    asked = {key for key in form if key.startswith("expires_after")}
+    if not asked:
+        return settings.file_expiry_s
+    unknown = sorted(asked - {EXPIRES_ANCHOR, EXPIRES_SECONDS})
+    if unknown:
+        raise APIError(
+            400, f"Unknown parameter '{unknown[0]}'.", "invalid_expires_after", param=unknown[0]
+        )
+    if form.get(EXPIRES_ANCHOR) != "created_at":
+        raise APIError(
+            400,
+            f"'{EXPIRES_ANCHOR}' must be 'created_at'.",
+            "invalid_expires_after",
+            param=EXPIRES_ANCHOR,
+        )
+    seconds = _digits(form.get(EXPIRES_SECONDS))
+    if seconds is None or not EXPIRES_MIN_S <= seconds <= EXPIRES_MAX_S:
+        raise APIError(
+            400,
+            f"'{EXPIRES_SECONDS}' must be an integer from {EXPIRES_MIN_S} to {EXPIRES_MAX_S}.",
+            "invalid_expires_after",
+            param=EXPIRES_SECONDS,
+        )
+    return seconds
+
+
+def _digits(value: object) -> int | None:
+    """A non-negative integer written in ASCII digits (no sign, no space), at most 18 of
+    them; None for anything else."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 18:
+        return int(value)
+    return None
+
+
+def _limited(settings: Settings) -> bool:
+    return bool(settings.file_storage_quota_bytes or settings.max_files_per_tenant)
+
+
+def _check_room(used: file_repo.Storage, size: int, settings: Settings) -> None:
+    """Refuse (413) a file of `size` bytes that would take the tenant past its file count or
+    its storage quota (what `used` says it holds now)."""
+    most = settings.max_files_per_tenant
+    if most and used.files + 1 > most:
+        raise APIError(
+            413,
+            f"The tenant holds {used.files} files, the most it may; delete some or let them "
+            "expire.",
+            "file_count_quota_exceeded",
+        )
+    quota = settings.file_storage_quota_bytes
+    if quota and used.bytes + size > quota:
+        raise APIError(
+            413,
+            f"The tenant's files take {used.bytes} of its {quota} bytes; {size} more do not "
+            "fit. Delete files or let them expire.",
+            "file_storage_quota_exceeded",
+        )
+
+
+async def _refuse_early(request: Request, tenant_id: str, db: Database, settings: Settings) -> None:
+    """Before a byte is spooled: refuse an upload whose Content-Length alone (less the
+    framing) cannot fit, or one past the file count. Without a lock: the decision that
+    holds is the one in the transaction that adds the file."""
+    if not _limited(settings):
+        return
+    size = _digits(request.headers.get("content-length")) or 0
+    async with db.session() as s:
+        used = await file_repo.storage_used(s, tenant_id)
+    _check_room(used, max(0, size - FRAMING_BYTES), settings)
 
 
 async def _store(upload: UploadFile, settings: Settings, file_id: str) -> int:
