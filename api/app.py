@@ -12,6 +12,7 @@ from api import errors, health
 from api.admin.router import router as admin_router
 from api.batches.router import router as batches_router
 from api.files.router import router as files_router
+from api.jobs.hub import EventHub
 from api.jobs.router import router as jobs_router
 from api.limits import BodySizeLimit, HostileInput
 from api.openai.router import router as openai_router
@@ -39,11 +40,14 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db = Database(settings.resolved_database_url)
-        app.state.redis = await connect(settings)
+        app.state.redis = await connect(settings, role="api")
         app.state.events = EventLog(app.state.redis, app.state.names, settings.replay_ttl_s)
+        app.state.hub = EventHub(app.state.redis, app.state.names, app.state.db, settings)
+        await app.state.hub.start()
         try:
             yield
         finally:
+            await app.state.hub.stop()
             await app.state.redis.aclose()
             await app.state.db.close()
 

@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from api.errors import APIError
+from api.jobs.hub import EventHub, Slot, TooManyStreams, slot_retry_after
 from models import tenants
 from models.db import Database
 from models.records import TenantRecord
@@ -50,12 +51,18 @@ def get_events(request: Request) -> EventLog:
     return events
 
 
+def get_hub(request: Request) -> EventHub:
+    hub: EventHub = request.app.state.hub
+    return hub
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DbDep = Annotated[Database, Depends(get_db)]
 SessionDep = Annotated[AsyncSession, Depends(get_session)]
 RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
 NamesDep = Annotated[RedisNames, Depends(get_names)]
 EventsDep = Annotated[EventLog, Depends(get_events)]
+HubDep = Annotated[EventHub, Depends(get_hub)]
 
 
 def _bearer(request: Request) -> str:
@@ -85,10 +92,32 @@ async def get_tenant(request: Request, db: DbDep) -> TenantRecord:
     if owner.last_used_at is None or owner.last_used_at < stale:
         async with db.transaction() as s:
             await tenants.touch_key(s, owner.key_id)
+    request.state.api_key_id = owner.key_id  # open streams close when it is revoked
     return owner.tenant
 
 
 TenantDep = Annotated[TenantRecord, Depends(get_tenant)]
+
+
+def api_key_id(request: Request) -> str | None:
+    """The id of the key the request was authenticated with (set by get_tenant)."""
+    key_id: str | None = getattr(request.state, "api_key_id", None)
+    return key_id
+
+
+async def stream_slot(hub: EventHub, settings: Settings, tenant: TenantRecord) -> Slot:
+    """One of the tenant's stream slots (an SSE stream or a waiting online request);
+    429 too_many_streams at `max_streams_per_tenant`."""
+    try:
+        return await hub.take_slot(tenant.id)
+    except TooManyStreams as exc:
+        raise APIError(
+            429,
+            f"Too many open streams: this tenant may hold {exc.limit} streams and waiting "
+            "requests at once. Close one, or retry later.",
+            "too_many_streams",
+            retry_after_s=slot_retry_after(settings),
+        ) from None
 
 
 async def require_admin(request: Request, db: DbDep, settings: SettingsDep) -> None:

@@ -117,6 +117,12 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
     return JobRecord.from_row(row), True
 
 
+async def statuses(s: AsyncSession, job_ids: Sequence[str]) -> dict[str, JobStatus]:
+    """The status of each of these jobs that exists, in one statement."""
+    stmt = select(Job.id, Job.status).where(Job.id.in_(list(job_ids)))
+    return {job_id: JobStatus(status) for job_id, status in (await s.execute(stmt)).all()}
+
+
 async def get_job(s: AsyncSession, job_id: str, tenant_id: str | None = None) -> JobRecord | None:
     stmt = select(Job).where(Job.id == job_id)
     if tenant_id is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import and_, literal, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from models.records import TenantRecord, as_utc, unix
@@ -121,14 +121,33 @@ async def update_tenant(s: AsyncSession, tenant_id: str, **values: Any) -> Tenan
     return TenantRecord.from_row(row)
 
 
-async def lock_tenant(s: AsyncSession, tenant_id: str, *, exclusive: bool = True) -> str | None:
+REVOKED = "revoked"  # what lock_tenant answers for a request whose key was revoked
+
+
+async def lock_tenant(
+    s: AsyncSession, tenant_id: str, *, exclusive: bool = True, key_id: str | None = None
+) -> str | None:
     """Lock the tenant's row for the rest of the transaction and return its status (None:
-    no such tenant). Exclusive: admissions of one tenant run one at a time (quota checks);
-    shared: they run side by side, but a suspension (an UPDATE of the row) waits for them,
-    and they see it once it committed — so no job is admitted past a suspension."""
-    stmt = select(Tenant.status).where(Tenant.id == tenant_id)
-    stmt = stmt.with_for_update() if exclusive else stmt.with_for_update(read=True)
-    return (await s.execute(stmt)).scalar_one_or_none()
+    no such tenant), or REVOKED when `key_id` (the request's key) has been revoked.
+    Exclusive: admissions of one tenant run one at a time (quota checks); shared: they run
+    side by side, but a suspension or a key's revocation (each takes the row's exclusive
+    lock) waits for them, and they see it once it committed — so no job is admitted past
+    either. One statement, one round trip."""
+    stmt: Any
+    if key_id is None:
+        stmt = select(Tenant.status, literal(None)).where(Tenant.id == tenant_id)
+    else:
+        stmt = (
+            select(Tenant.status, ApiKey.revoked_at)
+            .outerjoin(ApiKey, and_(ApiKey.id == key_id, ApiKey.tenant_id == Tenant.id))
+            .where(Tenant.id == tenant_id)
+        )
+    lock = stmt.with_for_update(of=Tenant, read=not exclusive)
+    found = (await s.execute(lock)).one_or_none()
+    if found is None:
+        return None
+    status, revoked_at = found
+    return REVOKED if revoked_at is not None else str(status)
 
 
 async def issue_key(s: AsyncSession, tenant_id: str) -> IssuedKey:
@@ -167,6 +186,8 @@ async def revoke_key(s: AsyncSession, key_id: str) -> KeyRecord | None:
     if row is None:
         return None
     if row.revoked_at is None:
+        # Waits for the admissions in flight (see lock_tenant); later ones see it.
+        await lock_tenant(s, row.tenant_id)
         row.revoked_at = utcnow()
         await s.flush()
     return _key(row)
@@ -203,6 +224,17 @@ async def owner_of_key(s: AsyncSession, secret: str) -> KeyOwner | None:
         return None
 
     return KeyOwner(TenantRecord.from_row(found[0]), found[1], as_utc(found[2]))
+
+
+async def unusable_keys(s: AsyncSession, key_ids: list[str]) -> set[str]:
+    """Those of these keys that are revoked, gone, or whose tenant is no longer active."""
+    stmt = (
+        select(ApiKey.id)
+        .join(Tenant, ApiKey.tenant_id == Tenant.id)
+        .where(ApiKey.id.in_(key_ids), ApiKey.revoked_at.is_(None), Tenant.status == ACTIVE)
+    )
+    usable = set((await s.execute(stmt)).scalars())
+    return set(key_ids) - usable
 
 
 async def tenant_for_key(s: AsyncSession, secret: str) -> TenantRecord | None:

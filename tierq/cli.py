@@ -76,7 +76,7 @@ def dispatcher(metrics_port: int | None = typer.Option(None, help="Serve /metric
         start_http_server(metrics_port, addr="127.0.0.1")
 
     async def main() -> None:
-        r = await connect(settings)
+        r = await connect(settings, role="dispatcher")
         d = Dispatcher(settings, r)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

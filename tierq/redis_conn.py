@@ -19,13 +19,25 @@ T = TypeVar("T")
 
 
 async def connect(
-    settings: Settings, *, attempts: int = 30, delay_s: float = 0.5
+    settings: Settings, *, attempts: int = 30, delay_s: float = 0.5, role: str = "tierq"
 ) -> aioredis.Redis:
-    """An asyncio Redis client that answered PING (retrying while the server comes up)."""
+    """An asyncio Redis client that answered PING (retrying while the server comes up).
+
+    Its connections are named `<prefix>:<role>` (CLIENT LIST shows who holds what)."""
     url = settings.resolved_redis_url
     last: Exception | None = None
     for _ in range(attempts):
-        client = aioredis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+        # Bounded: a burst waits for a free connection instead of opening one per caller
+        # (or failing with "Too many connections").
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=settings.redis_max_connections,
+            timeout=settings.redis_pool_timeout_s,
+            decode_responses=True,
+            health_check_interval=30,
+            client_name=f"{settings.redis_prefix}:{role}",
+        )
+        client = aioredis.Redis.from_pool(pool)
         try:
             await client.ping()
             return client

@@ -100,6 +100,17 @@ class RedisNames:
         """Held by the Celery worker advancing the batch."""
         return f"{self.prefix}:batch:{batch_id}:lock"
 
+    def tenant_streams(self, tenant_id: str) -> str:
+        """Sorted set of the tenant's open streams and online requests (every API process):
+        member a stream's id, score the end of its lease (Redis time, seconds)."""
+        return f"{self.prefix}:tenant:{tenant_id}:streams"
+
+    @property
+    def access_channel(self) -> str:
+        """Published when a tenant is suspended or deleted ("tenant:<id>") or a key revoked
+        ("key:<id>"): every API process closes the streams that depend on it."""
+        return f"{self.prefix}:access"
+
     @property
     def tenant_policy(self) -> str:
         """Hash tenant id -> JSON {"weight", "max_running": {scope: n}} for the dispatcher

@@ -122,6 +122,15 @@ class Settings(BaseSettings):
 
     # --- streaming ----------------------------------------------------------------------
     replay_ttl_s: int = 3600
+    # Open SSE streams plus online (OpenAI) requests waiting on a job, per tenant, over
+    # every API process; one more is refused with 429 too_many_streams.
+    max_streams_per_tenant: int = 256
+    stream_lease_s: float = 30.0  # a stream an API process stops renewing is let go after
+    # Connections each process's Redis client may open; more callers wait for one (for
+    # redis_pool_timeout_s) instead of failing. SSE followers share one pub/sub connection
+    # per API process, so this does not grow with the number of streams.
+    redis_max_connections: int = 64
+    redis_pool_timeout_s: float = 10.0
 
     # --- batches (OpenAI's Files and Batches) --------------------------------------------
     batch_max_requests: int = 50_000  # lines per input file

@@ -29,7 +29,9 @@ class _Runtime:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
         self.db = Database(settings.resolved_database_url)
-        self.r: aioredis.Redis = self.loop.run_until_complete(connect(settings, attempts=3))
+        self.r: aioredis.Redis = self.loop.run_until_complete(
+            connect(settings, attempts=3, role="celery")
+        )
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coro)

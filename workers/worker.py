@@ -740,7 +740,7 @@ async def run_worker(
     engine = engine_factory(settings)
     await engine.start()
     db = Database(settings.resolved_database_url)
-    r = await connect(settings)
+    r = await connect(settings, role="worker")
     worker = Worker(settings, db, r, engine)
     if install_signals is not None:
         await install_signals(worker)

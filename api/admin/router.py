@@ -150,6 +150,7 @@ async def suspend_tenant(
     assert tenant is not None
     await _stop_work(db, r, names, settings, tenant_id, "the tenant was suspended")
     await tenant_policy.publish(db, r, names, tenant_id)
+    await r.publish(names.access_channel, f"tenant:{tenant_id}")  # close its open streams
     return tenant.to_api()
 
 
@@ -175,6 +176,7 @@ async def delete_tenant(
         await tenant_repo.revoke_all_keys(s, tenant_id)
     await _stop_work(db, r, names, settings, tenant_id, "the tenant was deleted")
     await tenant_policy.publish(db, r, names, tenant_id)
+    await r.publish(names.access_channel, f"tenant:{tenant_id}")  # close its open streams
     return {"id": tenant_id, "object": "tenant", "deleted": True}
 
 
@@ -199,12 +201,14 @@ async def list_keys(tenant_id: str, db: DbDep) -> dict[str, Any]:
 
 
 @router.delete("/keys/{key_id}")
-async def revoke_key(key_id: str, db: DbDep) -> dict[str, Any]:
-    """Effective at once: every request looks its key up in the database (no cache)."""
+async def revoke_key(key_id: str, db: DbDep, r: RedisDep, names: NamesDep) -> dict[str, Any]:
+    """Effective at once: every request looks its key up in the database (no cache),
+    admission looks again under the tenant's lock, and the key's open streams close."""
     async with db.transaction() as s:
         key = await tenant_repo.revoke_key(s, key_id)
     if key is None:
         raise not_found("key", key_id)
+    await r.publish(names.access_channel, f"key:{key_id}")
     return {**key.to_api(), "revoked": True}
 
 

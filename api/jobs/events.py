@@ -8,30 +8,23 @@ on, then the live events, skipping any it already has — none lost, none double
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.client import PubSub
-
+from api.jobs.hub import RECHECK, RECHECK_S, RESYNC, EventHub, Follower, Slot, StreamClosed
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord
 from tierq.messages import JobEvent
 from tierq.queue import EventLog
 from tierq.redis_conn import is_unavailable as redis_unavailable
-from tierq.redis_names import RedisNames
 from tierq.states import TERMINAL
 
 log = logging.getLogger(__name__)
 
 TERMINAL_KINDS = ("done", "error")
-# While nothing arrives, look at the database this often: a terminal state whose event
-# was lost (a publish during a Redis failover, say) still ends the stream.
-RECHECK_S = 2.0
 
 
 def _sse(seq: int, event: JobEvent) -> dict[str, Any]:
@@ -43,96 +36,111 @@ def _final_event(job: JobRecord) -> JobEvent:
 
 
 async def job_event_stream(
+    hub: EventHub,
     db: Database,
-    r: aioredis.Redis,
-    names: RedisNames,
     events: EventLog,
     job: JobRecord,
     last_seq: int,
+    key_id: str | None,
+    slot: Slot,
 ) -> AsyncIterator[dict[str, Any]]:
-    async for seq, event in follow_job(db, r, names, events, job, last_seq):
-        yield _sse(seq, event)
+    """The SSE events of a job; a stream closed by a suspension or a revocation ends with
+    an `error` event in OpenAI's error shape. Holds (and lets go of) the stream's slot."""
+    try:
+        async for seq, event in follow_job(hub, db, events, job, last_seq, key_id):
+            yield _sse(seq, event)
+    except StreamClosed as closed:
+        body = {"error": {"message": closed.message, "type": "invalid_request_error"}}
+        body["error"]["code"] = closed.code
+        yield {"event": "error", "data": json.dumps(body)}
+    finally:
+        slot.release()
 
 
 async def follow_job(
+    hub: EventHub,
     db: Database,
-    r: aioredis.Redis,
-    names: RedisNames,
     events: EventLog,
     job: JobRecord,
     last_seq: int = 0,
+    key_id: str | None = None,
 ) -> AsyncIterator[tuple[int, JobEvent]]:
     """A job's events after `last_seq`, numbered, up to and including the terminal one.
 
-    A lost Redis connection (a restart, a killed connection) does not end the stream: it
-    subscribes again and fills what it missed from the replay buffer, by sequence number.
+    Live events come through the process's one pub/sub connection (`EventHub`); whatever
+    may have been missed (a lost connection, a follower too slow for its queue) is read
+    again from the replay buffer by sequence number. Raises StreamClosed when the tenant
+    is suspended or the key revoked meanwhile.
     """
-    delay = 0.1
-    while True:
-        pubsub = r.pubsub()
-        try:
-            async for seq, event in _follow(db, pubsub, names, events, job, last_seq):
-                yield seq, event
-                last_seq = seq
-                delay = 0.1
-            return
-        except Exception as exc:
-            if not redis_unavailable(exc):
-                raise
-            log.warning("following job %s: Redis unreachable (%s); resubscribing", job.id, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-        finally:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()
-
-
-async def _follow(
-    db: Database,
-    pubsub: PubSub,
-    names: RedisNames,
-    events: EventLog,
-    job: JobRecord,
-    last_seq: int,
-) -> AsyncIterator[tuple[int, JobEvent]]:
-    await pubsub.subscribe(names.job_channel(job.id))  # before the replay: no gap between them
-    for seq, event in await events.since(job.id, last_seq):
-        yield seq, event
-        last_seq = seq
-        if event.kind in TERMINAL_KINDS:
-            return
-    if job.status in TERMINAL:
-        async for item in _finish_from_database(db, job.id, last_seq):
-            yield item
-        return
-    while True:
-        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=RECHECK_S)
-        if msg is None:
-            async with db.session() as s:
-                current = await job_repo.get_job(s, job.id)
-            if current is None or current.status in TERMINAL:
-                # Take what the buffer holds first, then close from the database.
-                for seq, event in await events.since(job.id, last_seq):
-                    yield seq, event
-                    last_seq = seq
-                    if event.kind in TERMINAL_KINDS:
+    async with hub.follow(job.id, job.tenant_id, key_id) as follower:
+        cursor = _Cursor(last_seq)
+        finish = job.status in TERMINAL
+        delay = 0.1
+        while True:
+            try:
+                # Subscribed before this read: nothing falls between the two.
+                for item in await events.since(job.id, cursor.seq):
+                    yield cursor.take(item)
+                    if cursor.over:
                         return
-                async for item in _finish_from_database(db, job.id, last_seq):
+                if finish:
+                    async for item in _finish_from_database(db, job.id, cursor.seq):
+                        yield item
+                    return
+                async for item in _live(follower, events, cursor):
                     yield item
-                return
-            continue
-        seq, event = EventLog.decode_live(msg["data"])
-        if seq <= last_seq:
+                    if cursor.over:
+                        return
+                # Back to the buffer: the hub asks to re-read it, or says the job is over.
+                finish, cursor.recheck = cursor.recheck, False
+                delay = 0.1
+            except StreamClosed:
+                raise
+            except Exception as exc:
+                if not redis_unavailable(exc):
+                    raise
+                log.warning("following job %s: Redis unreachable (%s); retrying", job.id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+
+class _Cursor:
+    """The last event sent, and whether the stream is over."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.over = False
+        self.recheck = False
+
+    def take(self, item: tuple[int, JobEvent]) -> tuple[int, JobEvent]:
+        self.seq = item[0]
+        self.over = item[1].kind in TERMINAL_KINDS
+        return item
+
+
+async def _live(
+    follower: Follower, events: EventLog, state: _Cursor
+) -> AsyncIterator[tuple[int, JobEvent]]:
+    """Live events until the terminal one, or until the buffer must be read again."""
+    while True:
+        msg = await follower.next(RECHECK_S)
+        if msg is None:
+            continue  # the hub looks at the database for quiet jobs
+        if msg is RESYNC:
+            return
+        if msg is RECHECK:
+            state.recheck = True
+            return
+        seq, event = EventLog.decode_live(msg)
+        if seq <= state.seq:
             continue  # already sent from the replay buffer
-        if seq > last_seq + 1:  # a gap: fill it from the buffer
-            for gap_seq, gap_event in await events.since(job.id, last_seq):
-                if gap_seq >= seq:
+        if seq > state.seq + 1:  # a gap: fill it from the buffer
+            for gap in await events.since(follower.job_id, state.seq):
+                if gap[0] >= seq:
                     break
-                yield gap_seq, gap_event
-                last_seq = gap_seq
-        yield seq, event
-        last_seq = seq
-        if event.kind in TERMINAL_KINDS:
+                yield state.take(gap)
+        yield state.take((seq, event))
+        if state.over:
             return
 
 

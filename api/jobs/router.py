@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
-from api.deps import DbDep, EventsDep, NamesDep, RedisDep, SettingsDep, TenantDep
+from api.deps import (
+    DbDep,
+    EventsDep,
+    HubDep,
+    NamesDep,
+    RedisDep,
+    SettingsDep,
+    TenantDep,
+    api_key_id,
+    stream_slot,
+)
 from api.errors import APIError, not_found
 from api.jobs import service
 from api.jobs.events import job_event_stream
@@ -24,6 +35,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 @router.post("", status_code=202)
 async def create_job(
     body: JobCreate,
+    request: Request,
     tenant: TenantDep,
     db: DbDep,
     r: RedisDep,
@@ -31,7 +43,9 @@ async def create_job(
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JSONResponse:
-    job, _created = await service.submit(db, r, names, settings, tenant, body, idempotency_key)
+    job, _created = await service.submit(
+        db, r, names, settings, tenant, body, idempotency_key, key_id=api_key_id(request)
+    )
     return JSONResponse(job.to_api(), status_code=202)
 
 
@@ -74,11 +88,12 @@ async def cancel_job(
 @router.get("/{job_id}/events")
 async def job_events(
     job_id: str,
+    request: Request,
     tenant: TenantDep,
     db: DbDep,
-    r: RedisDep,
-    names: NamesDep,
+    hub: HubDep,
     events: EventsDep,
+    settings: SettingsDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> Response:
     async with db.session() as s:
@@ -95,5 +110,8 @@ async def job_events(
         # The client already has the final event: 204 is what ends EventSource's
         # reconnecting (another final event would have it reconnect forever).
         return Response(status_code=204)
-    stream = job_event_stream(db, r, names, events, job, last_seq)
-    return EventSourceResponse(stream, ping=15)
+    slot = await stream_slot(hub, settings, tenant)
+    stream = job_event_stream(hub, db, events, job, last_seq, api_key_id(request), slot)
+    # The stream lets its slot go when it ends; the background task covers a response
+    # that never started streaming.
+    return EventSourceResponse(stream, ping=15, background=BackgroundTask(slot.release))

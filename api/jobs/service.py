@@ -90,6 +90,7 @@ async def submit(
     idempotency_key: str | None,
     *,
     online: bool = False,
+    key_id: str | None = None,
 ) -> tuple[JobRecord, bool]:
     """Write the job row (the source of truth), then put it on its tier's stream.
 
@@ -116,7 +117,7 @@ async def submit(
             price = await price_repo.current_price(s, model, tier, settings.batch_discount)
             price_in = price.input_per_million if price else Decimal(0)
             price_out = price.output_per_million if price else Decimal(0)
-            await _admit(s, tenant, tier, reserved, body.max_tokens, price_in, price_out)
+            await _admit(s, tenant, key_id, tier, reserved, body.max_tokens, price_in, price_out)
             new = job_repo.NewJob(
                 tenant_id=tenant.id,
                 tier=tier,
@@ -162,6 +163,7 @@ async def submit(
 async def _admit(
     s: AsyncSession,
     tenant: TenantRecord,
+    key_id: str | None,
     tier: Tier,
     reserved: int,
     max_tokens: int,
@@ -175,9 +177,12 @@ async def _admit(
         for q in await quota_repo.quotas_of(s, tenant.id)
         if q.tier in (quota_repo.ALL_TIERS, tier.value) and not q.empty
     ]
-    # The tenant's status as of this transaction, not as of authentication: a suspension
-    # that committed meanwhile refuses the job, and one that comes later cancels it.
-    status = await tenant_repo.lock_tenant(s, tenant.id, exclusive=bool(quotas))
+    # The tenant's status and the key's as of this transaction, not as of authentication:
+    # a suspension or revocation that committed meanwhile refuses the job, and one that
+    # comes later cancels it (suspension) or lets it finish (a revoked key).
+    status = await tenant_repo.lock_tenant(s, tenant.id, exclusive=bool(quotas), key_id=key_id)
+    if status == tenant_repo.REVOKED:
+        raise _refuse(401, "Incorrect API key provided.", "invalid_api_key")
     if status != tenant_repo.ACTIVE:
         raise _refuse(403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=tier)
     if not quotas:

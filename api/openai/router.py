@@ -18,11 +18,23 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 
-from api.deps import DbDep, EventsDep, NamesDep, RedisDep, SettingsDep, TenantDep
+from api.deps import (
+    DbDep,
+    EventsDep,
+    HubDep,
+    NamesDep,
+    RedisDep,
+    SettingsDep,
+    TenantDep,
+    api_key_id,
+    stream_slot,
+)
 from api.errors import APIError, error_body
 from api.jobs import service
 from api.jobs.events import follow_job
+from api.jobs.hub import EventHub, Slot, StreamClosed
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord, TenantRecord
@@ -68,6 +80,7 @@ class _Context:
         r: aioredis.Redis,
         names: RedisNames,
         events: EventLog,
+        hub: EventHub,
     ) -> None:
         self.request = request
         self.tenant = tenant
@@ -75,6 +88,11 @@ class _Context:
         self.r = r
         self.names = names
         self.events = events
+        self.hub = hub
+        self.key_id = api_key_id(request)
+
+    def follow(self, job: JobRecord) -> AsyncIterator[tuple[int, Any]]:
+        return follow_job(self.hub, self.db, self.events, job, key_id=self.key_id)
 
     def cancel_later(self, job_id: str) -> None:
         """Cancel a job whose client went away (in a task of its own: the request's own
@@ -106,8 +124,9 @@ def _context(
     r: RedisDep,
     names: NamesDep,
     events: EventsDep,
+    hub: HubDep,
 ) -> _Context:
-    return _Context(request, tenant, db, r, names, events)
+    return _Context(request, tenant, db, r, names, events, hub)
 
 
 ContextDep = Annotated[_Context, Depends(_context)]
@@ -138,17 +157,37 @@ async def _complete(
     except ValidationError as exc:
         first = exc.errors()[0]
         raise APIError(400, f"{first['msg']}.", "invalid_request") from None
-    job, _ = await service.submit(
-        ctx.db, ctx.r, ctx.names, settings, ctx.tenant, job_body, None, online=True
-    )
+    # A slot before the job: a refused request (429 too_many_streams) leaves nothing to run.
+    slot = await stream_slot(ctx.hub, settings, ctx.tenant)
+    try:
+        job, _ = await service.submit(
+            ctx.db,
+            ctx.r,
+            ctx.names,
+            settings,
+            ctx.tenant,
+            job_body,
+            None,
+            online=True,
+            key_id=ctx.key_id,
+        )
+    except BaseException:
+        slot.release()
+        raise
     headers = {"x-request-id": job.id}
     if body.stream:
+        # The stream lets its slot go when it ends; the background task covers a response
+        # that never started streaming.
         return StreamingResponse(
-            _stream(ctx, job, chat, body.include_usage),
+            _stream(ctx, job, chat, body.include_usage, slot),
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(slot.release),
         )
-    final = await _await_final(ctx, job)
+    try:
+        final = await _await_final(ctx, job)
+    finally:
+        slot.release()
     if final.status.value == "succeeded":
         return JSONResponse(oa.completion_body(final, chat), headers=headers)
     status = oa.failure_status(final)
@@ -160,7 +199,7 @@ async def _complete(
 
 async def _last_event(ctx: _Context, job: JobRecord) -> None:
     """Follow the job's events to its terminal one (the result is read from the database)."""
-    async for _seq, event in follow_job(ctx.db, ctx.r, ctx.names, ctx.events, job):
+    async for _seq, event in ctx.follow(job):
         if event.kind != "delta":
             return
 
@@ -177,6 +216,10 @@ async def _await_final(ctx: _Context, job: JobRecord) -> JobRecord:
             if await ctx.request.is_disconnected():
                 ctx.cancel_later(job.id)
                 raise APIError(499, "The client closed the request.", "client_closed_request")
+    except StreamClosed as closed:
+        ctx.cancel_later(job.id)
+        status = 403 if closed.code == "tenant_suspended" else 401
+        raise APIError(status, closed.message, closed.code) from None
     except (redis.RedisError, OSError):
         log.exception("lost the event stream of %s", job.id)
         ctx.cancel_later(job.id)  # answered with an error: it must not run (and bill) on
@@ -202,13 +245,13 @@ def _data(body: dict[str, Any]) -> bytes:
 
 
 async def _stream(
-    ctx: _Context, job: JobRecord, chat: bool, include_usage: bool
+    ctx: _Context, job: JobRecord, chat: bool, include_usage: bool, slot: Slot
 ) -> AsyncIterator[bytes]:
     finished = False
     try:
         if chat:
             yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
-        async for _seq, event in follow_job(ctx.db, ctx.r, ctx.names, ctx.events, job):
+        async for _seq, event in ctx.follow(job):
             if event.kind == "delta":
                 text = event.data.get("text", "")
                 if text:
@@ -237,6 +280,12 @@ async def _stream(
             ctx.cancel_later(job.id)  # answered with an error: it must not run on
             yield _data(error_body(503, "The job's stream ended early.", "service_unavailable"))
         yield b"data: [DONE]\n\n"
+    except StreamClosed as closed:
+        finished = True
+        ctx.cancel_later(job.id)
+        status = 403 if closed.code == "tenant_suspended" else 401
+        yield _data(error_body(status, closed.message, closed.code))
+        yield b"data: [DONE]\n\n"
     except (redis.RedisError, OSError):
         finished = True
         log.exception("lost the event stream of %s", job.id)
@@ -246,3 +295,4 @@ async def _stream(
     finally:
         if not finished:  # the client went away mid-stream
             ctx.cancel_later(job.id)
+        slot.release()

@@ -1,0 +1,304 @@
+"""Streams are a bounded, shared resource: one Redis pub/sub connection per API process
+fans out to every follower; a tenant holds at most `max_streams_per_tenant` streams and
+waiting online requests; a suspension or a revoked key closes the streams it covers.
+
+Real PostgreSQL and Redis, the API under uvicorn; the simulated engine where a job must run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ADMIN_KEY, Platform
+from tests.helpers import assert_openai_error, client, read_sse, wait_for
+from tierq.settings import Settings
+
+CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
+
+
+def admin(platform: Platform) -> httpx.AsyncClient:
+    return client(platform.url, ADMIN_KEY)
+
+
+async def new_tenant(platform: Platform) -> tuple[str, str]:
+    async with admin(platform) as a:
+        resp = await a.post("/admin/tenants", json={"name": f"t-{uuid.uuid4().hex[:8]}"})
+        assert resp.status_code == 200, resp.text
+        tenant = resp.json()
+        key = (await a.post(f"/admin/tenants/{tenant['id']}/keys")).json()
+    return tenant["id"], key["key"]
+
+
+async def api_clients(platform: Platform) -> list[dict[str, str]]:
+    """The API process's Redis connections (named `<prefix>:api`)."""
+    name = f"{platform.settings.redis_prefix}:api"
+    listed: Any = await platform.r.client_list()
+    return [c for c in listed if c.get("name") == name]
+
+
+class OpenStream:
+    """An SSE stream held open in the background, its events collected as they come."""
+
+    def __init__(self, c: httpx.AsyncClient, path: str) -> None:
+        self.c = c
+        self.path = path
+        self.status: int | None = None
+        self.events: list[dict[str, Any]] = []
+        self.opened = asyncio.Event()
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        current: dict[str, Any] = {}
+        async with self.c.stream("GET", self.path) as resp:
+            self.status = resp.status_code
+            self.opened.set()
+            if resp.status_code != 200:
+                await resp.aread()
+                return
+            async for line in resp.aiter_lines():
+                if not line:
+                    if "event" in current:
+                        current["data"] = json.loads(current.get("data", "null"))
+                        self.events.append(current)
+                    current = {}
+                elif not line.startswith(":"):
+                    field, _, value = line.partition(":")
+                    current[field] = value[1:] if value.startswith(" ") else value
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            await self.task
+
+
+@contextlib.asynccontextmanager
+async def streams(c: httpx.AsyncClient, path: str, n: int) -> AsyncIterator[list[OpenStream]]:
+    opened = [OpenStream(c, path) for _ in range(n)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(s.opened.wait() for s in opened)), 30)
+        yield opened
+    finally:
+        for s in opened:
+            await s.close()
+
+
+async def queued_job(c: httpx.AsyncClient) -> str:
+    """A job that stays queued (no dispatcher runs in these tests unless started)."""
+    resp = await c.post("/v1/jobs", json=CHAT)
+    assert resp.status_code == 202, resp.text
+    return str(resp.json()["id"])
+
+
+@pytest.fixture
+def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
+    """The settings a test asks for (`@pytest.mark.with_settings(name=value)`)."""
+    marker = request.node.get_closest_marker("with_settings")
+    if marker is None:
+        return settings
+    return settings.model_copy(update=marker.kwargs)
+
+
+@pytest.mark.with_settings(redis_max_connections=8)
+async def test_a_hundred_followers_share_one_pub_sub_connection(platform: Platform) -> None:
+    _tenant, key = await new_tenant(platform)
+    headers = {"Authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=200)
+    async with httpx.AsyncClient(
+        base_url=platform.url, headers=headers, limits=limits, timeout=30
+    ) as c:
+        job_id = await queued_job(c)
+        async with streams(c, f"/v1/jobs/{job_id}/events", 100) as opened:
+            assert {s.status for s in opened} == {200}
+            await asyncio.sleep(0.5)
+            during = await api_clients(platform)
+            pubsub = [x for x in during if int(x.get("sub", 0)) > 0]
+            assert len(pubsub) == 1, pubsub  # one subscriber connection for all 100
+            # the process's connections are bounded by its pool, not by the followers
+            assert len(during) <= 8, len(during)
+            # a cancel reaches every follower through that one connection
+            await c.post(f"/v1/jobs/{job_id}/cancel")
+            for s in opened:
+                await asyncio.wait_for(s.task, 10)
+            assert all(s.events[-1]["event"] == "done" for s in opened)
+            assert all(s.events[-1]["data"]["status"] == "cancelled" for s in opened)
+
+
+@pytest.mark.with_settings(max_streams_per_tenant=3)
+async def test_a_tenant_past_its_stream_cap_gets_429_and_others_do_not(
+    platform: Platform,
+) -> None:
+    _t1, key = await new_tenant(platform)
+    _t2, other = await new_tenant(platform)
+    async with client(platform.url, key) as c, client(platform.url, other) as o:
+        job_id = await queued_job(c)
+        path = f"/v1/jobs/{job_id}/events"
+        async with streams(c, path, 3) as held:
+            assert {s.status for s in held} == {200}
+            refused = await c.get(path)
+            assert_openai_error(refused, 429, "too_many_streams")
+            assert int(refused.headers["retry-after"]) >= 1
+            # an online request takes a slot too: refused before any job is created
+            jobs_before = (await c.get("/v1/jobs")).json()["data"]
+            chat = await c.post("/v1/chat/completions", json={**CHAT, "model": "x"})
+            assert_openai_error(chat, 429, "too_many_streams")
+            assert (await c.get("/v1/jobs")).json()["data"] == jobs_before
+            # another tenant is not affected
+            other_job = await queued_job(o)
+            async with streams(o, f"/v1/jobs/{other_job}/events", 3) as theirs:
+                assert {s.status for s in theirs} == {200}
+            # a stream that ends gives its slot back at once
+            await held[0].close()
+            for _ in range(50):
+                again = OpenStream(c, path)
+                await again.opened.wait()
+                await again.close()
+                if again.status == 200:
+                    break
+                await asyncio.sleep(0.05)
+            assert again.status == 200
+        members = await platform.r.zcard(platform.dispatcher.names.tenant_streams(_t1))
+        for _ in range(50):
+            if members == 0:
+                break
+            await asyncio.sleep(0.05)
+            members = await platform.r.zcard(platform.dispatcher.names.tenant_streams(_t1))
+        assert members == 0  # nothing leaked
+
+
+async def test_a_suspension_closes_the_tenants_open_streams(platform: Platform) -> None:
+    tenant_id, key = await new_tenant(platform)
+    _other, other_key = await new_tenant(platform)
+    async with client(platform.url, key) as c, client(platform.url, other_key) as o:
+        job_id = await queued_job(c)
+        other_job = await queued_job(o)
+        async with (
+            streams(c, f"/v1/jobs/{job_id}/events", 2) as mine,
+            streams(o, f"/v1/jobs/{other_job}/events", 1) as theirs,
+        ):
+            async with admin(platform) as a:
+                assert (await a.post(f"/admin/tenants/{tenant_id}/suspend")).status_code == 200
+            for s in mine:
+                await asyncio.wait_for(s.task, 5)
+                last = s.events[-1]
+                # the cancel's done event, or the closing error: either way it ended
+                assert last["event"] in ("done", "error"), s.events
+            await asyncio.sleep(0.3)
+            assert not theirs[0].task.done()  # another tenant's stream stays open
+
+
+async def test_revoking_a_key_closes_the_streams_opened_with_it_only(platform: Platform) -> None:
+    tenant_id, key = await new_tenant(platform)
+    async with admin(platform) as a:
+        second = (await a.post(f"/admin/tenants/{tenant_id}/keys")).json()
+        first_id = next(
+            k["id"]
+            for k in (await a.get(f"/admin/tenants/{tenant_id}/keys")).json()["data"]
+            if k["id"] != second["id"]
+        )
+    async with client(platform.url, key) as c, client(platform.url, second["key"]) as c2:
+        job_id = await queued_job(c)
+        path = f"/v1/jobs/{job_id}/events"
+        async with streams(c, path, 2) as revoked, streams(c2, path, 1) as kept:
+            async with admin(platform) as a:
+                assert (await a.delete(f"/admin/keys/{first_id}")).status_code == 200
+            for s in revoked:
+                await asyncio.wait_for(s.task, 5)
+                assert s.events[-1]["event"] == "error"
+                assert s.events[-1]["data"]["error"]["code"] == "invalid_api_key"
+            await asyncio.sleep(0.3)
+            assert not kept[0].task.done()
+            assert (await c.get(path)).status_code == 401
+        # the job itself is the tenant's, not the key's: it is still queued
+        assert (await c2.get(f"/v1/jobs/{job_id}")).json()["status"] == "queued"
+
+
+async def test_a_revoked_stream_is_closed_even_if_the_message_was_lost(
+    platform: Platform,
+) -> None:
+    """The access message is published once; the hub's periodic look finds a revocation
+    whose message never arrived (here: revoked in the database behind the API's back)."""
+    from models import tenants as tenant_repo
+
+    _tenant_id, key = await new_tenant(platform)
+    async with client(platform.url, key) as c:
+        job_id = await queued_job(c)
+        async with streams(c, f"/v1/jobs/{job_id}/events", 1) as (s,):
+            async with platform.db.transaction() as session:
+                owner = await tenant_repo.owner_of_key(session, key)
+                assert owner is not None
+                await tenant_repo.revoke_key(session, owner.key_id)
+            await asyncio.wait_for(s.task, 6)
+            assert s.events[-1]["data"]["error"]["code"] == "invalid_api_key"
+
+
+async def test_a_revocation_committed_after_authentication_refuses_the_job(
+    platform: Platform,
+) -> None:
+    """Admission reads the key's state under the tenant's lock, in the transaction that
+    inserts the job — not the snapshot authentication took."""
+    from api.errors import APIError
+    from api.jobs import service
+    from models import tenants as tenant_repo
+    from tierq.requests import JobCreate
+
+    tenant_id, key = await new_tenant(platform)
+    async with platform.db.session() as s:
+        owner = await tenant_repo.owner_of_key(s, key)
+    assert owner is not None  # authenticated
+    async with admin(platform) as a:
+        assert (await a.delete(f"/admin/keys/{owner.key_id}")).status_code == 200
+    body = JobCreate(messages=[{"role": "user", "content": "hi"}], max_tokens=8)  # type: ignore[list-item]
+    with pytest.raises(APIError) as refused:
+        await service.submit(
+            platform.db,
+            platform.r,
+            platform.dispatcher.names,
+            platform.settings,
+            owner.tenant,
+            body,
+            None,
+            key_id=owner.key_id,
+        )
+    assert refused.value.status == 401 and refused.value.code == "invalid_api_key"
+    async with platform.db.session() as s:
+        from models import jobs as job_repo
+
+        page, _ = await job_repo.list_jobs(s, tenant_id)
+    assert page == []
+
+
+async def test_followers_miss_nothing_when_the_hub_connection_is_killed(
+    platform: Platform,
+) -> None:
+    """CLIENT KILL of the API's pub/sub connection while 20 followers stream a job: each
+    gets every event, ids 1..n without a gap or a repeat."""
+    platform.start_dispatcher()
+    await platform.start_worker("w1")
+    _tenant, key = await new_tenant(platform)
+    async with client(platform.url, key) as c:
+        resp = await c.post("/v1/jobs", json={**CHAT, "max_tokens": 200})
+        job_id = resp.json()["id"]
+        readers = [asyncio.create_task(read_sse(c, f"/v1/jobs/{job_id}/events")) for _ in range(20)]
+        await asyncio.sleep(0.5)
+        killed = 0
+        for conn in await api_clients(platform):
+            if int(conn.get("sub", 0)) > 0:
+                await platform.r.execute_command("CLIENT", "KILL", "ID", conn["id"])
+                killed += 1
+        assert killed == 1
+        results = await asyncio.wait_for(asyncio.gather(*readers), 60)
+        final = await wait_for(c, job_id)
+        assert final["status"] == "succeeded"
+        for got in results:
+            ids = [int(e["id"]) for e in got]
+            assert ids == list(range(1, len(ids) + 1))
+            text = "".join(e["data"].get("text", "") for e in got if e["event"] == "delta")
+            assert text == final["result"]["text"]
