@@ -18,7 +18,7 @@ from api.limits import BodySizeLimit, HostileInput
 from api.openai.router import router as openai_router
 from api.usage import router as usage_router
 from models.db import Database
-from tierq import __version__
+from tierq import __version__, metrics
 from tierq.queue import EventLog
 from tierq.redis_conn import connect
 from tierq.redis_names import RedisNames
@@ -39,6 +39,7 @@ def build_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        metrics.bound_tenant_labels(settings.tenant_metrics_max)
         app.state.db = Database(settings.resolved_database_url)
         app.state.redis = await connect(settings, role="api")
         app.state.events = EventLog(app.state.redis, app.state.names, settings.replay_ttl_s)

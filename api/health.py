@@ -1,4 +1,5 @@
-"""Liveness, readiness and Prometheus metrics."""
+"""Liveness, readiness and Prometheus metrics (the series without a tenant label; the
+per-tenant ones are behind the admin key, api/admin/metrics.py)."""
 
 from __future__ import annotations
 

@@ -95,6 +95,9 @@ def worker(
         None, help="vllm (default) or simulated (tests, benchmarks)."
     ),
     metrics_port: int | None = typer.Option(None, help="Serve /metrics here."),
+    tenant_metrics_port: int | None = typer.Option(
+        None, help="Serve the per-tenant series (tokens served) here, on 127.0.0.1."
+    ),
 ) -> None:
     """Host an engine and run the jobs the dispatcher sends to this worker's inbox."""
     from workers.worker import Worker, run_worker
@@ -103,10 +106,15 @@ def worker(
     settings = get_settings()
     if engine:
         settings = settings.model_copy(update={"engine": engine})
-    if metrics_port:
-        from prometheus_client import start_http_server
+    from prometheus_client import start_http_server
 
+    from tierq import metrics
+
+    metrics.bound_tenant_labels(settings.tenant_metrics_max)
+    if metrics_port:  # the series without a tenant label only
         start_http_server(metrics_port, addr="127.0.0.1")
+    if tenant_metrics_port:
+        start_http_server(tenant_metrics_port, addr="127.0.0.1", registry=metrics.TENANT_REGISTRY)
 
     async def install(w: Worker) -> None:
         loop = asyncio.get_running_loop()

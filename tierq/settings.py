@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     file_expiry_interval_s: float = Field(default=300.0, gt=0)
     max_prompt_chars: int = 200_000
     list_page_max: int = 100
+    # Distinct tenants the per-tenant metrics of one process name by id; the rest are
+    # counted under tenant="other", so the series stay bounded however many tenants exist.
+    tenant_metrics_max: int = Field(default=100, ge=0)
 
     # --- admin and billing ------------------------------------------------------------
     # The admin API's bearer key. Unset: `tierq run` makes one (.tierq/admin-api-key);

@@ -684,9 +684,9 @@ class Worker:
                 s, msg.job_id, out.prompt_tokens, out.completion_tokens
             )
         if billed is not None:
-            tier = msg.tier.value
-            metrics.TOKENS_SERVED.labels(tier, "prompt").inc(out.prompt_tokens)
-            metrics.TOKENS_SERVED.labels(tier, "completion").inc(out.completion_tokens)
+            metrics.count_tokens_served(
+                msg.tenant_id, msg.tier.value, out.prompt_tokens, out.completion_tokens
+            )
 
     async def _why_not(self, job_id: str, delivery: int | None) -> str:
         """Why a run's final transition found the job elsewhere: a later delivery owns it
@@ -712,11 +712,7 @@ class Worker:
     def _count_success(self, job: JobRecord, out: Outcome) -> None:
         tier = job.tier.value
         metrics.JOBS_FINISHED.labels(tier, "succeeded").inc()
-        metrics.TOKENS_SERVED.labels(tier, "prompt").inc(out.prompt_tokens)
-        metrics.TOKENS_SERVED.labels(tier, "completion").inc(out.completion_tokens)
-        served_by = metrics.TENANT_TOKENS_SERVED
-        served_by.labels(job.tenant_id, tier, "prompt").inc(out.prompt_tokens)
-        served_by.labels(job.tenant_id, tier, "completion").inc(out.completion_tokens)
+        metrics.count_tokens_served(job.tenant_id, tier, out.prompt_tokens, out.completion_tokens)
 
 
 def _final_event(job: JobRecord) -> JobEvent:

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
 from sqlalchemy.exc import IntegrityError
 
+from api.admin import metrics as admin_metrics
 from api.admin.schemas import PriceSet, QuotaSet, TenantCreate, TenantUpdate
 from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, require_admin
 from api.errors import APIError, not_found
@@ -33,6 +34,7 @@ from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
+router.include_router(admin_metrics.router)
 
 
 async def _tenant(db: Database, tenant_id: str) -> TenantRecord:

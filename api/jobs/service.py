@@ -46,7 +46,8 @@ def _refuse(
 ) -> APIError:
     metrics.JOBS_REFUSED.labels(code=code).inc()
     if tenant is not None:
-        metrics.TENANT_REFUSED.labels(tenant.id, tier.value if tier else "", code).inc()
+        label = metrics.tenant_label(tenant.id)
+        metrics.TENANT_REFUSED.labels(label, tier.value if tier else "", code).inc()
     if retry_after_s is None and status in (429, 503):
         retry_after_s = QUEUE_RETRY_AFTER_S
     return APIError(status, message, code, param=param, retry_after_s=retry_after_s)
@@ -141,7 +142,7 @@ async def submit(
         ) from None
     if created:
         metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()
-        metrics.TENANT_ADMITTED.labels(tenant.id, job.tier.value).inc()
+        metrics.TENANT_ADMITTED.labels(metrics.tenant_label(tenant.id), job.tier.value).inc()
         try:
             await with_retries(lambda: enqueue(r, names, job.to_message()))
         except (redis.RedisError, OSError):

@@ -423,8 +423,8 @@ async def test_operators_use_the_admin_cli(platform: Platform) -> None:
     async with client(platform.url, key) as t:
         assert_openai_error(await t.get("/v1/jobs"), 401)
     assert "total" in await cli("usage", tenant_id, "--group-by", "tier")
-    async with httpx.AsyncClient(base_url=platform.url) as anon:
-        metrics = (await anon.get("/metrics")).text
+    async with admin(platform) as a:  # per-tenant series: behind the admin key
+        metrics = (await a.get("/admin/metrics")).text
     assert (
         f'tierq_tenant_jobs_refused_total{{code="rate_limit_exceeded",tenant="{tenant_id}",tier="standard"}}'
         in metrics
