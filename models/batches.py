@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from models.jobs import cancel_unfinished
 from models.pages import after_anchor
+from models.quotas import reservation_cost
 from models.records import BatchRecord, JobRecord
 from models.tables import Batch, Job, JobTransition, utcnow
 from models.tenants import new_id
@@ -174,6 +175,16 @@ async def expand(
     None when the cursor moved meanwhile (another expander won): the caller rolls back.
     Returns the queued jobs, for the caller to put on the stream after committing.
     """
+    # The lines' jobs hold their reservations from now on: the batch's shrinks by as much.
+    tokens = sum(item.reserved_tokens for item in lines if item.error_code is None)
+    cost = sum(
+        (
+            reservation_cost(item.reserved_tokens, int(item.params.get("max_tokens", 0)), *prices)
+            for item in lines
+            if item.error_code is None
+        ),
+        Decimal(0),
+    )
     moved = await s.execute(
         update(Batch)
         .where(
@@ -181,7 +192,12 @@ async def expand(
             Batch.status == IN_PROGRESS,
             Batch.next_line == batch.next_line,
         )
-        .values(next_line=next_line, next_offset=next_offset)
+        .values(
+            next_line=next_line,
+            next_offset=next_offset,
+            reserved_tokens=max(0, batch.reserved_tokens - tokens),
+            reserved_cost=max(Decimal(0), batch.reserved_cost - cost),
+        )
         .execution_options(synchronize_session=False)
     )
     if not moved.rowcount:  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from models import spend
 from models.pages import after_anchor
 from models.records import JobRecord
 from models.tables import Job, JobTransition, UsageRecord, utcnow
@@ -266,8 +267,24 @@ async def finish_job(
     if job is not None and prompt_tokens is not None and completion_tokens is not None:
         # The conditional transition above admits one finisher per job; the primary key on
         # job_id would refuse a second record even if it did not.
-        s.add(_usage_record(job, prompt_tokens, completion_tokens))
+        await _record_usage(s, job, prompt_tokens, completion_tokens)
     return job
+
+
+async def _record_usage(
+    s: AsyncSession, job: JobRecord, prompt_tokens: int, completion_tokens: int
+) -> None:
+    """The ledger's row for a job, and the spend counters budgets are checked against."""
+    record = _usage_record(job, prompt_tokens, completion_tokens)
+    s.add(record)
+    await spend.add(
+        s,
+        job.tenant_id,
+        job.tier.value,
+        prompt_tokens + completion_tokens,
+        record.cost,
+        record.created_at,
+    )
 
 
 def _usage_record(job: JobRecord, prompt_tokens: int, completion_tokens: int) -> UsageRecord:
@@ -309,7 +326,7 @@ async def bill_cancelled(
     if row is None:
         return None
     job = JobRecord.from_row(row)
-    s.add(_usage_record(job, prompt_tokens, completion_tokens))
+    await _record_usage(s, job, prompt_tokens, completion_tokens)
     return job
 
 

@@ -13,9 +13,11 @@ tables themselves — exact, and with the database as their record.
 - max_running: enforced by the dispatcher, which starts no more of the tenant's jobs at
   once (they wait; nothing is refused).
 - token_budget / spend_budget per budget_period (day, month, or total): the ledger of
-  the period plus what unfinished jobs reserve.
-Jobs that batches expand into count against budgets only (checked for the whole file
-before the batch starts), not against the per-minute and queue limits.
+  the period (read from the spend counters, models.spend: O(1)) plus what unfinished
+  work reserves — queued and running jobs, and the lines of batches not yet expanded.
+A batch reserves its whole file when it starts, under the same lock, so N batches and
+online jobs together can never pass a budget. Jobs that batches expand into count
+against budgets only, not against the per-minute and queue limits.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from models import spend
 from models.records import as_utc
-from models.tables import Job, Quota, UsageRecord, utcnow
+from models.tables import Batch, Job, Quota, utcnow
 from tierq.states import JobStatus
+from tierq.tiers import Tier
 
 ALL_TIERS = "*"
 PERIODS = ("day", "month", "total")
@@ -44,6 +48,8 @@ LIMIT_FIELDS = (
     "spend_budget",
 )
 MILLION = Decimal(1_000_000)
+# Batch states in which a batch may still turn lines into jobs (so holds a reservation).
+EXPANDING = ("validating", "in_progress")
 
 
 @dataclass(frozen=True)
@@ -193,9 +199,9 @@ async def check(
                 1,
             )
     if quota.token_budget is not None or quota.spend_budget is not None:
-        start, end = period_bounds(quota.budget_period, now)
+        _start, end = period_bounds(quota.budget_period, now)
         wait = 3600 if end is None else max(1, math.ceil((end - now).total_seconds()))
-        used_tokens, used_cost = await spent(s, tenant, quota.tier, start)
+        used_tokens, used_cost = await spent(s, tenant, quota.tier, quota.budget_period, now)
         held_tokens, held_cost = await _reserved(s, tenant, quota.tier)
         if quota.token_budget is not None and (
             used_tokens + held_tokens + reserved_tokens > quota.token_budget
@@ -221,19 +227,11 @@ async def check(
 
 
 async def spent(
-    s: AsyncSession, tenant_id: str, tier: str, since: datetime | None
+    s: AsyncSession, tenant_id: str, tier: str, period: str, now: datetime
 ) -> tuple[int, Decimal]:
-    stmt = select(UsageRecord.prompt_tokens, UsageRecord.completion_tokens, UsageRecord.cost).where(
-        UsageRecord.tenant_id == tenant_id
-    )
-    if since is not None:
-        stmt = stmt.where(UsageRecord.created_at >= since)
-    stmt = _scope(stmt, UsageRecord.tier, tier)
-    tokens, cost = 0, Decimal(0)
-    for prompt, completion, amount in (await s.execute(stmt)).all():
-        tokens += prompt + completion
-        cost += amount
-    return tokens, cost
+    """Tokens and cost of the tenant's ledger over the budget period holding `now`, in the
+    quota's scope (a tier, or every tier: "*"), from the spend counters."""
+    return await spend.spent(s, tenant_id, None if tier == ALL_TIERS else tier, period, now)
 
 
 async def last_minute(s: AsyncSession, tenant_id: str, tier: str, now: datetime) -> tuple[int, int]:
@@ -262,7 +260,9 @@ async def _minute_window(
 
 
 async def _reserved(s: AsyncSession, tenant_id: str, tier: str) -> tuple[int, Decimal]:
-    """What the tenant's unfinished jobs hold against its budget."""
+    """What the tenant's unfinished work holds against its budget: the reservation of each
+    queued or running job (online or a batch's), plus, for every batch still expanding,
+    the reservation of its lines not yet jobs."""
     stmt = _scope(
         select(Job.reserved_tokens, Job.params, Job.input_price, Job.output_price).where(
             Job.tenant_id == tenant_id,
@@ -276,6 +276,13 @@ async def _reserved(s: AsyncSession, tenant_id: str, tier: str) -> tuple[int, De
         tokens += reserved
         max_tokens = int((params or {}).get("max_tokens", 0))
         cost += reservation_cost(reserved, max_tokens, price_in, price_out)
+    if tier in (ALL_TIERS, Tier.BATCH.value):
+        held = select(Batch.reserved_tokens, Batch.reserved_cost).where(
+            Batch.tenant_id == tenant_id, Batch.status.in_(EXPANDING)
+        )
+        for batch_tokens, batch_cost in (await s.execute(held)).all():
+            tokens += int(batch_tokens)
+            cost += batch_cost
     return tokens, cost
 
 

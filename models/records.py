@@ -225,6 +225,8 @@ class BatchRecord:
     request_failed: int
     next_line: int
     next_offset: int
+    reserved_tokens: int
+    reserved_cost: Decimal
     created_at: datetime
     expires_at: datetime
     in_progress_at: datetime | None
@@ -253,6 +255,8 @@ class BatchRecord:
             request_failed=row.request_failed,
             next_line=row.next_line,
             next_offset=row.next_offset,
+            reserved_tokens=int(row.reserved_tokens or 0),
+            reserved_cost=row.reserved_cost or Decimal(0),
             created_at=as_utc(row.created_at) or row.created_at,
             expires_at=as_utc(row.expires_at) or row.expires_at,
             in_progress_at=as_utc(row.in_progress_at),

@@ -88,6 +88,8 @@ class Job(Base):
         # One job per line of a batch: expanding a batch twice cannot run a line twice.
         UniqueConstraint("batch_id", "batch_line", name="uq_jobs_batch_line"),
         Index("ix_jobs_batch_status", "batch_id", "status"),
+        # A tenant's unfinished jobs (what they reserve), without scanning its history.
+        Index("ix_jobs_tenant_status", "tenant_id", "status"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -161,6 +163,23 @@ class UsageRecord(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class SpendCounter(Base):
+    """What a tenant's ledger holds for one tier over one period — `day:YYYY-MM-DD`,
+    `month:YYYY-MM` or `total` — kept as usage records are written (in their
+    transaction), so admission reads a budget's spend in one small query, never by
+    summing the ledger."""
+
+    __tablename__ = "spend_counters"
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    tier: Mapped[str] = mapped_column(String(20), primary_key=True)
+    period_key: Mapped[str] = mapped_column(String(20), primary_key=True)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cost: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+
+
 class File(Base):
     """An uploaded or generated file; its bytes live on the files volume, not in the database."""
 
@@ -205,6 +224,11 @@ class Batch(Base):
     # Expansion cursor: the next input line to turn into a job, and its byte offset.
     next_line: Mapped[int] = mapped_column(Integer, default=0)
     next_offset: Mapped[int] = mapped_column(BigInteger, default=0)
+    # What the lines not yet expanded reserve against the tenant's budgets: set for the
+    # whole file when the batch starts, lowered as lines become jobs (which then hold
+    # their own reservations), zero once the batch stops expanding.
+    reserved_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    reserved_cost: Mapped[Decimal] = mapped_column(Money, default=Decimal(0), server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -26,6 +26,7 @@ from models.db import Database
 from models.tables import Base
 from tierq.bootstrap import ensure_tenant_key
 from tierq.settings import Settings
+from tierq.token_count import for_settings
 from workers.engine import Engine
 from workers.simulated_engine import CostModel, SimulatedEngine
 from workers.worker import Worker
@@ -137,7 +138,10 @@ class Platform:
         wrap: Callable[[Engine], Engine] | None = None,
     ) -> Worker:
         """A worker on the simulated engine; `wrap` puts a wrapper (faults) around it."""
-        engine = SimulatedEngine(cost or CostModel(slots=self.settings.max_num_seqs).scaled(20))
+        engine = SimulatedEngine(
+            cost or CostModel(slots=self.settings.max_num_seqs).scaled(20),
+            counter=for_settings(self.settings),
+        )
         await engine.start()
         hosted: Engine = engine if wrap is None else wrap(engine)
         worker = Worker(self.settings, self.db, self.r, hosted, worker_id=worker_id)
@@ -174,6 +178,14 @@ async def platform(
     await p.start_api()
     yield p
     await p.stop()
+
+
+@pytest.fixture
+async def running(platform: Platform) -> Platform:
+    """The platform with a dispatcher and one worker on the simulated engine."""
+    platform.start_dispatcher()
+    await platform.start_worker("w1")
+    return platform
 
 
 @pytest.fixture

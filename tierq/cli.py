@@ -137,11 +137,13 @@ def worker(
 def make_engine(settings: Settings):
     engine: Any
     if settings.engine == "simulated":
+        from tierq.token_count import for_settings
         from workers.simulated_engine import CostModel, SimulatedEngine
 
         engine = SimulatedEngine(
             CostModel(slots=settings.max_num_seqs, max_model_len=settings.max_model_len),
             priority_steps=settings.engine_priority_steps,
+            counter=for_settings(settings),
         )
     else:
         from workers.vllm_engine import VllmEngine

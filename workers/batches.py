@@ -39,12 +39,12 @@ from models import batches as batch_repo
 from models import files as file_repo
 from models import prices as price_repo
 from models import quotas as quota_repo
+from models import tenants as tenant_repo
 from models.batches import BatchLine
 from models.db import Database
 from models.records import BatchRecord, JobRecord
 from models.tenants import new_id
-from tierq import metrics, openai_compat
-from tierq.messages import estimate_tokens
+from tierq import metrics, openai_compat, token_count
 from tierq.queue import enqueue, forget_inflight
 from tierq.redis_names import RedisNames
 from tierq.requests import JobCreate, Refused, check
@@ -171,18 +171,35 @@ class BatchRunner:
         )
         if result.errors:
             return await self._fail(batch, result.errors)
-        over = await self._over_budget(batch)
-        if over is not None:
-            return await self._fail(batch, over)
+        return await self._start(batch, result.requests)
+
+    async def _start(self, batch: BatchRecord, requests: int) -> bool:
+        """Reserve what the whole file can cost and start the batch — or refuse it
+        (failed, `budget_exceeded`), never half run. The check and the reservation are one
+        transaction under the tenant's lock, like an online admission's: batches and
+        online jobs started together are counted against the budget together."""
+        async with self.db.session() as s:
+            price_in, price_out = await self._prices(s, batch)
+        # Always reserved (a budget set while the batch runs counts what it will cost).
+        tokens, cost = await asyncio.to_thread(
+            _file_reservation, self.settings, batch, price_in, price_out
+        )
         async with self.db.transaction() as s:
-            moved = await batch_repo.transition(
-                s,
-                batch.id,
-                batch_repo.IN_PROGRESS,
-                (batch_repo.VALIDATING,),
-                in_progress_at=datetime.now(UTC),
-                request_total=result.requests,
-            )
+            refusal = await _budget_refusal(s, batch.tenant_id, tokens, cost)
+            moved = None
+            if refusal is None:
+                moved = await batch_repo.transition(
+                    s,
+                    batch.id,
+                    batch_repo.IN_PROGRESS,
+                    (batch_repo.VALIDATING,),
+                    in_progress_at=datetime.now(UTC),
+                    request_total=requests,
+                    reserved_tokens=tokens,
+                    reserved_cost=cost,
+                )
+        if refusal is not None:  # nothing was written
+            return await self._fail(batch, [_error(refusal.code, refusal.message)])
         if moved is not None:
             metrics.BATCHES.labels(status=batch_repo.IN_PROGRESS).inc()
         return moved is not None
@@ -263,38 +280,11 @@ class BatchRunner:
             return Decimal(0), Decimal(0)
         return price.input_per_million, price.output_per_million
 
-    async def _over_budget(self, batch: BatchRecord) -> list[dict[str, Any]] | None:
-        """The whole file against the tenant's budgets before it starts: a batch that
-        would exceed one is refused (failed, `budget_exceeded`), never half run."""
-        async with self.db.session() as s:
-            quotas = [
-                q
-                for q in await quota_repo.quotas_of(s, batch.tenant_id)
-                if q.tier in (quota_repo.ALL_TIERS, Tier.BATCH.value)
-                and (q.token_budget is not None or q.spend_budget is not None)
-            ]
-            if not quotas:
-                return None
-            price_in, price_out = await self._prices(s, batch)
-        tokens, cost = await asyncio.to_thread(
-            _file_reservation, self.settings, batch, price_in, price_out
-        )
-        async with self.db.session() as s:
-            for quota in quotas:
-                refusal = await quota_repo.check(
-                    s, quota, Tier.BATCH.value, tokens, cost, online=False
-                )
-                if refusal is not None:
-                    return [_error(refusal.code, refusal.message)]
-        return None
-
     def _line(self, batch: BatchRecord, item: RawLine) -> BatchLine:
         """A line's job, or the refusal that its error line will carry."""
-        body = {k: v for k, v in item.body.items() if k not in ("stream", "stream_options")}
-        body.pop("service_tier", None)  # a batch's requests run in the batch tier
+        body = _runnable_body(item)
         try:
-            job = openai_compat.parse(batch.endpoint, body).to_job()
-            model = check(job, self.settings)
+            job, model = _line_job(self.settings, batch.endpoint, body)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first.get("loc", ()))
@@ -311,7 +301,7 @@ class BatchRunner:
             else None,
             prompt=job.prompt,
             params=job.params(),
-            reserved_tokens=_reservation(job),
+            reserved_tokens=_reservation(self.settings, job),
         )
 
     # --- cancelling and expiry ---------------------------------------------------------
@@ -409,15 +399,52 @@ def _keep(
     return file_id, f"{batch.id}_{kind}.jsonl", size
 
 
-def _reservation(job: JobCreate) -> int:
+def _reservation(settings: Settings, job: JobCreate) -> int:
+    """What the line's job reserves: as an online job's (never below what it will bill)."""
     messages = [m.model_dump(exclude_none=True) for m in job.messages] if job.messages else None
-    return estimate_tokens(messages, job.prompt, job.max_tokens)
+    return token_count.for_settings(settings).reserve(messages, job.prompt, job.max_tokens)
+
+
+async def _budget_refusal(
+    s: AsyncSession, tenant_id: str, tokens: int, cost: Decimal
+) -> quota_repo.Refusal | None:
+    """The first of the tenant's budgets that reserving `tokens` and `cost` for a batch
+    would pass, checked under the tenant's lock (taken when it has a budget)."""
+    quotas = [
+        q
+        for q in await quota_repo.quotas_of(s, tenant_id)
+        if q.tier in (quota_repo.ALL_TIERS, Tier.BATCH.value)
+        and (q.token_budget is not None or q.spend_budget is not None)
+    ]
+    if quotas:
+        await tenant_repo.lock_tenant(s, tenant_id)
+    for quota in quotas:
+        refusal = await quota_repo.check(s, quota, Tier.BATCH.value, tokens, cost, online=False)
+        if refusal is not None:
+            return refusal
+    return None
+
+
+def _runnable_body(item: RawLine) -> dict[str, Any]:
+    """A line's body as it runs: streaming fields dropped, and the tier is the batch's."""
+    body = {k: v for k, v in item.body.items() if k not in ("stream", "stream_options")}
+    body.pop("service_tier", None)
+    return body
+
+
+def _line_job(settings: Settings, endpoint: str, body: dict[str, Any]) -> tuple[JobCreate, str]:
+    """The job a line runs as, and its model; ValidationError or Refused when it cannot run.
+    The one parse of a line: what is reserved for it is what runs (no field can make a
+    line reserve nothing and still run)."""
+    job = openai_compat.parse(endpoint, body).to_job()
+    return job, check(job, settings)
 
 
 def _file_reservation(
     settings: Settings, batch: BatchRecord, price_in: Decimal, price_out: Decimal
 ) -> tuple[int, Decimal]:
-    """Tokens and the most money the whole file can take (what its jobs would reserve)."""
+    """Tokens and the most money the whole file can take: what each line that will run
+    reserves once it is a job (a line refused here fails on its own, costing nothing)."""
     tokens, cost = 0, Decimal(0)
     offset, line = 0, 0
     path = file_path(settings, batch.input_file_id)
@@ -427,10 +454,10 @@ def _file_reservation(
             return tokens, cost
         for item in raw:
             try:
-                job = openai_compat.parse(batch.endpoint, item.body).to_job()
-            except ValidationError:
-                continue  # it will fail on its own, costing nothing
-            reserved = _reservation(job)
+                job, _model = _line_job(settings, batch.endpoint, _runnable_body(item))
+            except (ValidationError, Refused):
+                continue
+            reserved = _reservation(settings, job)
             tokens += reserved
             cost += quota_repo.reservation_cost(reserved, job.max_tokens, price_in, price_out)
 

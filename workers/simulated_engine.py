@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierq.token_count import PromptCounter
 from workers.engine import Chunk, EngineDead, EngineRequestError
 from workers.vllm_scheduler import prioritise
 
@@ -96,19 +97,20 @@ class _Request:
         return self.prompt_tokens - self.prefill_left
 
 
-def count_tokens(messages: list[dict[str, Any]] | None, prompt: str | None) -> int:
-    """A stand-in tokenizer: about four characters a token, plus chat-template overhead."""
-    if prompt is not None:
-        return max(1, len(prompt) // 4)
-    return sum(4 + max(1, len(m.get("content", "")) // 4) for m in messages or []) + 3
-
-
 class SimulatedEngine:
     name = "simulated"
 
-    def __init__(self, cost: CostModel | None = None, priority_steps: bool = True) -> None:
+    def __init__(
+        self,
+        cost: CostModel | None = None,
+        priority_steps: bool = True,
+        counter: PromptCounter | None = None,
+    ) -> None:
         self.cost = cost or CostModel()
         self.priority_steps = priority_steps
+        # Prompts are counted as the served model's tokenizer would (given one), else by
+        # a stand-in of about four characters a token.
+        self.counter = counter or PromptCounter()
         self._step_no = 0
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
@@ -137,7 +139,7 @@ class SimulatedEngine:
         params: dict[str, Any],
         priority: int,
     ) -> AsyncIterator[Chunk]:
-        prompt_tokens = count_tokens(messages, prompt)
+        prompt_tokens = self.counter.count(messages, prompt)
         max_tokens = int(params.get("max_tokens", 256))
         if prompt_tokens + max_tokens > self.cost.max_model_len:
             raise EngineRequestError(

@@ -255,7 +255,7 @@ async def _quota_usage(
 
     minute = await quota_repo.last_minute(s, q.tenant_id, q.tier, now)
     start, _end = quota_repo.period_bounds(q.budget_period, now)
-    tokens, cost = await quota_repo.spent(s, q.tenant_id, q.tier, start)
+    tokens, cost = await quota_repo.spent(s, q.tenant_id, q.tier, q.budget_period, now)
     return {
         "requests_last_minute": minute[0],
         "tokens_last_minute": minute[1],

@@ -28,7 +28,7 @@ import logging
 import math
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,7 +221,7 @@ class EventHub:
             raise TooManyStreams(limit)
         return slot
 
-    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, work: Awaitable[Any]) -> None:
         """Run clean-up work in a task of its own, kept until it ends (errors logged)."""
 
         async def run() -> None:

@@ -18,8 +18,8 @@ from models import quotas as quota_repo
 from models import tenants as tenant_repo
 from models.db import Database
 from models.records import JobRecord, TenantRecord
-from tierq import metrics
-from tierq.messages import JobEvent, estimate_tokens
+from tierq import metrics, token_count
+from tierq.messages import JobEvent
 from tierq.queue import EventLog, enqueue, forget_inflight
 from tierq.redis_conn import with_retries
 from tierq.redis_names import RedisNames
@@ -105,7 +105,8 @@ async def submit(
             400, "Idempotency-Key must be 1 to 255 characters.", "invalid_idempotency_key"
         )
     messages = [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None
-    reserved = estimate_tokens(messages, body.prompt, body.max_tokens)
+    # Never below what the engine will bill (the served model's tokenizer, or a byte bound).
+    reserved = token_count.for_settings(settings).reserve(messages, body.prompt, body.max_tokens)
     req_hash = request_hash(body)
     try:
         async with db.transaction() as s:

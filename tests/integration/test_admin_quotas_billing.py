@@ -25,7 +25,15 @@ from workers.simulated_engine import CostModel
 pytestmark = pytest.mark.integration
 
 MODEL = "SmolLM2-135M-Instruct"
-JOB = {"prompt": "hi", "max_tokens": 5}  # reserves 1 + 5 = 6 tokens at admission
+JOB = {"prompt": "hi", "max_tokens": 5}
+
+
+def reserved(settings: Any) -> int:
+    """What JOB reserves at admission: its prompt's bound (the tokenizer's count, plus a
+    BOS and an EOS it may get) plus max_tokens."""
+    from tierq.token_count import for_settings
+
+    return for_settings(settings).reserve(None, JOB["prompt"], JOB["max_tokens"])  # type: ignore[arg-type]
 
 
 def admin(platform: Platform) -> httpx.AsyncClient:
@@ -122,13 +130,14 @@ async def test_tenants_and_keys_take_effect_on_the_running_api(platform: Platfor
         assert_openai_error(await t.get("/v1/jobs"), 401)
 
 
+# "R" is replaced by what JOB reserves (ten jobs' worth), "C" by the most it may cost.
 LIMITS: dict[str, tuple[dict[str, Any], str]] = {
     "requests_per_minute": ({"requests_per_minute": 10}, "rate_limit_exceeded"),
-    "tokens_per_minute": ({"tokens_per_minute": 60}, "rate_limit_exceeded"),
+    "tokens_per_minute": ({"tokens_per_minute": "R"}, "rate_limit_exceeded"),
     "max_queued": ({"max_queued": 10}, "quota_exceeded"),
-    "token_budget": ({"token_budget": 60, "budget_period": "day"}, "budget_exceeded"),
-    # each job may cost (1 x 1.00 + 5 x 2.00) / 1e6 = 0.000011
-    "spend_budget": ({"spend_budget": "0.000110"}, "budget_exceeded"),
+    "token_budget": ({"token_budget": "R", "budget_period": "day"}, "budget_exceeded"),
+    # each job may cost (prompt x 1.00 + 5 x 2.00) / 1e6
+    "spend_budget": ({"spend_budget": "C"}, "budget_exceeded"),
     "per-tier requests_per_minute": (
         {"requests_per_minute": 10, "tier": "standard"},
         "rate_limit_exceeded",
@@ -141,6 +150,10 @@ async def test_100_concurrent_submissions_against_a_limit_of_10_admit_exactly_10
     platform: Platform, limit: str
 ) -> None:
     quota, code = LIMITS[limit]
+    each = reserved(platform.settings)
+    cost = (Decimal(each - 5) * Decimal("1.00") + 5 * Decimal("2.00")) / 1_000_000
+    ten = {"R": 10 * each, "C": str(10 * cost)}
+    quota = {k: ten.get(v, v) if isinstance(v, str) else v for k, v in quota.items()}
     tenant_id, key = await new_tenant(platform)
     async with admin(platform) as a:
         assert (

@@ -96,13 +96,6 @@ async def celery(platform: Platform) -> AsyncIterator[CeleryWorker]:
     worker.stop()
 
 
-@pytest.fixture
-async def running(platform: Platform) -> Platform:
-    platform.start_dispatcher()
-    await platform.start_worker("w1")
-    return platform
-
-
 async def test_batches_of_two_tenants_answer_every_custom_id_exactly_once(
     running: Platform, celery: CeleryWorker, tenant_key: str, other_tenant_key: str
 ) -> None:
@@ -372,8 +365,9 @@ async def test_a_batch_over_the_tenants_budget_is_refused_before_it_starts(
     async with admin_client as a:
         tenant = (await a.post("/admin/tenants", json={"name": "budgeted"})).json()
         key = (await a.post(f"/admin/tenants/{tenant['id']}/keys")).json()["key"]
-        # 20 lines reserve about 20 x (4 + 8) tokens: more than 100.
-        await a.put(f"/admin/tenants/{tenant['id']}/quota", json={"token_budget": 100})
+        # A line reserves its prompt (about 40 tokens, chat template included) plus
+        # max_tokens (8): 20 lines are far more than 400, 3 lines fit.
+        await a.put(f"/admin/tenants/{tenant['id']}/quota", json={"token_budget": 400})
     client = sdk(platform, key)
     batch = await submit(client, jsonl([line(f"b{i}") for i in range(20)]))
     done = await finished(client, batch.id, celery)
@@ -382,7 +376,7 @@ async def test_a_batch_over_the_tenants_budget_is_refused_before_it_starts(
     async with platform.db.session() as s:
         counts = await batch_repo.job_counts(s, batch.id)
     assert counts == {}  # refused whole: nothing of it ran
-    small = await submit(client, jsonl([line(f"s{i}") for i in range(3)]))  # 36 tokens: fits
+    small = await submit(client, jsonl([line(f"s{i}") for i in range(3)]))
     for _ in range(100):
         current = await client.batches.retrieve(small.id)
         if current.status != "validating":

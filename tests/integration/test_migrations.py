@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,10 +60,93 @@ def test_round_trip_on_sqlite(tmp_path: Path) -> None:
     _round_trip(f"sqlite+aiosqlite:///{tmp_path / 'tierq.db'}")
 
 
-def test_round_trip_on_postgresql() -> None:
+def _on_a_new_postgresql_database(check: Callable[[str], None]) -> None:
     name = f"tierq_migrate_{uuid.uuid4().hex[:8]}"
     asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
     try:
-        _round_trip(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}")
+        check(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}")
     finally:
         asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def test_round_trip_on_postgresql() -> None:
+    _on_a_new_postgresql_database(_round_trip)
+
+
+def _backfill(url: str) -> None:
+    """0006 fills the spend counters from the ledger already written: a budget's spend
+    reads the same before and after the upgrade."""
+    from datetime import UTC, datetime
+    from decimal import Decimal
+
+    from models import spend
+    from models.db import Database
+    from models.tables import Job, Tenant, UsageRecord
+
+    migrations.upgrade(url, "0005")
+    days = [datetime(2026, 10, 31, 23, 0, tzinfo=UTC), datetime(2026, 11, 1, 1, 0, tzinfo=UTC)]
+
+    async def write() -> None:
+        db = Database(url)
+        try:
+            async with db.transaction() as s:
+                s.add(Tenant(id="ten_1", name="one"))
+                await s.flush()
+                for i, at in enumerate(days * 2):
+                    job_id = f"job_{i}"
+                    tier = "standard" if i < 2 else "batch"
+                    s.add(
+                        Job(
+                            id=job_id,
+                            tenant_id="ten_1",
+                            tier=tier,
+                            model="m",
+                            status="succeeded",
+                            params={},
+                            created_at=at,
+                        )
+                    )
+                    await s.flush()
+                    s.add(
+                        UsageRecord(
+                            job_id=job_id,
+                            tenant_id="ten_1",
+                            tier=tier,
+                            model="m",
+                            prompt_tokens=10,
+                            completion_tokens=i,
+                            cost=Decimal("0.000001") * (i + 1),
+                            created_at=at,
+                        )
+                    )
+        finally:
+            await db.close()
+
+    async def read() -> list[tuple[int, Decimal]]:
+        db = Database(url)
+        try:
+            async with db.session() as s:
+                return [
+                    await spend.spent(s, "ten_1", None, "total", days[0]),
+                    await spend.spent(s, "ten_1", None, "month", days[0]),
+                    await spend.spent(s, "ten_1", None, "day", days[1]),
+                    await spend.spent(s, "ten_1", "batch", "total", days[1]),
+                ]
+        finally:
+            await db.close()
+
+    asyncio.run(write())
+    migrations.upgrade(url)
+    total, october, first_nov, batch = asyncio.run(read())
+    assert total == (46, Decimal("0.000010"))  # 4 x 10 prompt + 0+1+2+3
+    assert october == (10 + 0 + 10 + 2, Decimal("0.000004"))  # jobs 0 and 2
+    assert first_nov == (10 + 1 + 10 + 3, Decimal("0.000006"))  # jobs 1 and 3
+    assert batch == (10 + 2 + 10 + 3, Decimal("0.000007"))
+
+
+def test_spend_counters_are_filled_from_the_ledger_on_sqlite(tmp_path: Path) -> None:
+    _backfill(f"sqlite+aiosqlite:///{tmp_path / 'tierq.db'}")
+
+
+def test_spend_counters_are_filled_from_the_ledger_on_postgresql() -> None:
+    _on_a_new_postgresql_database(_backfill)

@@ -29,13 +29,6 @@ def sdk(platform: Platform, key: str, **kwargs: object) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=key, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-async def running(platform: Platform) -> Platform:
-    platform.start_dispatcher()
-    await platform.start_worker("w1")
-    return platform
-
-
 async def _job(platform: Platform, job_id: str) -> job_repo.JobRecord:
     async with platform.db.session() as s:
         job = await job_repo.get_job(s, job_id)

@@ -1,0 +1,99 @@
+"""The reservation never under-counts a prompt: the byte bound (no tokenizer) and the
+tokenizer's bound against what the engine counts — the served model's own chat template
+applied by transformers, as vLLM applies it — over adversarial text."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tierq.bundled_model import prepare_bundled_model
+from tierq.settings import Settings
+from tierq.token_count import PromptCounter
+
+ROLES = st.sampled_from(["user", "assistant", "system"])
+# Any text PostgreSQL stores (no NUL, no lone surrogate): CJK, emoji, combining marks,
+# runs of whitespace, digits, markup.
+TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+    max_size=300,
+)
+SAMPLES = [
+    "Say hello.",
+    "请用中文回答这个问题\uff0c谢谢。" * 20,
+    "🙂🙃🤖" * 50,
+    " " * 200 + "\n\n\t" * 30,
+    "1234567890" * 30,
+    "<|im_start|>system\nignore<|im_end|>",
+    "e\u0301" * 100,
+]
+
+
+@cache
+def _folder() -> Any:
+    return prepare_bundled_model(Settings(_env_file=None))  # type: ignore[call-arg]
+
+
+@cache
+def _hf() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(_folder()))
+
+
+@cache
+def _counter() -> PromptCounter:
+    return PromptCounter.from_folder(_folder())
+
+
+def engine_count(messages: list[dict[str, str]] | None, prompt: str | None) -> int:
+    """What vLLM counts: the chat template applied and tokenized, or the prompt encoded."""
+    if prompt is not None:
+        return len(_hf()(prompt)["input_ids"])
+    # vLLM renders the template to text, then tokenizes it without adding special tokens.
+    text = _hf().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(_hf()(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_the_tokenizer_bound_covers_the_engine_count(text: str) -> None:
+    counter = _counter()
+    assert counter.exact
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": text}]
+    assert counter.bound(messages, None) >= engine_count(messages, None)
+    assert counter.bound([messages[1]], None) >= engine_count([messages[1]], None)
+    assert counter.bound(None, text) >= engine_count(None, text)
+    # and it is a count, not a wild over-estimate
+    assert counter.bound([messages[1]], None) <= engine_count([messages[1]], None) + 8
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(ROLES, TEXT), min_size=1, max_size=6), TEXT)
+def test_no_conversation_is_under_counted(turns: list[tuple[str, str]], prompt: str) -> None:
+    counter = _counter()
+    messages = [{"role": role, "content": content} for role, content in turns]
+    assert counter.bound(messages, None) >= engine_count(messages, None)
+    assert counter.bound(None, prompt) >= engine_count(None, prompt)
+    # the byte bound, for a deployment without the tokenizer, covers it too
+    assert PromptCounter().bound(messages, None) >= engine_count(messages, None)
+    assert PromptCounter().bound(None, prompt) >= engine_count(None, prompt)
+
+
+@given(st.lists(st.tuples(ROLES, TEXT), max_size=6), TEXT)
+def test_the_byte_bound_covers_the_stand_in_count(turns: list[tuple[str, str]], p: str) -> None:
+    """Without a tokenizer the simulated engine counts with the stand-in: the byte bound
+    (what admission reserves) is never below it."""
+    counter = PromptCounter()
+    messages = [{"role": role, "content": content} for role, content in turns]
+    assert counter.bound(messages, None) >= counter.count(messages, None)
+    assert counter.bound(None, p) >= counter.count(None, p)
+
+
+def test_a_reservation_adds_every_token_the_job_may_generate() -> None:
+    counter = _counter()
+    messages = [{"role": "user", "content": "hi"}]
+    assert counter.reserve(messages, None, 100) == counter.bound(messages, None) + 100

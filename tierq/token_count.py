@@ -1,0 +1,158 @@
+"""How many tokens a request's prompt takes: what admission reserves against quotas and
+budgets, so the reservation must never be below what the engine will bill.
+
+With the served model's tokenizer at hand (its folder: MODEL_PATH, or the bundled model
+once prepared), prompts are counted with the fast `tokenizers` library, and the chat
+template's own tokens (role markers, a default system prompt) are measured once by
+rendering the model's template: `bound` is that count plus a small margin for merges
+across a message's edges. Without it, `bound` falls back to the prompt's UTF-8 bytes —
+a byte-level BPE or SentencePiece token covers at least one byte, so bytes can never
+under-count — plus a generous template allowance.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tierq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# Without a tokenizer: tokens a chat template may add, in all and per message.
+BYTES_TEMPLATE_TOKENS = 64
+BYTES_MESSAGE_TOKENS = 8
+# With one: what tokenizing a message's content alone may miss at its edges.
+EDGE_MARGIN = 2
+
+
+def _text(content: Any) -> str:
+    return content if isinstance(content, str) else json.dumps(content)
+
+
+class PromptCounter:
+    def __init__(self, tokenizer: Any = None, base: int = 0, per_message: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.base = base  # template tokens of a one-message conversation
+        self.per_message = per_message  # template tokens each further message adds
+
+    @property
+    def exact(self) -> bool:
+        return self.tokenizer is not None
+
+    def _tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def count(self, messages: Sequence[dict[str, Any]] | None, prompt: str | None) -> int:
+        """The prompt's tokens as the engine counts them (the tokenizer's, or a stand-in of
+        about four characters a token where there is none)."""
+        if self.tokenizer is None:
+            if prompt is not None:
+                return max(1, len(prompt) // 4)
+            return (
+                sum(4 + max(1, len(_text(m.get("content", ""))) // 4) for m in messages or []) + 3
+            )
+        if prompt is not None:
+            return max(1, self._tokens(prompt))
+        contents = [self._tokens(_text(m.get("content", ""))) for m in messages or []]
+        return self.base + self.per_message * max(0, len(contents) - 1) + sum(contents)
+
+    def bound(self, messages: Sequence[dict[str, Any]] | None, prompt: str | None) -> int:
+        """At least as many tokens as the engine will count for this prompt."""
+        if self.tokenizer is None:
+            if prompt is not None:
+                return len(prompt.encode()) + 2
+            return BYTES_TEMPLATE_TOKENS + sum(
+                len(_text(m.get("content", "")).encode())
+                + len(str(m.get("role", "")).encode())
+                + BYTES_MESSAGE_TOKENS
+                for m in messages or []
+            )
+        if prompt is not None:
+            return self.count(None, prompt) + 2  # a BOS and an EOS the engine may add
+        return self.count(messages, None) + EDGE_MARGIN * (2 * len(messages or []) + 1)
+
+    def reserve(
+        self, messages: Sequence[dict[str, Any]] | None, prompt: str | None, max_tokens: int
+    ) -> int:
+        """What a job reserves: its prompt's bound plus every token it may generate."""
+        return self.bound(messages, prompt) + max_tokens
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> PromptCounter:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        counter = cls(tokenizer)
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template = config.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():  # where newer transformers save it
+            template = (folder / "chat_template.jinja").read_text()
+        if isinstance(template, str):
+            counter.base, counter.per_message = _template_overhead(counter, template, config)
+        else:  # no template: the engine's default framing is short; stay generous
+            counter.base, counter.per_message = BYTES_TEMPLATE_TOKENS, BYTES_MESSAGE_TOKENS
+        return counter
+
+
+def _template_overhead(
+    counter: PromptCounter, template: str, config: dict[str, Any]
+) -> tuple[int, int]:
+    """(tokens of a one-message conversation with empty content, the most a further
+    message of any role adds), measured by rendering the model's own template."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def special(name: str) -> str:
+        value = config.get(name) or ""
+        return str(value.get("content", "")) if isinstance(value, dict) else str(value)
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    compiled = env.from_string(template)
+
+    def tokens(messages: list[dict[str, str]]) -> int:
+        text = compiled.render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=special("bos_token"),
+            eos_token=special("eos_token"),
+        )
+        return counter._tokens(text)
+
+    base = max(tokens([{"role": role, "content": ""}]) for role in ("user", "system"))
+    one = tokens([{"role": "user", "content": ""}])
+    per_message = max(
+        tokens([{"role": "user", "content": ""}, {"role": role, "content": ""}]) - one
+        for role in ("user", "assistant", "system")
+    )
+    return base, max(per_message, 0)
+
+
+@functools.cache
+def _for_folder(folder: str | None) -> PromptCounter:
+    if folder is None:
+        return PromptCounter()
+    try:
+        return PromptCounter.from_folder(Path(folder))
+    except Exception as exc:  # a folder without a usable tokenizer: the byte bound
+        log.warning("no tokenizer in %s (%s): reserving by the UTF-8 byte bound", folder, exc)
+        return PromptCounter()
+
+
+def for_settings(settings: Settings) -> PromptCounter:
+    """The served model's counter: its tokenizer when its folder is here (MODEL_PATH, or
+    the bundled model once `tierq prepare-model` made it; never converted here), else the
+    byte bound. Loaded once per process and folder."""
+    from tierq.bundled_model import bundled_model_dir
+
+    folder = Path(settings.model_path) if settings.model_path else bundled_model_dir(settings)
+    found = folder if (folder / "tokenizer.json").is_file() else None
+    return _for_folder(None if found is None else str(found))
