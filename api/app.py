@@ -42,7 +42,13 @@ def build_app(settings: Settings | None = None) -> FastAPI:
         metrics.bound_tenant_labels(settings.tenant_metrics_max)
         app.state.db = Database(settings.resolved_database_url)
         app.state.redis = await connect(settings, role="api")
-        app.state.events = EventLog(app.state.redis, app.state.names, settings.replay_ttl_s)
+        app.state.events = EventLog(
+            app.state.redis,
+            app.state.names,
+            settings.replay_ttl_s,
+            settings.replay_done_ttl_s,
+            settings.replay_max_bytes,
+        )
         app.state.hub = EventHub(app.state.redis, app.state.names, app.state.db, settings)
         await app.state.hub.start()
         try:

@@ -119,6 +119,12 @@ async def transition(
     return None if row is None else BatchRecord.from_row(row)
 
 
+async def count_unfinished(s: AsyncSession, tenant_id: str) -> int:
+    """The tenant's batches not yet completed, failed, expired or cancelled."""
+    stmt = select(func.count()).where(Batch.tenant_id == tenant_id, Batch.status.not_in(TERMINAL))
+    return int((await s.execute(stmt)).scalar_one())
+
+
 async def mark_expired(s: AsyncSession, batch_id: str) -> bool:
     """Note that the window passed (once); the batch winds up and then becomes `expired`."""
     stmt = (

@@ -182,22 +182,9 @@ async def check(
                 wait,
             )
     if online and quota.max_queued is not None:
-        stmt = _scope(
-            select(func.count()).where(
-                Job.tenant_id == tenant,
-                Job.status == JobStatus.QUEUED.value,
-                Job.batch_id.is_(None),
-            ),
-            Job.tier,
-            quota.tier,
-        )
-        queued = int((await s.execute(stmt)).scalar_one())
-        if queued >= quota.max_queued:
-            return Refusal(
-                "quota_exceeded",
-                f"Too many queued jobs{scope}: at most {quota.max_queued} may wait at once.",
-                1,
-            )
+        refusal = await queued_refusal(s, tenant, quota.max_queued, quota.tier, scope)
+        if refusal is not None:
+            return refusal
     if quota.token_budget is not None or quota.spend_budget is not None:
         _start, end = period_bounds(quota.budget_period, now)
         wait = 3600 if end is None else max(1, math.ceil((end - now).total_seconds()))
@@ -224,6 +211,26 @@ async def check(
                 wait,
             )
     return None
+
+
+async def queued_refusal(
+    s: AsyncSession, tenant_id: str, limit: int, tier: str = ALL_TIERS, scope: str = ""
+) -> Refusal | None:
+    """A refusal when the tenant already has `limit` online jobs waiting (in `tier`)."""
+    stmt = _scope(
+        select(func.count()).where(
+            Job.tenant_id == tenant_id,
+            Job.status == JobStatus.QUEUED.value,
+            Job.batch_id.is_(None),
+        ),
+        Job.tier,
+        tier,
+    )
+    if int((await s.execute(stmt)).scalar_one()) < limit:
+        return None
+    return Refusal(
+        "quota_exceeded", f"Too many queued jobs{scope}: at most {limit} may wait at once.", 1
+    )
 
 
 async def spent(

@@ -65,7 +65,15 @@ def pg_database() -> Iterator[str]:
 
 
 @pytest.fixture
-def settings(pg_database: str, tmp_path: object) -> Settings:
+def settings(pg_database: str, tmp_path: object, request: pytest.FixtureRequest) -> Settings:
+    """The test's settings; a test changes some with `@pytest.mark.with_settings(name=value)`."""
+    marker = request.node.get_closest_marker("with_settings")
+    return _base_settings(pg_database, tmp_path).model_copy(
+        update=marker.kwargs if marker is not None else {}
+    )
+
+
+def _base_settings(pg_database: str, tmp_path: object) -> Settings:
     return Settings(
         database_url=pg_database,
         redis_url=REDIS_TEST_URL,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -15,6 +16,21 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 def client(url: str, key: str | None, timeout: float = 30) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout)
+
+
+def admin(platform: Any) -> httpx.AsyncClient:
+    """A client of a test platform's admin API (tests.conftest.Platform)."""
+    return client(platform.url, platform.settings.admin_api_key)
+
+
+async def new_tenant(platform: Any, **body: Any) -> tuple[str, str]:
+    """A tenant made through the admin API, and a key of it."""
+    async with admin(platform) as a:
+        resp = await a.post("/admin/tenants", json={"name": f"t-{uuid.uuid4().hex[:8]}", **body})
+        assert resp.status_code == 200, resp.text
+        tenant = resp.json()
+        key = (await a.post(f"/admin/tenants/{tenant['id']}/keys")).json()
+    return tenant["id"], key["key"]
 
 
 async def wait_for(

@@ -24,6 +24,9 @@ from tierq.redis_names import RedisNames
 # restores the buffer (RESTORE_EVENTS) so that ids stay what clients already saw; a buffer
 # that already holds that number means this is a retry of a write that went through
 # before its reply was lost: nothing is appended twice.
+# Bounded: with a byte limit (ARGV[5], deltas only), once the buffer's events pass it the
+# buffer keeps a small placeholder (ARGV[6]) in the event's place — live followers still
+# get the event itself, and the ids stay in step. ARGV[2] is the buffer's time to live.
 _APPEND_EVENT = """
 if ARGV[3] ~= '' then
   local newest = redis.call('GET', KEYS[3])
@@ -35,7 +38,13 @@ if ARGV[4] ~= '' then
   if len < want - 1 then return -1 end
   if len >= want then return want end
 end
-local n = redis.call('RPUSH', KEYS[1], ARGV[1])
+local stored = ARGV[1]
+if ARGV[5] ~= '' then
+  local size = redis.call('INCRBY', KEYS[4], string.len(ARGV[1]))
+  redis.call('EXPIRE', KEYS[4], ARGV[2])
+  if size > tonumber(ARGV[5]) then stored = ARGV[6] end
+end
+local n = redis.call('RPUSH', KEYS[1], stored)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('PUBLISH', KEYS[2], n .. '|' .. ARGV[1])
 return n
@@ -103,25 +112,52 @@ async def held_by_redis(r: aioredis.Redis, names: RedisNames, job_ids: list[str]
     return [bool(x) for x in await r.smismember(names.inflight, job_ids)]
 
 
-class EventLog:
-    """A job's events: a replay buffer (list) plus a live channel (pub/sub)."""
+# What a replay buffer keeps of a delta past its byte limit.
+TRUNCATED = JobEvent("delta", {"text": "", "replay_truncated": True}).encode()
 
-    def __init__(self, r: aioredis.Redis, names: RedisNames, ttl_s: int) -> None:
+
+class EventLog:
+    """A job's events: a replay buffer (list) plus a live channel (pub/sub).
+
+    A buffer lives `ttl_s` after its last event, `done_ttl_s` after the final one (the
+    database has the whole result then), and keeps at most `max_bytes` of deltas."""
+
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        names: RedisNames,
+        ttl_s: int,
+        done_ttl_s: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         self.r = r
         self.names = names
         self.ttl_s = ttl_s
+        self.done_ttl_s = ttl_s if done_ttl_s is None else done_ttl_s
+        self.max_bytes = max_bytes
         self._append = r.register_script(_APPEND_EVENT)
         self._claim = r.register_script(_CLAIM_DELIVERY)
         self._restore = r.register_script(_RESTORE_EVENTS)
 
     def _keys(self, job_id: str) -> list[str]:
         n = self.names
-        return [n.job_events(job_id), n.job_channel(job_id), n.job_delivery(job_id)]
+        return [
+            n.job_events(job_id),
+            n.job_channel(job_id),
+            n.job_delivery(job_id),
+            n.job_event_bytes(job_id),
+        ]
+
+    def _args(self, event: JobEvent, fence: str, check: str) -> list[str | int]:
+        final = event.kind != "delta"
+        limit = "" if final or self.max_bytes is None else str(self.max_bytes)
+        ttl = self.done_ttl_s if final else self.ttl_s
+        return [event.encode(), ttl, fence, check, limit, TRUNCATED]
 
     async def append(self, job_id: str, event: JobEvent, delivery: int | None = None) -> int:
         """Append one event; its sequence number, or 0 if a later delivery fenced it off."""
         fence = "" if delivery is None else str(delivery)
-        args: list[str | int] = [event.encode(), self.ttl_s, fence, ""]
+        args = self._args(event, fence, "")
         return int(await self._append(keys=self._keys(job_id), args=args))
 
     async def append_many(
@@ -134,7 +170,7 @@ class EventLog:
             for job_id, event, delivery, expected in items:
                 fence = "" if delivery is None else str(delivery)
                 check = "" if expected is None else str(expected)
-                args: list[str | int] = [event.encode(), self.ttl_s, fence, check]
+                args = self._args(event, fence, check)
                 await self._append(keys=self._keys(job_id), args=args, client=pipe)
             return [int(n) for n in await pipe.execute()]
 

@@ -66,6 +66,10 @@ class RedisNames:
         """List of a job's stream events (the replay buffer); index + 1 is the event id."""
         return f"{self.prefix}:job:{{{job_id}}}:events"
 
+    def job_event_bytes(self, job_id: str) -> str:
+        """Bytes of deltas written to a job's replay buffer (its bound is checked on it)."""
+        return f"{self.prefix}:job:{{{job_id}}}:events:bytes"
+
     def job_channel(self, job_id: str) -> str:
         return f"{self.prefix}:job:{{{job_id}}}:live"
 

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     file_expiry_s: int = Field(default=30 * 86_400, ge=0)
     file_expiry_interval_s: float = Field(default=300.0, gt=0)
     max_prompt_chars: int = 200_000
+    # A tenant's online jobs that may wait in the queue at once when its quota sets no
+    # max_queued of its own (0: no default); more are refused with 429 quota_exceeded.
+    default_max_queued: int = Field(default=2000, ge=0)
     list_page_max: int = 100
     # Distinct tenants the per-tenant metrics of one process name by id; the rest are
     # counted under tenant="other", so the series stay bounded however many tenants exist.
@@ -125,6 +128,12 @@ class Settings(BaseSettings):
 
     # --- streaming ----------------------------------------------------------------------
     replay_ttl_s: int = 3600
+    # Once a job's final event is written its buffer lives this much longer (the database
+    # has the whole text after that), and a buffer keeps at most replay_max_bytes of
+    # deltas: later ones reach live followers but are replayed as placeholders (the final
+    # event still carries the whole result).
+    replay_done_ttl_s: int = 300
+    replay_max_bytes: int = 1_048_576
     # Open SSE streams plus online (OpenAI) requests waiting on a job, per tenant, over
     # every API process; one more is refused with 429 too_many_streams.
     max_streams_per_tenant: int = 256
@@ -144,6 +153,9 @@ class Settings(BaseSettings):
     batch_window_s: float = 86_400.0  # what completion_window "24h" means
     batch_tick_s: float = 2.0  # Celery beat re-drives every active batch this often
     batch_error_limit: int = 1000  # validation errors reported per batch, at most
+    # Batches a tenant may have unfinished at once (validating, in progress, finalizing or
+    # cancelling); one more is refused with 429 too_many_batches.
+    max_batches_per_tenant: int = 10
 
     # --- Celery -------------------------------------------------------------------------
     reconcile_interval_s: float = 30.0

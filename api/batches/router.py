@@ -14,6 +14,7 @@ from api.errors import APIError, not_found
 from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
+from models import tenants as tenant_repo
 from tierq import batch_signal, metrics
 from tierq.openai_compat import ENDPOINTS
 from tierq.requests import Metadata
@@ -50,6 +51,17 @@ async def create_batch(
     if Tier.BATCH not in tenant.allowed_tiers:
         raise APIError(403, "This tenant may not use the batch tier.", "tier_not_allowed")
     async with db.transaction() as s:
+        # Serialised with the tenant's other admissions: the cap below is exact.
+        await tenant_repo.lock_tenant(s, tenant.id)
+        unfinished = await batch_repo.count_unfinished(s, tenant.id)
+        if unfinished >= settings.max_batches_per_tenant:
+            raise APIError(
+                429,
+                f"Too many batches in progress: at most {settings.max_batches_per_tenant} may "
+                "be unfinished at once. Retry when one has finished.",
+                "too_many_batches",
+                retry_after_s=30,
+            )
         source = await file_repo.get_file(s, body.input_file_id, tenant.id)
         if source is None:
             raise APIError(

@@ -119,7 +119,17 @@ async def submit(
             price = await price_repo.current_price(s, model, tier, settings.batch_discount)
             price_in = price.input_per_million if price else Decimal(0)
             price_out = price.output_per_million if price else Decimal(0)
-            await _admit(s, tenant, key_id, tier, reserved, body.max_tokens, price_in, price_out)
+            await _admit(
+                s,
+                settings,
+                tenant,
+                key_id,
+                tier,
+                reserved,
+                body.max_tokens,
+                price_in,
+                price_out,
+            )
             new = job_repo.NewJob(
                 tenant_id=tenant.id,
                 tier=tier,
@@ -164,6 +174,7 @@ async def submit(
 
 async def _admit(
     s: AsyncSession,
+    settings: Settings,
     tenant: TenantRecord,
     key_id: str | None,
     tier: Tier,
@@ -187,6 +198,17 @@ async def _admit(
         raise _refuse(401, "Incorrect API key provided.", "invalid_api_key")
     if status != tenant_repo.ACTIVE:
         raise _refuse(403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=tier)
+    if settings.default_max_queued and not any(
+        q.tier == quota_repo.ALL_TIERS and q.max_queued is not None for q in quotas
+    ):
+        # The default bound on what one tenant may leave waiting (and so on its share of
+        # Redis). Under the shared lock, so concurrent admissions of the tenant may pass
+        # it by at most their number; a quota's own max_queued is exact.
+        refusal = await quota_repo.queued_refusal(s, tenant.id, settings.default_max_queued)
+        if refusal is not None:
+            raise _refuse(
+                429, refusal.message, refusal.code, tenant=tenant, tier=tier, retry_after_s=1
+            )
     if not quotas:
         return
     cost = quota_repo.reservation_cost(reserved, max_tokens, price_in, price_out)

@@ -7,7 +7,6 @@ import asyncio
 import csv
 import io
 import json
-import uuid
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -19,7 +18,7 @@ from sqlalchemy import select
 from api.app import build_app
 from models.tables import Job, UsageRecord
 from tests.conftest import Platform
-from tests.helpers import assert_openai_error, client, wait_for
+from tests.helpers import admin, assert_openai_error, client, new_tenant, wait_for
 from workers.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
@@ -34,20 +33,6 @@ def reserved(settings: Any) -> int:
     from tierq.token_count import for_settings
 
     return for_settings(settings).reserve(None, JOB["prompt"], JOB["max_tokens"])  # type: ignore[arg-type]
-
-
-def admin(platform: Platform) -> httpx.AsyncClient:
-    return client(platform.url, platform.settings.admin_api_key)
-
-
-async def new_tenant(platform: Platform, **body: Any) -> tuple[str, str]:
-    """A tenant made through the admin API, and a key of it."""
-    async with admin(platform) as a:
-        resp = await a.post("/admin/tenants", json={"name": f"t-{uuid.uuid4().hex[:8]}", **body})
-        assert resp.status_code == 200, resp.text
-        tenant = resp.json()
-        key = (await a.post(f"/admin/tenants/{tenant['id']}/keys")).json()
-    return tenant["id"], key["key"]
 
 
 async def jobs_of(platform: Platform, tenant_id: str) -> list[Job]:

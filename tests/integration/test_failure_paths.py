@@ -466,7 +466,8 @@ async def _tenant_of(platform: Platform, job_id: str) -> str:
 
 
 async def test_max_running_holds_across_a_dispatcher_restart(platform: Platform) -> None:
-    from tests.integration.test_admin_quotas_billing import admin, jobs_of, new_tenant
+    from tests.helpers import admin, new_tenant
+    from tests.integration.test_admin_quotas_billing import jobs_of
 
     capped_id, capped_key = await new_tenant(platform)
     async with admin(platform) as a:

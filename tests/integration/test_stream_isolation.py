@@ -10,31 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import ADMIN_KEY, Platform
-from tests.helpers import assert_openai_error, client, read_sse, wait_for
-from tierq.settings import Settings
+from tests.conftest import Platform
+from tests.helpers import admin, assert_openai_error, client, new_tenant, read_sse, wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
-
-
-def admin(platform: Platform) -> httpx.AsyncClient:
-    return client(platform.url, ADMIN_KEY)
-
-
-async def new_tenant(platform: Platform) -> tuple[str, str]:
-    async with admin(platform) as a:
-        resp = await a.post("/admin/tenants", json={"name": f"t-{uuid.uuid4().hex[:8]}"})
-        assert resp.status_code == 200, resp.text
-        tenant = resp.json()
-        key = (await a.post(f"/admin/tenants/{tenant['id']}/keys")).json()
-    return tenant["id"], key["key"]
 
 
 async def api_clients(platform: Platform) -> list[dict[str, str]]:
@@ -95,15 +80,6 @@ async def queued_job(c: httpx.AsyncClient) -> str:
     resp = await c.post("/v1/jobs", json=CHAT)
     assert resp.status_code == 202, resp.text
     return str(resp.json()["id"])
-
-
-@pytest.fixture
-def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
-    """The settings a test asks for (`@pytest.mark.with_settings(name=value)`)."""
-    marker = request.node.get_closest_marker("with_settings")
-    if marker is None:
-        return settings
-    return settings.model_copy(update=marker.kwargs)
 
 
 @pytest.mark.with_settings(redis_max_connections=8)

@@ -11,8 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from models.db import Database
 from tests.conftest import Platform
-from tests.helpers import assert_openai_error, client, wait_for
-from tests.integration.test_admin_quotas_billing import admin, new_tenant
+from tests.helpers import admin, assert_openai_error, client, new_tenant, wait_for
 from tierq.metrics import OTHER_TENANT
 from tierq.settings import Settings
 

@@ -1,0 +1,110 @@
+"""Bounds that keep one tenant from filling shared Redis: a default max_queued, a cap on
+unfinished batches, and replay buffers bounded in bytes and in time once a job is over.
+
+Real PostgreSQL and Redis, the API under uvicorn, the simulated engine where jobs run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.conftest import Platform
+from tests.helpers import admin, assert_openai_error, client, new_tenant, read_sse, wait_for
+from tests.integration.test_batches import jsonl, line, sdk
+
+pytestmark = pytest.mark.integration
+
+JOB = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+@pytest.mark.with_settings(default_max_queued=3)
+async def test_a_tenant_without_its_own_max_queued_gets_the_default(platform: Platform) -> None:
+    _plain, key = await new_tenant(platform)
+    roomy, roomy_key = await new_tenant(platform)
+    async with admin(platform) as a:
+        resp = await a.put(f"/admin/tenants/{roomy}/quota", json={"max_queued": 5})
+        assert resp.status_code == 200
+    async with client(platform.url, key) as c, client(platform.url, roomy_key) as r:
+        answers = [await c.post("/v1/jobs", json=JOB) for _ in range(4)]
+        assert [x.status_code for x in answers] == [202, 202, 202, 429]
+        assert_openai_error(answers[-1], 429, "quota_exceeded")
+        assert "at most 3" in answers[-1].json()["error"]["message"]
+        # the tenant's own quota replaces the default
+        mine = [(await r.post("/v1/jobs", json=JOB)).status_code for _ in range(6)]
+        assert mine == [202] * 5 + [429]
+        # a queued job that ends makes room
+        await c.post(f"/v1/jobs/{answers[0].json()['id']}/cancel")
+        assert (await c.post("/v1/jobs", json=JOB)).status_code == 202
+
+
+@pytest.mark.with_settings(max_batches_per_tenant=2)
+async def test_a_tenant_may_have_only_so_many_batches_unfinished(platform: Platform) -> None:
+    _tenant, key = await new_tenant(platform)
+    _other, other_key = await new_tenant(platform)
+    api = sdk(platform, key)
+    upload = await api.files.create(file=("in.jsonl", jsonl([line("a")])), purpose="batch")
+
+    async def create() -> httpx.Response:
+        async with client(platform.url, key) as h:
+            return await h.post(
+                "/v1/batches",
+                json={
+                    "input_file_id": upload.id,
+                    "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h",
+                },
+            )
+
+    # created at once: the cap is checked under the tenant's lock, so exactly 2 pass
+    answers = await asyncio.gather(*(create() for _ in range(5)))
+    assert sorted(a.status_code for a in answers) == [200, 200, 429, 429, 429]
+    async with client(platform.url, key) as h:
+        listed = (await h.get("/v1/batches")).json()["data"]
+        refused = await create()
+        assert_openai_error(refused, 429, "too_many_batches")
+        assert int(refused.headers["retry-after"]) >= 1
+        # another tenant has its own allowance
+        other = sdk(platform, other_key)
+        theirs = await other.files.create(file=("in.jsonl", jsonl([line("b")])), purpose="batch")
+        made = await other.batches.create(
+            input_file_id=theirs.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert made.status == "validating"
+        # a cancelled batch no longer counts once it is cancelled
+        await api.batches.cancel(listed[0]["id"])
+        async with platform.db.transaction() as s:
+            from models import batches as batch_repo
+
+            await batch_repo.transition(
+                s, listed[0]["id"], batch_repo.CANCELLED, (batch_repo.CANCELLING,)
+            )
+        again = await create()
+        assert again.status_code == 200, again.text
+
+
+@pytest.mark.with_settings(replay_max_bytes=300, replay_done_ttl_s=7)
+async def test_a_replay_buffer_is_bounded_in_bytes_and_in_time(running: Platform) -> None:
+    _tenant, key = await new_tenant(running)
+    names = running.dispatcher.names
+    async with client(running.url, key) as c:
+        job_id = (await c.post("/v1/jobs", json={**JOB, "max_tokens": 120})).json()["id"]
+        live = await read_sse(c, f"/v1/jobs/{job_id}/events")
+        final = await wait_for(c, job_id)
+        text = final["result"]["text"]
+        # a live follower got every delta in full
+        assert "".join(e["data"].get("text", "") for e in live if e["event"] == "delta") == text
+        buffered = await running.r.lrange(names.job_events(job_id), 0, -1)
+        kept = sum(len(x) for x in buffered)
+        assert len(buffered) == len(live)  # the ids stay in step
+        assert kept < 300 + 80 * len(buffered)  # placeholders past the bound
+        # a late follower replays placeholders past the bound, then the whole result
+        again = await read_sse(c, f"/v1/jobs/{job_id}/events")
+        assert [e["id"] for e in again] == [e["id"] for e in live]
+        assert any(e["data"].get("replay_truncated") for e in again if e["event"] == "delta")
+        assert again[-1]["event"] == "done" and again[-1]["data"]["result"]["text"] == text
+        # once over, the buffer lives replay_done_ttl_s, not replay_ttl_s
+        ttl = await running.r.ttl(names.job_events(job_id))
+        assert 0 < ttl <= 7
