@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from tierq.tiers import Tier
@@ -11,15 +11,14 @@ from tierq.tiers import Tier
 
 @dataclass(frozen=True)
 class JobMessage:
-    """A job as the dispatcher and the worker see it; built from the job row."""
+    """A job as a stream entry carries it: its id and what the dispatcher routes by. The
+    request itself (messages, prompt, parameters: up to MAX_PROMPT_CHARS) stays in the
+    database, and the worker's claim of the job reads it in the same round trip — so an
+    entry is a couple of hundred bytes, whatever the prompt."""
 
     job_id: str
     tenant_id: str
     tier: Tier
-    model: str
-    messages: list[dict[str, Any]] | None
-    prompt: str | None
-    params: dict[str, Any] = field(default_factory=dict)  # max_tokens, temperature, ...
     enqueued_at: float = 0.0
     cost: int = 1  # estimated tokens (prompt + max_tokens), what the scheduler charges
     preemptions: int = 0  # times it was aborted to make room for interactive work
@@ -37,7 +36,11 @@ class JobMessage:
             raise ValueError("stream entry carries no 'job' field")
         body = json.loads(raw)
         body["tier"] = Tier(body["tier"])
-        return cls(**body)
+        # Entries written by an older version carried the request too: ignored.
+        return cls(**{k: v for k, v in body.items() if k in _MESSAGE_FIELDS})
+
+
+_MESSAGE_FIELDS = frozenset(f.name for f in fields(JobMessage))
 
 
 def estimate_tokens(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tierq.messages import Heartbeat, JobEvent, JobMessage
@@ -12,20 +14,20 @@ from tierq.tiers import TIER_ORDER, Tier, vllm_priority
 
 
 def test_job_message_round_trip() -> None:
-    msg = JobMessage(
-        "job_1",
-        "ten_1",
-        Tier.BATCH,
-        "m",
-        [{"role": "user", "content": "é"}],
-        None,
-        {"max_tokens": 3, "stop": ["\n"]},
-        12.5,
-    )
+    msg = JobMessage("job_1", "ten_1", Tier.BATCH, 12.5, cost=300, batch_id="batch_1")
     assert JobMessage.decode(msg.encode()) == msg
     assert JobMessage.decode({b"job": msg.encode()["job"].encode()}) == msg
     with pytest.raises(ValueError):
         JobMessage.decode({"other": "x"})
+
+
+def test_a_stream_entry_carries_no_request_and_old_entries_still_decode() -> None:
+    """The prompt stays in the database: an entry's size does not grow with it."""
+    msg = JobMessage("job_1", "ten_1", Tier.STANDARD, 1.0, cost=50_000)
+    assert len(msg.encode()["job"]) < 200
+    old = json.loads(msg.encode()["job"])
+    old.update(model="m", messages=[{"role": "user", "content": "x" * 1000}], prompt=None)
+    assert JobMessage.decode({"job": json.dumps(old)}) == msg
 
 
 def test_events_and_heartbeats_round_trip() -> None:
