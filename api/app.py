@@ -14,6 +14,7 @@ from api.batches.router import router as batches_router
 from api.files.router import router as files_router
 from api.jobs.hub import EventHub
 from api.jobs.router import router as jobs_router
+from api.jobs.service import TenantGate
 from api.limits import BodySizeLimit, HostileInput
 from api.openai.router import router as openai_router
 from api.usage import router as usage_router
@@ -40,7 +41,13 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.bound_tenant_labels(settings.tenant_metrics_max)
-        app.state.db = Database(settings.resolved_database_url)
+        app.state.db = Database(
+            settings.resolved_database_url,
+            pool_size=settings.db_pool_size,
+            max_overflow=settings.db_max_overflow,
+            pool_timeout=settings.db_pool_timeout_s,
+        )
+        app.state.admission_gate = TenantGate(settings.admission_concurrency_per_tenant)
         app.state.redis = await connect(settings, role="api")
         app.state.events = EventLog(
             app.state.redis,

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from api.errors import APIError
 from api.jobs.hub import EventHub, Slot, TooManyStreams, slot_retry_after
+from api.jobs.service import TenantGate
 from models import tenants
 from models.db import Database
 from models.records import TenantRecord
@@ -51,6 +52,11 @@ def get_events(request: Request) -> EventLog:
     return events
 
 
+def get_admission_gate(request: Request) -> TenantGate:
+    gate: TenantGate = request.app.state.admission_gate
+    return gate
+
+
 def get_hub(request: Request) -> EventHub:
     hub: EventHub = request.app.state.hub
     return hub
@@ -63,6 +69,7 @@ RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
 NamesDep = Annotated[RedisNames, Depends(get_names)]
 EventsDep = Annotated[EventLog, Depends(get_events)]
 HubDep = Annotated[EventHub, Depends(get_hub)]
+GateDep = Annotated[TenantGate, Depends(get_admission_gate)]
 
 
 def _bearer(request: Request) -> str:

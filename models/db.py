@@ -38,6 +38,8 @@ def is_unavailable(error: BaseException) -> bool:
 
 def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
     if url.startswith("sqlite"):
+        for pool_option in ("pool_size", "max_overflow", "pool_timeout"):
+            kwargs.pop(pool_option, None)  # one writer at a time: SQLAlchemy's defaults
         # Several processes share the embedded SQLite file: WAL lets readers run beside the
         # one writer, and busy_timeout makes a writer wait for the lock instead of failing.
         engine = create_async_engine(url, connect_args={"timeout": 30}, **kwargs)

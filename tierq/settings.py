@@ -33,6 +33,15 @@ class Settings(BaseSettings):
     # --- API ----------------------------------------------------------------------------
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    # Each API process's PostgreSQL pool; a request that finds no free connection for
+    # db_pool_timeout_s is answered 503 with Retry-After.
+    db_pool_size: int = Field(default=10, ge=1)
+    db_max_overflow: int = Field(default=20, ge=0)
+    db_pool_timeout_s: float = Field(default=30.0, gt=0)
+    # Admissions of one tenant that may run at once in one API process (the rest wait
+    # without a database connection): one tenant's burst, serialised on its row lock,
+    # cannot take every pooled connection from the other tenants.
+    admission_concurrency_per_tenant: int = Field(default=4, ge=1)
     max_body_bytes: int = 1_000_000
     # Uploads to /v1/files may be this large (streamed to disk, never held in memory).
     max_upload_bytes: int = 512 * 1024 * 1024

@@ -334,6 +334,12 @@ class EventHub:
             if event is not None:
                 event.set()
             return
+        if kind == "unsubscribe" and self.followers.get(channel):
+            # A follower came for the channel while it was being let go, and its SUBSCRIBE
+            # may have reached Redis first: subscribe again.
+            self._subscribed.discard(channel)
+            self.spawn(self._subscribe([channel]))
+            return
         if kind != "message":
             return
         data = str(msg["data"])

@@ -12,6 +12,7 @@ from starlette.background import BackgroundTask
 from api.deps import (
     DbDep,
     EventsDep,
+    GateDep,
     HubDep,
     NamesDep,
     RedisDep,
@@ -41,10 +42,19 @@ async def create_job(
     r: RedisDep,
     names: NamesDep,
     settings: SettingsDep,
+    gate: GateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JSONResponse:
     job, _created = await service.submit(
-        db, r, names, settings, tenant, body, idempotency_key, key_id=api_key_id(request)
+        db,
+        r,
+        names,
+        settings,
+        tenant,
+        body,
+        idempotency_key,
+        key_id=api_key_id(request),
+        gate=gate,
     )
     return JSONResponse(job.to_api(), status_code=202)
 

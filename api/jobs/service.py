@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import logging
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from decimal import Decimal
 
 import redis
@@ -32,6 +36,31 @@ log = logging.getLogger(__name__)
 
 
 QUEUE_RETRY_AFTER_S = 2
+
+
+class TenantGate:
+    """At most `limit` admissions of one tenant at a time in this process; the others
+    wait here, holding no database connection. Admissions of a tenant with quotas run one
+    at a time anyway (its row lock): without the gate a burst of them would each hold a
+    pooled connection while waiting for that lock, and other tenants would find none."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._gates: dict[str, tuple[asyncio.Semaphore, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def enter(self, tenant_id: str) -> AsyncIterator[None]:
+        gate, users = self._gates.get(tenant_id, (asyncio.Semaphore(self.limit), 0))
+        self._gates[tenant_id] = (gate, users + 1)
+        try:
+            async with gate:
+                yield
+        finally:
+            gate, users = self._gates[tenant_id]
+            if users == 1:
+                del self._gates[tenant_id]  # no state kept for idle tenants
+            else:
+                self._gates[tenant_id] = (gate, users - 1)
 
 
 def _refuse(
@@ -92,6 +121,7 @@ async def submit(
     *,
     online: bool = False,
     key_id: str | None = None,
+    gate: TenantGate | None = None,
 ) -> tuple[JobRecord, bool]:
     """Write the job row (the source of truth), then put it on its tier's stream.
 
@@ -109,7 +139,7 @@ async def submit(
     reserved = token_count.for_settings(settings).reserve(messages, body.prompt, body.max_tokens)
     req_hash = request_hash(body)
     try:
-        async with db.transaction() as s:
+        async with _gated(gate, tenant.id), db.transaction() as s:
             if idempotency_key is not None:
                 again = await job_repo.find_by_idempotency_key(
                     s, tenant.id, idempotency_key, req_hash
@@ -170,6 +200,10 @@ async def submit(
                 "service_unavailable",
             ) from None
     return job, created
+
+
+def _gated(gate: TenantGate | None, tenant_id: str) -> AbstractAsyncContextManager[None]:
+    return gate.enter(tenant_id) if gate is not None else contextlib.nullcontext()
 
 
 async def _admit(

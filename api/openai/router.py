@@ -35,6 +35,7 @@ from api.errors import APIError, error_body
 from api.jobs import service
 from api.jobs.events import follow_job
 from api.jobs.hub import EventHub, Slot, StreamClosed
+from api.jobs.service import TenantGate
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord, TenantRecord
@@ -90,6 +91,7 @@ class _Context:
         self.events = events
         self.hub = hub
         self.key_id = api_key_id(request)
+        self.gate: TenantGate = request.app.state.admission_gate
 
     def follow(self, job: JobRecord) -> AsyncIterator[tuple[int, Any]]:
         return follow_job(self.hub, self.db, self.events, job, key_id=self.key_id)
@@ -170,6 +172,7 @@ async def _complete(
             None,
             online=True,
             key_id=ctx.key_id,
+            gate=ctx.gate,
         )
     except BaseException:
         slot.release()

@@ -108,3 +108,31 @@ async def test_a_replay_buffer_is_bounded_in_bytes_and_in_time(running: Platform
         # once over, the buffer lives replay_done_ttl_s, not replay_ttl_s
         ttl = await running.r.ttl(names.job_events(job_id))
         assert 0 < ttl <= 7
+
+
+@pytest.mark.with_settings(
+    db_pool_size=3, db_max_overflow=0, db_pool_timeout_s=1.0, admission_concurrency_per_tenant=1
+)
+async def test_one_tenants_burst_cannot_take_every_database_connection(
+    platform: Platform,
+) -> None:
+    """A tenant with quotas is admitted one request at a time (its row lock). Its burst
+    waits at the gate, not on pooled connections: another tenant is still served."""
+    from models import tenants as tenant_repo
+
+    noisy, noisy_key = await new_tenant(platform)
+    _quiet, quiet_key = await new_tenant(platform)
+    async with admin(platform) as a:
+        resp = await a.put(f"/admin/tenants/{noisy}/quota", json={"requests_per_minute": 1000})
+        assert resp.status_code == 200
+    async with client(platform.url, noisy_key) as n, client(platform.url, quiet_key) as q:
+        # The noisy tenant's row lock held from outside: its admissions block in PostgreSQL.
+        async with platform.db.transaction() as s:
+            await tenant_repo.lock_tenant(s, noisy)
+            burst = [asyncio.create_task(n.post("/v1/jobs", json=JOB)) for _ in range(10)]
+            await asyncio.sleep(1.0)
+            quiet = await q.post("/v1/jobs", json=JOB)
+            assert quiet.status_code == 202, quiet.text
+            assert not any(t.done() for t in burst)
+        answers = await asyncio.gather(*burst)
+    assert [a.status_code for a in answers] == [202] * 10
