@@ -251,18 +251,24 @@ async def _stream(
     ctx: _Context, job: JobRecord, chat: bool, include_usage: bool, slot: Slot
 ) -> AsyncIterator[bytes]:
     finished = False
+    # The assistant's role chunk goes out with the first token, as vLLM sends it: a client
+    # timing its first chunk measures the time to the first token, not to admission.
+    role_sent = not chat
     try:
-        if chat:
-            yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
         async for _seq, event in ctx.follow(job):
             if event.kind == "delta":
                 text = event.data.get("text", "")
                 if text:
+                    if not role_sent:
+                        role_sent = True
+                        yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
                     yield _data(oa.chunk(job, chat, text=text, include_usage=include_usage))
                 continue
             finished = True
             final = await ctx.job(job.id)
             if final.status.value == "succeeded":
+                if not role_sent:  # nothing was generated: the role still opens the answer
+                    yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
                 yield _data(
                     oa.chunk(
                         final,

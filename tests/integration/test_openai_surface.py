@@ -7,6 +7,7 @@ a worker. The SDK is used unchanged but for its base URL and key.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -103,6 +104,37 @@ async def test_a_tier_the_tenant_may_not_use_is_refused_not_downgraded(
     async with running.db.session() as s:
         page, _ = await job_repo.list_jobs(s, tenant.id)
     assert page == []  # nothing was enqueued for it
+
+
+async def test_the_first_chunk_of_a_stream_comes_with_the_first_token(
+    platform: Platform, tenant_key: str
+) -> None:
+    """No chunk (not even the assistant's role) before a token exists: a client timing its
+    first chunk measures the time to the first token, as with vLLM itself."""
+    model = platform.settings.served_model_name
+    body = {"model": model, "messages": HELLO, "max_tokens": 8, "stream": True}
+    headers = {"Authorization": f"Bearer {tenant_key}"}
+    async with (
+        httpx.AsyncClient(base_url=platform.url, headers=headers, timeout=30) as c,
+        c.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = resp.aiter_lines()
+        first = asyncio.ensure_future(lines.__anext__())
+        await asyncio.sleep(1.0)  # no dispatcher yet: the job waits in the queue
+        assert not first.done()
+        platform.start_dispatcher()
+        await platform.start_worker("w1")
+        role = json.loads((await first).removeprefix("data: "))
+        assert role["choices"][0]["delta"]["role"] == "assistant"
+        content = ""
+        while not content:
+            line = await lines.__anext__()
+            if line.startswith("data: {"):
+                content = json.loads(line.removeprefix("data: "))["choices"][0]["delta"].get(
+                    "content", ""
+                )
+        assert content
 
 
 async def test_streamed_chat_matches_the_stored_result_and_reports_usage(
