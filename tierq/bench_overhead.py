@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -122,6 +123,7 @@ def run_overhead(
         print(
             f"round {i + 1}: platform {p['tokens']} tokens in {p['seconds']:.2f} s, "
             f"engine {e['tokens']} tokens in {e['seconds']:.2f} s",
+            file=sys.stderr,
             flush=True,
         )
     p_rate = statistics.median(platform_rates)

@@ -7,6 +7,9 @@ import os
 
 
 def setup(level: str | None = None) -> None:
+    # Logs go to stderr, vLLM's too (its default is stdout): a command's stdout is its
+    # output — a benchmark's JSON line stays the last line there.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     logging.basicConfig(
         level=(level or os.environ.get("LOG_LEVEL", "INFO")).upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
