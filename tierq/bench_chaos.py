@@ -37,44 +37,46 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import dataclasses
 import itertools
-import json
 import logging
-import os
 import random
 import re
-import secrets
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
 from sqlalchemy import func, select
 
-import migrations
 from models.db import Database
 from models.tables import Job, JobTransition, UsageRecord
-from tierq.bench_qos import _drop_scratch_database, _scratch_database
+from tierq.bench_harness import (
+    RETRY_S,
+    TERMINAL,
+    Fault,
+    RedisServer,
+    ScratchPlatform,
+    Supervisor,
+    as_json,
+    base_env,
+    error_code,
+    platform_children,
+    retry_after,
+    sse_events,
+    wait_terminal,
+)
 from tierq.bootstrap import ensure_tenant_key
-from tierq.embedded import Child, components
+from tierq.embedded import Child
 from tierq.settings import Settings
 
 REDIS_PREFIX = "tierq-chaos"
 
 log = logging.getLogger("tierq.bench.chaos")
 
-DEFAULT_PG_SERVER = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 FAULT_KINDS = (
     "kill_api",
     "kill_dispatcher",
@@ -86,15 +88,9 @@ FAULT_KINDS = (
 TIERS = ("interactive", "standard", "batch")
 TIER_WEIGHTS = (3, 5, 2)
 TENANTS = ("chaos-a", "chaos-b")
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 RECOVERY_TARGET_S = 15.0
 
 SUBMIT_GRACE_S = 15.0  # a submission still unanswered at the load's end keeps retrying this long
-RETRY_S = 0.25  # between a client's retries (a 503's Retry-After is honoured, capped)
-RETRY_AFTER_CAP_S = 2.0
-SUPERVISE_TICK_S = 0.2
-QUICK_EXIT_S = 5.0  # an unplanned exit this soon after a start doubles the restart backoff
-READY_TIMEOUT_S = {"simulated": 120.0, "vllm": 900.0}
 TOKEN = re.compile(r" tok(\d+)")
 
 
@@ -112,170 +108,6 @@ class ChaosConfig:
     max_num_seqs: int = 16
     max_tokens: tuple[int, int] = (8, 32)
     keep_logs: bool = False
-
-
-@dataclass
-class Fault:
-    at: float  # wall clock (time.time()): compared with the database's finished_at
-    kind: str
-    target: str | None = None
-    detail: str | None = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    """The bench's own redis-server: no persistence, so a restart starts it empty."""
-
-    def __init__(self, port: int, log_path: Path) -> None:
-        self.port = port
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
-        argv += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def kill(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    async def wait_ready(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            r = aioredis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
-            try:
-                await r.ping()
-                return
-            except (aioredis.RedisError, OSError) as exc:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start; see {self.log_path}") from exc
-            finally:
-                await r.aclose()
-            await asyncio.sleep(0.05)
-
-    async def restart(self) -> None:
-        self.kill()
-        self.start()
-        await self.wait_ready()
-
-    async def kill_clients(self) -> int:
-        """CLIENT KILL TYPE normal from a fresh admin connection (which it skips)."""
-        async with aioredis.Redis(
-            host="127.0.0.1", port=self.port, socket_connect_timeout=1, socket_timeout=2
-        ) as r:
-            return int(await r.execute_command("CLIENT", "KILL", "TYPE", "normal"))
-
-
-class Supervisor:
-    """Starts every component, restarts any that exits, and kills process groups on demand.
-
-    A child the fault schedule killed is restarted at once; any other exit (a worker whose
-    engine died, a crash) is recorded as a fault of its own and restarted after a backoff
-    that doubles while it keeps failing quickly.
-    """
-
-    def __init__(self, children: list[Child], envs: dict[str, dict[str, str]]) -> None:
-        self.children = {c.name: c for c in children}
-        self.envs = envs
-        self.planned: set[str] = set()
-        self.restarts: Counter[str] = Counter()
-        self.unplanned: Counter[str] = Counter()
-        self.exits: list[Fault] = []
-        self._due: dict[str, float] = {}  # name -> when to start it again (monotonic)
-        self._backoff: dict[str, float] = {}
-
-    def names(self, prefix: str) -> list[str]:
-        return [n for n in self.children if n == prefix or n.startswith(prefix + "-")]
-
-    def start_all(self) -> None:
-        for c in self.children.values():
-            self._start(c)
-
-    def _start(self, c: Child) -> None:
-        c.start(self.envs[c.name])
-        log.info("started %s (pid %s)", c.name, c.proc.pid if c.proc else "?")
-
-    def kill(self, name: str) -> None:
-        c = self.children[name]
-        if c.proc is not None and c.proc.poll() is None:
-            self.planned.add(name)
-            c.signal_group(signal.SIGKILL)
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        for name, c in self.children.items():
-            if c.proc is None or name in self._due or c.proc.poll() is None:
-                continue
-            _kill_group(c)  # whatever is left of its group (vLLM's engine core, say)
-            if name in self.planned:
-                self.planned.discard(name)
-                self._due[name] = now
-                continue
-            self.unplanned[name] += 1
-            self.exits.append(Fault(time.time(), "exit", name, f"exit code {c.proc.returncode}"))
-            quick = now - c.started_at < QUICK_EXIT_S
-            backoff = min(5.0, 2 * self._backoff.get(name, 0.25)) if quick else 0.5
-            self._backoff[name] = backoff
-            self._due[name] = now + backoff
-            log.warning(
-                "%s exited with %s (not killed by the bench); restarting in %.1f s; see %s",
-                name,
-                c.proc.returncode,
-                backoff,
-                c.log_path,
-            )
-        for name, due in list(self._due.items()):
-            if now >= due:
-                del self._due[name]
-                c = self.children[name]
-                c.restarts += 1
-                self.restarts[name] += 1
-                if name.startswith("worker"):
-                    # Another fault sequence for each life of a worker, still seeded.
-                    env = self.envs[name]
-                    env["ENGINE_FAULT_SEED"] = str(int(env["ENGINE_FAULT_SEED"]) + 7919)
-                self._start(c)
-                log.info("restarted %s (restart %d)", name, c.restarts)
-
-    async def watch(self) -> None:
-        while True:
-            self.tick()
-            await asyncio.sleep(SUPERVISE_TICK_S)
-
-    def stop_all(self) -> None:
-        """SIGKILL every process group and reap it: nothing is left behind."""
-        for c in self.children.values():
-            c.signal_group(signal.SIGKILL)
-        for c in self.children.values():
-            if c.proc is not None:
-                c.proc.wait()
-                _kill_group(c)
-            c.pid_path.unlink(missing_ok=True)
-
-
-def _kill_group(c: Child) -> None:
-    """SIGKILL what is left of an exited child's process group (Child.signal_group only
-    signals a child that is still running)."""
-    if c.proc is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(c.proc.pid, signal.SIGKILL)
 
 
 @dataclass
@@ -298,7 +130,7 @@ class Followed:
                 self.repeated_id = True
             self.ids.append(seq)
         kind = event.get("event", "message")
-        data = _json(event.get("data", ""))
+        data = as_json(event.get("data", ""))
         if kind == "delta":
             self.text += str(data.get("text", ""))
         elif kind in ("done", "error"):
@@ -347,14 +179,6 @@ def _span(ids: list[int]) -> str:
     if ids and ids == list(range(ids[0], ids[0] + len(ids))):
         return f"{ids[0]}..{ids[-1]}"
     return ",".join(map(str, ids[:40]))
-
-
-def _json(raw: str) -> dict[str, Any]:
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 @dataclass
@@ -434,9 +258,9 @@ class Load:
                     task.add_done_callback(self.followers.discard)
                 return
             if resp.status_code in (429, 503) or resp.status_code >= 500:
-                await asyncio.sleep(_retry_after(resp))
+                await asyncio.sleep(retry_after(resp))
                 continue
-            self.refused[_error_code(resp)] += 1  # a refusal is final: not retried
+            self.refused[error_code(resp)] += 1  # a refusal is final: not retried
             return
 
     async def _follow(self, job_id: str, key: str) -> None:
@@ -471,35 +295,10 @@ class Load:
 
 
 async def _read_events(resp: httpx.Response, seen: Followed) -> None:
-    event: dict[str, str] = {}
-    async for line in resp.aiter_lines():
-        line = line.rstrip("\r")
-        if not line:
-            if event:
-                seen.saw(event)
-                if seen.terminal is not None:
-                    return
-            event = {}
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        event[name] = event[name] + "\n" + value if name == "data" and name in event else value
-
-
-def _retry_after(resp: httpx.Response) -> float:
-    try:
-        return min(RETRY_AFTER_CAP_S, max(RETRY_S, float(resp.headers.get("Retry-After", ""))))
-    except ValueError:
-        return RETRY_S
-
-
-def _error_code(resp: httpx.Response) -> str:
-    try:
-        return str(resp.json()["error"]["code"] or resp.status_code)
-    except (ValueError, KeyError, TypeError):
-        return str(resp.status_code)
+    async for event in sse_events(resp):
+        seen.saw(event)
+        if seen.terminal is not None:
+            return
 
 
 # --- the fault schedule ------------------------------------------------------------------
@@ -550,27 +349,10 @@ async def _faults(
 # --- the run --------------------------------------------------------------------------------
 
 
-def _postgres_server_url(base: Settings) -> str:
-    url = base.database_url or DEFAULT_PG_SERVER
-    if not url.startswith("postgresql"):
-        raise RuntimeError(
-            f"tierq bench chaos needs PostgreSQL (DATABASE_URL is {url.split(':', 1)[0]}...)"
-        )
-    return url
-
-
-def _env(cfg: ChaosConfig, settings: Settings, redis_url: str, admin_key: str) -> dict[str, str]:
-    env = dict(os.environ)
+def _env(cfg: ChaosConfig, settings: Settings, admin_key: str) -> dict[str, str]:
+    env = base_env(settings, admin_key)
     env.update(
         {
-            "DATABASE_URL": settings.resolved_database_url,
-            "REDIS_URL": redis_url,
-            "REDIS_PREFIX": settings.redis_prefix,
-            "STATE_DIR": str(settings.state_dir),
-            "API_HOST": settings.api_host,
-            "API_PORT": str(settings.api_port),
-            "ADMIN_API_KEY": admin_key,
-            "ENGINE": cfg.engine,
             "MAX_NUM_SEQS": str(cfg.max_num_seqs),
             "HEARTBEAT_INTERVAL_S": "0.5",
             "WORKER_DEAD_AFTER_S": "3",
@@ -578,159 +360,48 @@ def _env(cfg: ChaosConfig, settings: Settings, redis_url: str, admin_key: str) -
             "RECONCILE_GRACE_S": "2",
             "RECONCILE_ORPHAN_GRACE_S": "2",
             "DRAIN_TIMEOUT_S": "5",
-            "PIN_AUX_PROCESSES": "false",
-            "EMBEDDED_DEFAULT": "false",
-            "ENGINE_FAULT_RATE": "0",
         }
     )
     return env
 
 
 def _children(
-    cfg: ChaosConfig, settings: Settings, logs: Path, env: dict[str, str]
+    cfg: ChaosConfig, p: ScratchPlatform, env: dict[str, str]
 ) -> tuple[list[Child], dict[str, dict[str, str]]]:
-    """`tierq run`'s components, with the one worker made `cfg.workers` workers."""
-    children: list[Child] = []
-    envs: dict[str, dict[str, str]] = {}
-    pids = settings.state_dir / "pids"
-    for c in components(settings, logs):
-        if c.name != "worker":
-            children.append(c)
-            envs[c.name] = dict(env)
-            continue
-        for i in range(cfg.workers):
-            name = f"worker-{i}"
-            children.append(
-                dataclasses.replace(
-                    c, name=name, log_path=logs / f"{name}.log", pid_path=pids / f"{name}.pid"
-                )
-            )
-            envs[name] = {
-                **env,
-                "WORKER_ID": f"chaos-{name}",
-                "ENGINE_FAULT_RATE": str(cfg.engine_fault_rate),
-                "ENGINE_FAULT_SEED": str(cfg.seed * 1000 + i),
-                "ENGINE_FAULT_KINDS": "request,validation,random,dead",
-            }
-    return children, envs
+    """`tierq run`'s components, with the one worker made `cfg.workers` workers whose
+    engines fail a seeded fraction of requests."""
 
+    def worker_env(i: int, name: str) -> dict[str, str]:
+        return {
+            "WORKER_ID": f"chaos-{name}",
+            "ENGINE_FAULT_RATE": str(cfg.engine_fault_rate),
+            "ENGINE_FAULT_SEED": str(cfg.seed * 1000 + i),
+            "ENGINE_FAULT_KINDS": "request,validation,random,dead",
+        }
 
-async def _wait_ready(url: str, timeout_s: float, logs: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=url, timeout=2) as client:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get("/readyz")).status_code == 200:
-                    return
-            await asyncio.sleep(0.5)
-    raise RuntimeError(f"the platform was not ready in {timeout_s:.0f} s; see {logs}")
-
-
-async def _statuses(db: Database, ids: list[str]) -> dict[str, str]:
-    async with db.session() as s:
-        rows = (await s.execute(select(Job.id, Job.status).where(Job.id.in_(ids)))).all()
-    return {job_id: status for job_id, status in rows}
-
-
-async def _wait_terminal(db: Database, ids: list[str], deadline: float) -> None:
-    """Until every accepted job is finished, or the deadline (monotonic)."""
-    while True:
-        try:
-            statuses = await _statuses(db, ids)
-            unfinished = [i for i in ids if statuses.get(i) not in TERMINAL]
-        except OSError as exc:  # the database is not part of the chaos; say so and go on
-            log.warning("reading job states failed: %s", exc)
-            unfinished = ids
-        if not unfinished or time.monotonic() > deadline:
-            if unfinished:
-                log.warning("%d accepted jobs still unfinished at the deadline", len(unfinished))
-            return
-        await asyncio.sleep(1.0)
+    return platform_children(p.settings, p.logs, env, cfg.workers, worker_env)
 
 
 async def run_chaos(base: Settings, cfg: ChaosConfig) -> dict[str, Any]:
     """The whole run: start everything, load and faults, settle, measure, tear down."""
-    if cfg.engine not in ("simulated", "vllm"):
-        raise ValueError("--engine is simulated or vllm")
     wall_start = time.monotonic()
-    server_url = _postgres_server_url(base)
-    main = asyncio.current_task()
-    if main is not None:  # SIGTERM as Ctrl-C: through the `finally` that kills everything
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
-    state = Path(tempfile.mkdtemp(prefix="tierq-chaos-"))
-    logs = state / "logs"
-    logs.mkdir()
-    redis_server = RedisServer(_free_port(), logs / "redis.log")
-    db_url: str | None = None
-    db: Database | None = None
-    sup: Supervisor | None = None
-    completed = False
-    try:
-        redis_server.start()
-        await redis_server.wait_ready()
-        tag = f"chaos_{cfg.seed}_{uuid.uuid4().hex[:8]}"
-        db_url = await _scratch_database(
-            base.model_copy(update={"database_url": server_url}), state, tag
+    tag = f"chaos_{cfg.seed}_{uuid.uuid4().hex[:8]}"
+    async with ScratchPlatform(base, "chaos", cfg.engine, REDIS_PREFIX, tag, cfg.keep_logs) as p:
+        keys = [await ensure_tenant_key(p.settings, name, None) for name in TENANTS]
+        sup = p.start(*_children(cfg, p, _env(cfg, p.settings, p.admin_key)))
+        await p.wait_ready()
+        log.info(
+            "ready in %.1f s; %.0f s of load at %.1f jobs/s, a fault every %.1f s (seed %d)",
+            time.monotonic() - wall_start,
+            cfg.duration_s,
+            cfg.rate,
+            cfg.fault_every_s,
+            cfg.seed,
         )
-        await asyncio.to_thread(migrations.upgrade, db_url)  # Alembic runs its own loop
-        settings = base.model_copy(
-            update={
-                "database_url": db_url,
-                "redis_url": redis_server.url,
-                "redis_prefix": REDIS_PREFIX,
-                "state_dir": state,
-                "api_host": "127.0.0.1",
-                "api_port": _free_port(),
-                "engine": cfg.engine,
-                "pin_aux_processes": False,
-                "embedded_default": False,
-            }
-        )
-        keys = [await ensure_tenant_key(settings, name, None) for name in TENANTS]
-        if cfg.engine == "vllm" and not settings.model_path:
-            from tierq.bundled_model import prepare_bundled_model
-
-            await asyncio.to_thread(prepare_bundled_model, settings)
-        env = _env(cfg, settings, redis_server.url, secrets.token_urlsafe(24))
-        children, envs = _children(cfg, settings, logs, env)
-        sup = Supervisor(children, envs)
-        sup.start_all()
-        url = f"http://{settings.api_host}:{settings.api_port}"
-        watcher = asyncio.create_task(sup.watch())
-        try:
-            await _wait_ready(url, READY_TIMEOUT_S[cfg.engine], logs)
-            log.info(
-                "ready in %.1f s; %.0f s of load at %.1f jobs/s, a fault every %.1f s (seed %d)",
-                time.monotonic() - wall_start,
-                cfg.duration_s,
-                cfg.rate,
-                cfg.fault_every_s,
-                cfg.seed,
-            )
-            db = Database(db_url, pool_size=2, max_overflow=2)
-            result = await _drive(cfg, url, keys, sup, redis_server, db)
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+        result = await _drive(cfg, p.url, keys, sup, p.redis, p.database())
         result["wall_s"] = round(time.monotonic() - wall_start, 1)
-        completed = True
+        p.completed = True
         return result
-    finally:
-        if sup is not None:
-            sup.stop_all()
-        redis_server.kill()
-        if db is not None:
-            await db.close()
-        if db_url is not None:
-            try:
-                await _drop_scratch_database(db_url)
-            except Exception:
-                log.exception("could not drop the scratch database %s", db_url)
-        if cfg.keep_logs or not completed:
-            log.warning("process logs kept in %s", logs)
-        else:
-            shutil.rmtree(state, ignore_errors=True)
 
 
 async def _drive(
@@ -760,7 +431,7 @@ async def _drive(
                 len(load.submitters),
             )
             await load.drain(load.submitters, load_end + SUBMIT_GRACE_S + 5 - time.monotonic())
-            await _wait_terminal(db, list(load.accepted), settle_deadline)
+            await wait_terminal(db, list(load.accepted), settle_deadline)
             leaked = await _leaked_entries(redis_server.url, time.monotonic() + 10)
             # Followers of finished jobs end within the API's recheck interval.
             await load.drain(load.followers, min(10.0, settle_deadline - time.monotonic() + 5))

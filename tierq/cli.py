@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import signal
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -283,9 +284,50 @@ def bench_chaos(
         settle_s=settle,
         keep_logs=keep_logs,
     )
+    _run_platform_bench(run_chaos(get_settings(), cfg))
+
+
+@bench_app.command("isolation")
+def bench_isolation(
+    duration: float = typer.Option(
+        60.0, help="Seconds of load: the quiet tenant alone, then noise."
+    ),
+    seed: int = typer.Option(0, help="Seeds the noisy tenant's workload."),
+    engine: str = typer.Option("simulated", help="simulated (default) or vllm (the real one)."),
+    streams: int = typer.Option(3000, help="SSE streams the noisy tenant tries to open."),
+    quiet_rate: float = typer.Option(
+        2.0, help="The quiet tenant's interactive requests per second."
+    ),
+    job_rate: float = typer.Option(10.0, help="The noisy tenant's job submissions per second."),
+    settle: float = typer.Option(60.0, help="After the load: how long leftovers may take."),
+    keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the processes' logs."),
+) -> None:
+    """A noisy tenant within its allowance against a quiet one: interactive TTFT alone and
+    under the noise, Redis peaks, server errors, unbilled tokens (simulated engine by
+    default); prints one JSON line last."""
+    from tierq.bench_isolation import IsolationConfig, run_isolation
+
+    setup_logging("INFO")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = IsolationConfig(
+        duration_s=duration,
+        seed=seed,
+        engine=engine,
+        streams=streams,
+        quiet_rate=quiet_rate,
+        job_rate=job_rate,
+        settle_s=settle,
+        keep_logs=keep_logs,
+    )
+    _run_platform_bench(run_isolation(get_settings(), cfg))
+
+
+def _run_platform_bench(run: Coroutine[Any, Any, dict[str, Any]]) -> None:
+    """A benchmark that starts the platform's processes: its JSON line last on stdout;
+    Ctrl-C or SIGTERM stops every process it started (exit 130)."""
     try:
-        result = asyncio.run(run_chaos(get_settings(), cfg))
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C or SIGTERM: all stopped
+        result = asyncio.run(run)
+    except (KeyboardInterrupt, asyncio.CancelledError):
         typer.echo("interrupted: every process it started is stopped", err=True)
         raise typer.Exit(130) from None
     typer.echo(json.dumps(result, separators=(",", ":")))

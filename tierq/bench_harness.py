@@ -1,0 +1,466 @@
+"""What the platform benchmarks (`tierq bench chaos`, `tierq bench isolation`) share: the
+platform on scratch services, supervised, and the client's small helpers.
+
+`ScratchPlatform` gives a run its own redis-server (no persistence, so that a restart
+starts it empty) and a scratch PostgreSQL database (dropped at the end), settings that
+point at them, and starts the very processes `tierq run` starts (tierq.embedded.components),
+each in its own session, under a `Supervisor` that restarts any that exits. Leaving the
+context kills every process group it started, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from sqlalchemy import select
+
+import migrations
+from models.db import Database
+from models.tables import Job
+from tierq.bench_qos import _drop_scratch_database, _scratch_database
+from tierq.embedded import Child, components
+from tierq.settings import Settings
+
+log = logging.getLogger("tierq.bench")
+
+DEFAULT_PG_SERVER = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+READY_TIMEOUT_S = {"simulated": 120.0, "vllm": 900.0}
+SUPERVISE_TICK_S = 0.2
+QUICK_EXIT_S = 5.0  # an unplanned exit this soon after a start doubles the restart backoff
+RETRY_S = 0.25  # between a client's retries (a 503's Retry-After is honoured, capped)
+RETRY_AFTER_CAP_S = 2.0
+
+
+@dataclass
+class Fault:
+    at: float  # wall clock (time.time()): compared with the database's finished_at
+    kind: str
+    target: str | None = None
+    detail: str | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """The bench's own redis-server: no persistence, so a restart starts it empty."""
+
+    def __init__(self, port: int, log_path: Path) -> None:
+        self.port = port
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+        argv += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    async def wait_ready(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            r = aioredis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
+            try:
+                await r.ping()
+                return
+            except (aioredis.RedisError, OSError) as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start; see {self.log_path}") from exc
+            finally:
+                await r.aclose()
+            await asyncio.sleep(0.05)
+
+    async def restart(self) -> None:
+        self.kill()
+        self.start()
+        await self.wait_ready()
+
+    async def kill_clients(self) -> int:
+        """CLIENT KILL TYPE normal from a fresh admin connection (which it skips)."""
+        async with aioredis.Redis(
+            host="127.0.0.1", port=self.port, socket_connect_timeout=1, socket_timeout=2
+        ) as r:
+            return int(await r.execute_command("CLIENT", "KILL", "TYPE", "normal"))
+
+
+class Supervisor:
+    """Starts every component, restarts any that exits, and kills process groups on demand.
+
+    A child the bench killed is restarted at once; any other exit (a worker whose engine
+    died, a crash) is recorded as a fault of its own and restarted after a backoff that
+    doubles while it keeps failing quickly.
+    """
+
+    def __init__(self, children: list[Child], envs: dict[str, dict[str, str]]) -> None:
+        self.children = {c.name: c for c in children}
+        self.envs = envs
+        self.planned: set[str] = set()
+        self.restarts: Counter[str] = Counter()
+        self.unplanned: Counter[str] = Counter()
+        self.exits: list[Fault] = []
+        self._due: dict[str, float] = {}  # name -> when to start it again (monotonic)
+        self._backoff: dict[str, float] = {}
+
+    def names(self, prefix: str) -> list[str]:
+        return [n for n in self.children if n == prefix or n.startswith(prefix + "-")]
+
+    def start_all(self) -> None:
+        for c in self.children.values():
+            self._start(c)
+
+    def _start(self, c: Child) -> None:
+        c.start(self.envs[c.name])
+        log.info("started %s (pid %s)", c.name, c.proc.pid if c.proc else "?")
+
+    def kill(self, name: str) -> None:
+        c = self.children[name]
+        if c.proc is not None and c.proc.poll() is None:
+            self.planned.add(name)
+            c.signal_group(signal.SIGKILL)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for name, c in self.children.items():
+            if c.proc is None or name in self._due or c.proc.poll() is None:
+                continue
+            kill_group(c)  # whatever is left of its group (vLLM's engine core, say)
+            if name in self.planned:
+                self.planned.discard(name)
+                self._due[name] = now
+                continue
+            self.unplanned[name] += 1
+            self.exits.append(Fault(time.time(), "exit", name, f"exit code {c.proc.returncode}"))
+            quick = now - c.started_at < QUICK_EXIT_S
+            backoff = min(5.0, 2 * self._backoff.get(name, 0.25)) if quick else 0.5
+            self._backoff[name] = backoff
+            self._due[name] = now + backoff
+            log.warning(
+                "%s exited with %s (not killed by the bench); restarting in %.1f s; see %s",
+                name,
+                c.proc.returncode,
+                backoff,
+                c.log_path,
+            )
+        for name, due in list(self._due.items()):
+            if now >= due:
+                del self._due[name]
+                c = self.children[name]
+                c.restarts += 1
+                self.restarts[name] += 1
+                env = self.envs[name]
+                if name.startswith("worker") and "ENGINE_FAULT_SEED" in env:
+                    # Another fault sequence for each life of a worker, still seeded.
+                    env["ENGINE_FAULT_SEED"] = str(int(env["ENGINE_FAULT_SEED"]) + 7919)
+                self._start(c)
+                log.info("restarted %s (restart %d)", name, c.restarts)
+
+    async def watch(self) -> None:
+        while True:
+            self.tick()
+            await asyncio.sleep(SUPERVISE_TICK_S)
+
+    def stop_all(self) -> None:
+        """SIGKILL every process group and reap it: nothing is left behind."""
+        for c in self.children.values():
+            c.signal_group(signal.SIGKILL)
+        for c in self.children.values():
+            if c.proc is not None:
+                c.proc.wait()
+                kill_group(c)
+            c.pid_path.unlink(missing_ok=True)
+
+
+def kill_group(c: Child) -> None:
+    """SIGKILL what is left of an exited child's process group (Child.signal_group only
+    signals a child that is still running)."""
+    if c.proc is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(c.proc.pid, signal.SIGKILL)
+
+
+# --- the client's side -----------------------------------------------------------------------
+
+
+async def sse_events(resp: httpx.Response) -> AsyncIterator[dict[str, str]]:
+    """The events of a Server-Sent Events response, each as {field: value} (the lines of
+    a multi-line `data` joined with newlines); comments are skipped."""
+    event: dict[str, str] = {}
+    async for line in resp.aiter_lines():
+        line = line.rstrip("\r")
+        if not line:
+            if event:
+                yield event
+            event = {}
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        event[name] = event[name] + "\n" + value if name == "data" and name in event else value
+
+
+def as_json(raw: str) -> dict[str, Any]:
+    """A JSON object, or {} for anything else."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def retry_after(resp: httpx.Response) -> float:
+    try:
+        return min(RETRY_AFTER_CAP_S, max(RETRY_S, float(resp.headers.get("Retry-After", ""))))
+    except ValueError:
+        return RETRY_S
+
+
+def error_code(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["code"] or resp.status_code)
+    except (ValueError, KeyError, TypeError):
+        return str(resp.status_code)
+
+
+async def wait_ready(url: str, timeout_s: float, logs: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=url, timeout=2) as client:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get("/readyz")).status_code == 200:
+                    return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"the platform was not ready in {timeout_s:.0f} s; see {logs}")
+
+
+async def job_statuses(db: Database, ids: list[str]) -> dict[str, str]:
+    async with db.session() as s:
+        rows = (await s.execute(select(Job.id, Job.status).where(Job.id.in_(ids)))).all()
+    return {job_id: status for job_id, status in rows}
+
+
+async def wait_terminal(db: Database, ids: list[str], deadline: float) -> None:
+    """Until every one of these jobs is finished, or the deadline (monotonic)."""
+    while True:
+        try:
+            statuses = await job_statuses(db, ids)
+            unfinished = [i for i in ids if statuses.get(i) not in TERMINAL]
+        except OSError as exc:  # the database is not part of the chaos; say so and go on
+            log.warning("reading job states failed: %s", exc)
+            unfinished = ids
+        if not unfinished or time.monotonic() > deadline:
+            if unfinished:
+                log.warning("%d accepted jobs still unfinished at the deadline", len(unfinished))
+            return
+        await asyncio.sleep(1.0)
+
+
+# --- the platform ------------------------------------------------------------------------------
+
+
+def postgres_server_url(base: Settings, bench: str) -> str:
+    url = base.database_url or DEFAULT_PG_SERVER
+    if not url.startswith("postgresql"):
+        raise RuntimeError(
+            f"tierq bench {bench} needs PostgreSQL (DATABASE_URL is {url.split(':', 1)[0]}...)"
+        )
+    return url
+
+
+def base_env(settings: Settings, admin_key: str) -> dict[str, str]:
+    """The environment of every process: this process's, pointed at the scratch services."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "DATABASE_URL": settings.resolved_database_url,
+            "REDIS_URL": settings.resolved_redis_url,
+            "REDIS_PREFIX": settings.redis_prefix,
+            "STATE_DIR": str(settings.state_dir),
+            "API_HOST": settings.api_host,
+            "API_PORT": str(settings.api_port),
+            "ADMIN_API_KEY": admin_key,
+            "ENGINE": settings.engine,
+            "PIN_AUX_PROCESSES": "false",
+            "EMBEDDED_DEFAULT": "false",
+            "ENGINE_FAULT_RATE": "0",
+        }
+    )
+    return env
+
+
+def platform_children(
+    settings: Settings,
+    logs: Path,
+    env: dict[str, str],
+    workers: int,
+    worker_env: Callable[[int, str], dict[str, str]],
+) -> tuple[list[Child], dict[str, dict[str, str]]]:
+    """`tierq run`'s components, with the one worker made `workers` workers (named
+    worker-0, worker-1, ...; `worker_env(i, name)` adds to each one's environment)."""
+    children: list[Child] = []
+    envs: dict[str, dict[str, str]] = {}
+    pids = settings.state_dir / "pids"
+    for c in components(settings, logs):
+        if c.name != "worker":
+            children.append(c)
+            envs[c.name] = dict(env)
+            continue
+        for i in range(workers):
+            name = f"worker-{i}"
+            children.append(
+                dataclasses.replace(
+                    c, name=name, log_path=logs / f"{name}.log", pid_path=pids / f"{name}.pid"
+                )
+            )
+            envs[name] = {**env, **worker_env(i, name)}
+    return children, envs
+
+
+class ScratchPlatform:
+    """`async with ScratchPlatform(...) as p:` a redis-server, a migrated scratch database
+    and `p.settings` pointing at them; then `p.start(children, envs)` and
+    `await p.wait_ready()`. Leaving kills everything, drops the database, and removes the
+    state folder unless `keep_logs` is set or the run did not set `p.completed`."""
+
+    def __init__(
+        self, base: Settings, bench: str, engine: str, redis_prefix: str, tag: str, keep_logs: bool
+    ) -> None:
+        if engine not in ("simulated", "vllm"):
+            raise ValueError("--engine is simulated or vllm")
+        self.server_url = postgres_server_url(base, bench)
+        self.base = base
+        self.bench = bench
+        self.engine = engine
+        self.redis_prefix = redis_prefix
+        self.tag = tag
+        self.keep_logs = keep_logs
+        self.admin_key = secrets.token_urlsafe(24)
+        self.state = Path(tempfile.mkdtemp(prefix=f"tierq-{bench}-"))
+        self.logs = self.state / "logs"
+        self.redis = RedisServer(free_port(), self.logs / "redis.log")
+        self.settings = base
+        self.db_url: str | None = None
+        self.sup: Supervisor | None = None
+        self.completed = False
+        self._db: Database | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.api_host}:{self.settings.api_port}"
+
+    async def __aenter__(self) -> ScratchPlatform:
+        main = asyncio.current_task()
+        if main is not None:  # SIGTERM as Ctrl-C: through the exit that kills everything
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
+        self.logs.mkdir()
+        try:
+            self.redis.start()
+            await self.redis.wait_ready()
+            self.db_url = await _scratch_database(
+                self.base.model_copy(update={"database_url": self.server_url}), self.state, self.tag
+            )
+            await asyncio.to_thread(migrations.upgrade, self.db_url)  # Alembic: its own loop
+            self.settings = self.base.model_copy(
+                update={
+                    "database_url": self.db_url,
+                    "redis_url": self.redis.url,
+                    "redis_prefix": self.redis_prefix,
+                    "state_dir": self.state,
+                    "api_host": "127.0.0.1",
+                    "api_port": free_port(),
+                    "engine": self.engine,
+                    "pin_aux_processes": False,
+                    "embedded_default": False,
+                }
+            )
+            if self.engine == "vllm" and not self.settings.model_path:
+                from tierq.bundled_model import prepare_bundled_model
+
+                await asyncio.to_thread(prepare_bundled_model, self.settings)
+        except BaseException:
+            await self._teardown()
+            raise
+        return self
+
+    def start(self, children: list[Child], envs: dict[str, dict[str, str]]) -> Supervisor:
+        self.sup = Supervisor(children, envs)
+        self.sup.start_all()
+        self._watcher = asyncio.create_task(self.sup.watch())
+        return self.sup
+
+    async def wait_ready(self) -> None:
+        await wait_ready(self.url, READY_TIMEOUT_S[self.engine], self.logs)
+
+    def database(self) -> Database:
+        """The bench's own small pool on the scratch database (closed on leaving)."""
+        assert self.db_url is not None
+        if self._db is None:
+            self._db = Database(self.db_url, pool_size=2, max_overflow=2)
+        return self._db
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        if self.sup is not None:
+            self.sup.stop_all()
+        self.redis.kill()
+        if self._db is not None:
+            await self._db.close()
+        if self.db_url is not None:
+            try:
+                await _drop_scratch_database(self.db_url)
+            except Exception:
+                log.exception("could not drop the scratch database %s", self.db_url)
+        if self.keep_logs or not self.completed:
+            log.warning("process logs kept in %s", self.logs)
+        else:
+            shutil.rmtree(self.state, ignore_errors=True)
