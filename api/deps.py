@@ -112,6 +112,15 @@ def api_key_id(request: Request) -> str | None:
     return key_id
 
 
+def refuse_unless_active(status: str | None) -> None:
+    """After `models.tenants.lock_tenant` in a request's transaction: the tenant's state
+    (and the request's key's) as of now, not as of authentication a moment before."""
+    if status == tenants.REVOKED:
+        raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
+    if status != tenants.ACTIVE:
+        raise APIError(403, "The tenant is suspended.", "tenant_suspended")
+
+
 async def stream_slot(hub: EventHub, settings: Settings, tenant: TenantRecord) -> Slot:
     """One of the tenant's stream slots (an SSE stream or a waiting online request);
     429 too_many_streams at `max_streams_per_tenant`."""

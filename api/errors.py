@@ -9,8 +9,10 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from models.db import is_unavailable as db_unavailable
 from tierq.redis_conn import is_unavailable as redis_unavailable
@@ -35,6 +37,40 @@ _TYPE_BY_STATUS = {
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None
+    param: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape: the body of every error the platform answers."""
+
+    error: ErrorDetail
+
+
+# What each error status means here, for the OpenAPI document.
+_DOCUMENTED = {
+    400: "Invalid request: a value the schema or the deployment's limits refuse, or one no "
+    "request may carry (NUL, a lone surrogate, an integer past 64 bits, nesting past 32).",
+    401: "No API key, or one that is wrong or revoked.",
+    403: "The key may not do this: a tenant's key on the admin API, a suspended tenant, or "
+    "a tier the tenant may not use.",
+    404: "No such resource of this tenant, or no such model.",
+    409: "A conflict with the resource's state.",
+    413: "The request body is larger than the deployment takes, or a file quota is full.",
+    415: "The request body is not of the media type this operation takes.",
+    429: "A quota, a rate limit or a cap on concurrent work; Retry-After says when to retry.",
+    503: "A service the platform depends on is unavailable; Retry-After says when to retry.",
+}
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses=`: each error status it answers, in OpenAI's error shape."""
+    return {status: {"model": ErrorBody, "description": _DOCUMENTED[status]} for status in statuses}
 
 
 class APIError(Exception):
@@ -106,11 +142,12 @@ def install(app: FastAPI) -> None:
         return error_response(400, message, "invalid_request", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(
-            exc.status_code, str(exc.detail), code, headers=dict(exc.headers or {})
-        )
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(request)
+        return error_response(exc.status_code, str(exc.detail), code, headers=headers)
 
     async def _dependency(_: Request, exc: Exception) -> JSONResponse:
         if db_unavailable(exc) or redis_unavailable(exc):
@@ -132,6 +169,19 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return _internal(exc)
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method a route takes at the request's path: Starlette's 405 names only those of
+    the first route there (GET /v1/jobs and POST /v1/jobs are two routes)."""
+    path = request.scope.get("path", "")
+    methods = {
+        method
+        for route in request.app.router.routes
+        if isinstance(route, Route) and route.methods and route.path_regex.fullmatch(path)
+        for method in route.methods
+    }
+    return ", ".join(sorted(methods))
 
 
 def _internal(exc: Exception) -> JSONResponse:

@@ -4,7 +4,7 @@ per-tenant ones are behind the admin key, api/admin/metrics.py)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import DbDep, NamesDep, RedisDep, SettingsDep
@@ -18,7 +18,10 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    responses={503: {"description": "Not ready: the body says which check failed."}},
+)
 async def readyz(db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep) -> JSONResponse:
     checks: dict[str, str] = {}
     body_extra: dict[str, list[str]] = {}
@@ -55,6 +58,6 @@ async def readyz(db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep)
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

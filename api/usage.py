@@ -3,16 +3,46 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from itertools import permutations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
 from api.deps import DbDep, TenantDep
-from api.errors import APIError
+from api.errors import APIError, documented
 from models import billing
 from models.db import Database
 
 router = APIRouter(tags=["usage"])
+
+# What `from` and `to` take, as the OpenAPI document states it: Unix seconds (of a date
+# Python can hold) or an ISO 8601 date or date-time.
+_TIME_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "integer",
+            "minimum": -62135596800,  # 0001-01-01T00:00:00Z
+            "maximum": 253402300799,  # 9999-12-31T23:59:59Z
+            "description": "Unix seconds.",
+        },
+        {"type": "string", "format": "date"},
+        {"type": "string", "format": "date-time"},
+        {"type": "string", "maxLength": 0, "description": "Empty: no bound."},
+    ]
+}
+# `group_by`: some of billing.GROUPS, each once, comma-separated (none: by day).
+_GROUP_BY_PATTERN = (
+    "^("
+    + "|".join(
+        ",".join(p)
+        for n in range(1, len(billing.GROUPS) + 1)
+        for p in permutations(billing.GROUPS, n)
+    )
+    + ")?$"
+)
+Since = Annotated[str | None, Query(alias="from", json_schema_extra=_TIME_SCHEMA)]
+Until = Annotated[str | None, Query(alias="to", json_schema_extra=_TIME_SCHEMA)]
+GroupBy = Annotated[str | None, Query(json_schema_extra={"pattern": _GROUP_BY_PATTERN})]
 
 
 def parse_time(value: str | None, name: str) -> datetime | None:
@@ -72,13 +102,13 @@ async def usage_report(
     }
 
 
-@router.get("/v1/usage")
+@router.get("/v1/usage", responses=documented(400, 401, 503))
 async def own_usage(
     tenant: TenantDep,
     db: DbDep,
-    start: Annotated[str | None, Query(alias="from")] = None,
-    end: Annotated[str | None, Query(alias="to")] = None,
-    group_by: str | None = None,
+    start: Since = None,
+    end: Until = None,
+    group_by: GroupBy = None,
 ) -> dict[str, Any]:
     """The caller's own usage: tokens and cost per day, tier or model."""
     return await usage_report(db, tenant.id, start, end, group_by)

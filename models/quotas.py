@@ -28,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from models import spend
@@ -50,6 +50,9 @@ LIMIT_FIELDS = (
 MILLION = Decimal(1_000_000)
 # Batch states in which a batch may still turn lines into jobs (so holds a reservation).
 EXPANDING = ("validating", "in_progress")
+# A job cancelled while it ran holds its reservation until its worker bills what it
+# generated, or for this long at most.
+BILLING_GRACE = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -188,8 +191,11 @@ async def check(
     if quota.token_budget is not None or quota.spend_budget is not None:
         _start, end = period_bounds(quota.budget_period, now)
         wait = 3600 if end is None else max(1, math.ceil((end - now).total_seconds()))
+        # Reserved work first, spend after: on PostgreSQL each statement sees its own
+        # snapshot, and work moves batch -> job -> ledger; read in that order, a move that
+        # commits between two reads is counted twice (erring safe), never not at all.
+        held_tokens, held_cost = await _reserved(s, tenant, quota.tier, now)
         used_tokens, used_cost = await spent(s, tenant, quota.tier, quota.budget_period, now)
-        held_tokens, held_cost = await _reserved(s, tenant, quota.tier)
         if quota.token_budget is not None and (
             used_tokens + held_tokens + reserved_tokens > quota.token_budget
         ):
@@ -266,30 +272,43 @@ async def _minute_window(
     return int(count), int(used), as_utc(oldest)
 
 
-async def _reserved(s: AsyncSession, tenant_id: str, tier: str) -> tuple[int, Decimal]:
-    """What the tenant's unfinished work holds against its budget: the reservation of each
-    queued or running job (online or a batch's), plus, for every batch still expanding,
-    the reservation of its lines not yet jobs."""
-    stmt = _scope(
-        select(Job.reserved_tokens, Job.params, Job.input_price, Job.output_price).where(
-            Job.tenant_id == tenant_id,
-            Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
-        ),
-        Job.tier,
-        tier,
-    )
+async def _reserved(
+    s: AsyncSession, tenant_id: str, tier: str, now: datetime
+) -> tuple[int, Decimal]:
+    """What the tenant's unfinished work holds against its budget: for every batch still
+    expanding, the reservation of its lines not yet jobs; the reservation of each queued
+    or running job (online or a batch's); and of each job cancelled while it ran whose
+    usage the worker has not recorded yet, for BILLING_GRACE after the cancel (a worker
+    bills nothing for a job that generated nothing, or that died with it)."""
     tokens, cost = 0, Decimal(0)
-    for reserved, params, price_in, price_out in (await s.execute(stmt)).all():
-        tokens += reserved
-        max_tokens = int((params or {}).get("max_tokens", 0))
-        cost += reservation_cost(reserved, max_tokens, price_in, price_out)
-    if tier in (ALL_TIERS, Tier.BATCH.value):
+    if tier in (ALL_TIERS, Tier.BATCH.value):  # read first: see `check`
         held = select(Batch.reserved_tokens, Batch.reserved_cost).where(
             Batch.tenant_id == tenant_id, Batch.status.in_(EXPANDING)
         )
         for batch_tokens, batch_cost in (await s.execute(held)).all():
             tokens += int(batch_tokens)
             cost += batch_cost
+    unbilled_cancel = and_(
+        Job.status == JobStatus.CANCELLED.value,
+        Job.started_at.is_not(None),
+        Job.prompt_tokens.is_(None),
+        Job.finished_at > now - BILLING_GRACE,
+    )
+    stmt = _scope(
+        select(Job.reserved_tokens, Job.params, Job.input_price, Job.output_price).where(
+            Job.tenant_id == tenant_id,
+            or_(
+                Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
+                unbilled_cancel,
+            ),
+        ),
+        Job.tier,
+        tier,
+    )
+    for reserved, params, price_in, price_out in (await s.execute(stmt)).all():
+        tokens += reserved
+        max_tokens = int((params or {}).get("max_tokens", 0))
+        cost += reservation_cost(reserved, max_tokens, price_in, price_out)
     return tokens, cost
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, literal, or_, select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from models.records import TenantRecord, as_utc, unix
@@ -132,22 +132,17 @@ async def lock_tenant(
     Exclusive: admissions of one tenant run one at a time (quota checks); shared: they run
     side by side, but a suspension or a key's revocation (each takes the row's exclusive
     lock) waits for them, and they see it once it committed — so no job is admitted past
-    either. One statement, one round trip."""
-    stmt: Any
-    if key_id is None:
-        stmt = select(Tenant.status, literal(None)).where(Tenant.id == tenant_id)
-    else:
-        stmt = (
-            select(Tenant.status, ApiKey.revoked_at)
-            .outerjoin(ApiKey, and_(ApiKey.id == key_id, ApiKey.tenant_id == Tenant.id))
-            .where(Tenant.id == tenant_id)
-        )
-    lock = stmt.with_for_update(of=Tenant, read=not exclusive)
-    found = (await s.execute(lock)).one_or_none()
-    if found is None:
-        return None
-    status, revoked_at = found
-    return REVOKED if revoked_at is not None else str(status)
+    either. The key is read by a statement of its own, after the lock: PostgreSQL gives a
+    statement that waited for a lock the new version of the locked row only, not of the
+    rows it joins."""
+    stmt = select(Tenant.status).where(Tenant.id == tenant_id)
+    lock = stmt.with_for_update(read=not exclusive)
+    status = (await s.execute(lock)).scalar_one_or_none()
+    if status is None or key_id is None:
+        return status
+    key = select(ApiKey.revoked_at).where(ApiKey.id == key_id, ApiKey.tenant_id == tenant_id)
+    found = (await s.execute(key)).one_or_none()
+    return REVOKED if found is None or found[0] is not None else str(status)
 
 
 async def issue_key(s: AsyncSession, tenant_id: str) -> IssuedKey:

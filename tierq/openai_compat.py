@@ -12,7 +12,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from models.records import JobRecord, unix
-from tierq.requests import ChatMessage, JobCreate
+from tierq.requests import (
+    DOCUMENTED_MAX_PROMPT_CHARS,
+    DOCUMENTED_MAX_TOKENS,
+    INT64,
+    MAX_TOKENS_SCHEMA,
+    NOT_BLANK,
+    ChatMessage,
+    JobCreate,
+    Metadata,
+    Stop,
+    some_content,
+)
 from tierq.tiers import Tier
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -77,26 +88,56 @@ class OpenAIMessage(BaseModel):
         return ChatMessage(role=self.role, content=text, name=self.name)
 
 
-class _Common(BaseModel):
-    """What chat and text completions share."""
+# A prompt the engine can take: not blank, and no longer than MAX_PROMPT_CHARS (default).
+_PROMPT_TEXT: dict[str, Any] = {
+    "type": "string",
+    "pattern": NOT_BLANK,
+    "maxLength": DOCUMENTED_MAX_PROMPT_CHARS,
+}
+# An OpenAI message's content with some text: a string, or parts of which one has some.
+_SOME_TEXT: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "pattern": NOT_BLANK},
+        {
+            "type": "array",
+            "contains": {"type": "object", "properties": {"text": {"pattern": NOT_BLANK}}},
+        },
+    ]
+}
+# `stream_options` is only taken with `stream: true`.
+_STREAM_OPTIONS_NEED_STREAM: dict[str, Any] = {
+    "anyOf": [
+        {"not": {"required": ["stream_options"]}},
+        {"properties": {"stream_options": {"type": "null"}}},
+        {"required": ["stream"], "properties": {"stream": {"const": True}}},
+    ]
+}
 
-    model_config = ConfigDict(extra="forbid")
+
+class _Common(BaseModel):
+    """What chat and text completions share. `min_tokens` is at most the request's
+    `max_tokens`; the input is at most MAX_PROMPT_CHARS characters (200,000 by default)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)
 
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int | None = Field(default=None, ge=1, le=1)  # one choice per request
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Stop = None
+    seed: int | None = Field(default=None, json_schema_extra=INT64)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extensions (extra_body)
+    # vLLM's extensions (extra_body)
+    min_tokens: int | None = Field(
+        default=None, ge=0, json_schema_extra={"maximum": DOCUMENTED_MAX_TOKENS}
+    )
     ignore_eos: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     store: bool | None = None
 
     @model_validator(mode="before")
@@ -143,10 +184,13 @@ class _Common(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[OpenAIMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
+    messages: list[OpenAIMessage] = Field(min_length=1, json_schema_extra=some_content(_SOME_TEXT))
+    max_tokens: int | None = Field(default=None, ge=1, json_schema_extra=MAX_TOKENS_SCHEMA)
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, json_schema_extra=MAX_TOKENS_SCHEMA
+    )
+    # Refused when true (_refuse_unsupported): no log probabilities here.
+    logprobs: bool | None = Field(default=None, json_schema_extra={"enum": [False, None]})
     parallel_tool_calls: bool | None = None
 
     def to_job(self) -> JobCreate:
@@ -155,11 +199,20 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
-    echo: bool = False
+    prompt: str | list[str] = Field(
+        json_schema_extra={
+            "anyOf": [
+                _PROMPT_TEXT,
+                {"type": "array", "items": _PROMPT_TEXT, "minItems": 1, "maxItems": 1},
+            ]
+        }
+    )
+    # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=1, json_schema_extra=MAX_TOKENS_SCHEMA)
+    echo: bool = Field(default=False, json_schema_extra={"const": False})  # refused when true
     best_of: int | None = Field(default=None, ge=1, le=1)
-    logprobs: int | None = None
+    # Refused unless 0 (_refuse_unsupported): no log probabilities here.
+    logprobs: int | None = Field(default=None, json_schema_extra={"enum": [0, False, None]})
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:

@@ -46,6 +46,7 @@ if ARGV[5] ~= '' then
 end
 local n = redis.call('RPUSH', KEYS[1], stored)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[4], ARGV[2])
 redis.call('PUBLISH', KEYS[2], n .. '|' .. ARGV[1])
 return n
 """
@@ -112,8 +113,16 @@ async def held_by_redis(r: aioredis.Redis, names: RedisNames, job_ids: list[str]
     return [bool(x) for x in await r.smismember(names.inflight, job_ids)]
 
 
-# What a replay buffer keeps of a delta past its byte limit.
-TRUNCATED = JobEvent("delta", {"text": "", "replay_truncated": True}).encode()
+def truncated(event: JobEvent) -> str:
+    """What a replay buffer keeps of a delta past its byte limit: how many characters it
+    had (a re-run of the job skips that much of its text, as it skips what was kept)."""
+    chars = len(event.data.get("text", ""))
+    return JobEvent("delta", {"text": "", "replay_truncated": True, "chars": chars}).encode()
+
+
+def delta_chars(event: JobEvent) -> int:
+    """Characters of text a delta carried, kept or truncated in the buffer."""
+    return int(event.data.get("chars", len(event.data.get("text", ""))))
 
 
 class EventLog:
@@ -152,7 +161,7 @@ class EventLog:
         final = event.kind != "delta"
         limit = "" if final or self.max_bytes is None else str(self.max_bytes)
         ttl = self.done_ttl_s if final else self.ttl_s
-        return [event.encode(), ttl, fence, check, limit, TRUNCATED]
+        return [event.encode(), ttl, fence, check, limit, truncated(event) if limit else ""]
 
     async def append(self, job_id: str, event: JobEvent, delivery: int | None = None) -> int:
         """Append one event; its sequence number, or 0 if a later delivery fenced it off."""

@@ -1,28 +1,96 @@
 """A generation request, normalised: the native job API's body, and what the OpenAI surface
 and batch lines are translated into before admission. `check` applies the deployment's
 limits; a refusal is `Refused`, which the API answers in OpenAI's error shape and a batch
-writes to its error file."""
+writes to its error file.
+
+The models' JSON Schema (the OpenAPI document) states what is accepted: a limit enforced
+in a validator is declared beside it (`json_schema_extra`), with the validator keeping its
+own message. Limits the deployment sets (MAX_MODEL_LEN, MAX_PROMPT_CHARS) are documented at
+their defaults; a deployment that lowers them answers 400 past them. What no request may
+carry anywhere (tierq/hostile.py: NUL, lone surrogates, integers past 64 bits, nesting
+past 32) is one rule for every field and is not repeated in each schema.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from tierq.settings import Settings
 from tierq.tiers import Tier
 
+# The deployment's limits at their defaults, as the document states them.
+DOCUMENTED_MAX_TOKENS = Settings.model_fields["max_model_len"].default - 1
+DOCUMENTED_MAX_PROMPT_CHARS = Settings.model_fields["max_prompt_chars"].default
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+MAX_STOPS = 4
+
+# JSON Schema of what the validators below require.
+NOT_BLANK = r"\S"  # a string with something besides whitespace (str.strip() leaves some)
+# The 64-bit range as the document states it: bounds a double holds exactly (2**63 - 1 does
+# not: a client comparing in doubles would take 2**63 + 511 as within it).
+INT64_DOCUMENTED = 2**63 - 1024
+INT64: dict[str, Any] = {"minimum": -INT64_DOCUMENTED, "maximum": INT64_DOCUMENTED}
+MAX_TOKENS_SCHEMA: dict[str, Any] = {
+    "maximum": DOCUMENTED_MAX_TOKENS,
+    "description": "Less than the model's context length: MAX_MODEL_LEN - 1 "
+    f"({DOCUMENTED_MAX_TOKENS} by default); more is a 400 context_length_exceeded.",
+}
+_METADATA_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "maxProperties": METADATA_PAIRS,
+            "propertyNames": {"maxLength": METADATA_KEY_CHARS},
+            "additionalProperties": {"type": "string", "maxLength": METADATA_VALUE_CHARS},
+        },
+        {"type": "null"},
+    ],
+    "default": None,
+}
+_STOP_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS},
+        {"type": "null"},
+    ],
+    "default": None,
+    "description": f"Up to {MAX_STOPS} non-empty stop sequences.",
+}
+
 
 def _check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
     if v is not None and (
-        len(v) > 16 or any(len(k) > 64 or len(val) > 512 for k, val in v.items())
+        len(v) > METADATA_PAIRS
+        or any(
+            len(k) > METADATA_KEY_CHARS or len(val) > METADATA_VALUE_CHARS for k, val in v.items()
+        )
     ):
         raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
     return v
 
 
 # OpenAI's metadata limits; jobs and batches take the same.
-Metadata = Annotated[dict[str, str] | None, AfterValidator(_check_metadata)]
+Metadata = Annotated[
+    dict[str, str] | None, AfterValidator(_check_metadata), WithJsonSchema(_METADATA_SCHEMA)
+]
+# Stop sequences as the API takes them (JobCreate's validator checks them).
+Stop = Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)]
+
+
+def some_content(content: dict[str, Any]) -> dict[str, Any]:
+    """A list of messages of which one at least has content besides whitespace, where
+    `content` is the JSON Schema of a message's content that has some."""
+    return {"contains": {"type": "object", "properties": {"content": content}}}
 
 
 class Refused(Exception):
@@ -45,23 +113,46 @@ class ChatMessage(BaseModel):
 
 
 class JobCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A generation job: exactly one of `messages` (of which one has some content) and
+    `prompt` (not blank), up to MAX_PROMPT_CHARS characters of input in all (200,000 by
+    default), and `min_tokens` no more than `max_tokens`."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            ]
+        },
+    )
 
     tier: Tier | None = None  # None: the tenant's default tier
     model: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    prompt: str | None = None
-    max_tokens: int = Field(default=256, ge=1)
+    messages: list[ChatMessage] | None = Field(
+        default=None,
+        min_length=1,
+        json_schema_extra=some_content({"type": "string", "pattern": NOT_BLANK}),
+    )
+    prompt: str | None = Field(
+        default=None,
+        json_schema_extra={"pattern": NOT_BLANK, "maxLength": DOCUMENTED_MAX_PROMPT_CHARS},
+    )
+    max_tokens: int = Field(default=256, ge=1, json_schema_extra=MAX_TOKENS_SCHEMA)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Stop = None
+    seed: int | None = Field(default=None, json_schema_extra=INT64)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # vLLM's extensions of the OpenAI parameters, under the same names as `vllm serve`:
     # generate at least `min_tokens` before a stop or EOS may end the output; `ignore_eos`
     # runs to max_tokens (benchmarks and load tests use it for outputs of a known length).
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(
+        default=0,
+        ge=0,
+        json_schema_extra={"maximum": DOCUMENTED_MAX_TOKENS, "description": "At most max_tokens."},
+    )
     ignore_eos: bool = False
     metadata: Metadata = None
 
@@ -71,7 +162,7 @@ class JobCreate(BaseModel):
         if v is None:
             return None
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > 4 or any(not s for s in stops):
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
             raise ValueError("at most 4 non-empty stop sequences")
         return stops
 

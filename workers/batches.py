@@ -237,7 +237,9 @@ class BatchRunner:
                 room,
                 batch.endpoint,
             )
-            lines = [self._line(batch, item) for item in raw]
+            # Parsed and counted in a thread (the tokenizer lets go of the GIL): the event
+            # loop keeps renewing the batch's lock meanwhile.
+            lines = await asyncio.to_thread(self._lines, batch, raw)
             async with self.db.transaction() as s:
                 prices = await self._prices(s, batch)
                 queued = await batch_repo.expand(s, batch, lines, line, offset, prices)
@@ -279,6 +281,9 @@ class BatchRunner:
         if price is None:
             return Decimal(0), Decimal(0)
         return price.input_per_million, price.output_per_million
+
+    def _lines(self, batch: BatchRecord, raw: list[RawLine]) -> list[BatchLine]:
+        return [self._line(batch, item) for item in raw]
 
     def _line(self, batch: BatchRecord, item: RawLine) -> BatchLine:
         """A line's job, or the refusal that its error line will carry."""
@@ -408,16 +413,19 @@ def _reservation(settings: Settings, job: JobCreate) -> int:
 async def _budget_refusal(
     s: AsyncSession, tenant_id: str, tokens: int, cost: Decimal
 ) -> quota_repo.Refusal | None:
-    """The first of the tenant's budgets that reserving `tokens` and `cost` for a batch
-    would pass, checked under the tenant's lock (taken when it has a budget)."""
+    """Why the batch may not start: its tenant is not active, or the first of its budgets
+    that reserving `tokens` and `cost` would pass (checked under the tenant's lock)."""
     quotas = [
         q
         for q in await quota_repo.quotas_of(s, tenant_id)
         if q.tier in (quota_repo.ALL_TIERS, Tier.BATCH.value)
         and (q.token_budget is not None or q.spend_budget is not None)
     ]
-    if quotas:
-        await tenant_repo.lock_tenant(s, tenant_id)
+    # Locked with every other admission of the tenant (exclusive when a budget is checked):
+    # a tenant suspended since the batch was created starts nothing.
+    status = await tenant_repo.lock_tenant(s, tenant_id, exclusive=bool(quotas))
+    if status != tenant_repo.ACTIVE:
+        return quota_repo.Refusal("tenant_suspended", "The tenant is suspended.", 0)
     for quota in quotas:
         refusal = await quota_repo.check(s, quota, Tier.BATCH.value, tokens, cost, online=False)
         if refusal is not None:

@@ -46,7 +46,7 @@ from models.db import Database
 from models.records import JobRecord
 from tierq import batch_signal, metrics
 from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
-from tierq.queue import EventLog, enqueue, read_group, wake_dispatcher, write_heartbeat
+from tierq.queue import EventLog, delta_chars, enqueue, read_group, wake_dispatcher, write_heartbeat
 from tierq.redis_conn import is_unavailable as redis_unavailable
 from tierq.redis_conn import redis_now
 from tierq.redis_names import WORKER_GROUP, RedisNames
@@ -547,7 +547,7 @@ class Worker:
             else []
         )
         self.publisher.fence(job.id, job.deliveries, [event for _, event in earlier])
-        already = "".join(e.data.get("text", "") for _, e in earlier if e.kind == "delta")
+        already = sum(delta_chars(e) for _, e in earlier if e.kind == "delta")
         params: dict[str, Any] = dict(job.params)
         if params.get("seed") is None:
             params["seed"] = replay_seed(job.id)
@@ -555,7 +555,7 @@ class Worker:
 
         out = Outcome("succeeded")
         text_parts: list[str] = []
-        emitted = len(already)
+        emitted = already
         produced = 0
         first = True
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -17,9 +18,9 @@ from sqlalchemy.exc import IntegrityError
 from api.admin import metrics as admin_metrics
 from api.admin.schemas import PriceSet, QuotaSet, TenantCreate, TenantUpdate
 from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, require_admin
-from api.errors import APIError, not_found
+from api.errors import APIError, documented, not_found
 from api.pages import list_page
-from api.usage import usage_report
+from api.usage import GroupBy, Since, Until, usage_report
 from models import batches as batch_repo
 from models import billing
 from models import jobs as job_repo
@@ -33,7 +34,13 @@ from tierq.queue import forget_inflight
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
-router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
+# Every route: the door's guard (400), the admin key (401, 403), the database (503).
+router = APIRouter(
+    prefix="/admin",
+    tags=["admin"],
+    dependencies=[Depends(require_admin)],
+    responses=documented(400, 401, 403, 503),
+)
 router.include_router(admin_metrics.router)
 
 
@@ -48,7 +55,7 @@ async def _tenant(db: Database, tenant_id: str) -> TenantRecord:
 # --- tenants -------------------------------------------------------------------------------
 
 
-@router.post("/tenants")
+@router.post("/tenants", responses=documented(409))
 async def create_tenant(
     body: TenantCreate, db: DbDep, r: RedisDep, names: NamesDep
 ) -> dict[str, Any]:
@@ -78,12 +85,12 @@ async def list_tenants(
     return list_page([t.to_api() for t in page], more)
 
 
-@router.get("/tenants/{tenant_id}")
+@router.get("/tenants/{tenant_id}", responses=documented(404))
 async def get_tenant(tenant_id: str, db: DbDep) -> dict[str, Any]:
     return (await _tenant(db, tenant_id)).to_api()
 
 
-@router.patch("/tenants/{tenant_id}")
+@router.patch("/tenants/{tenant_id}", responses=documented(404, 409))
 async def update_tenant(
     tenant_id: str,
     body: TenantUpdate,
@@ -141,7 +148,7 @@ async def _stop_work(
         await batch_signal.poke(settings, r, names, batch_id)
 
 
-@router.post("/tenants/{tenant_id}/suspend")
+@router.post("/tenants/{tenant_id}/suspend", responses=documented(404))
 async def suspend_tenant(
     tenant_id: str, db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep
 ) -> dict[str, Any]:
@@ -156,7 +163,7 @@ async def suspend_tenant(
     return tenant.to_api()
 
 
-@router.post("/tenants/{tenant_id}/resume")
+@router.post("/tenants/{tenant_id}/resume", responses=documented(404))
 async def resume_tenant(tenant_id: str, db: DbDep, r: RedisDep, names: NamesDep) -> dict[str, Any]:
     await _tenant(db, tenant_id)
     async with db.transaction() as s:
@@ -166,7 +173,7 @@ async def resume_tenant(tenant_id: str, db: DbDep, r: RedisDep, names: NamesDep)
     return tenant.to_api()
 
 
-@router.delete("/tenants/{tenant_id}")
+@router.delete("/tenants/{tenant_id}", responses=documented(404))
 async def delete_tenant(
     tenant_id: str, db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep
 ) -> dict[str, Any]:
@@ -185,7 +192,7 @@ async def delete_tenant(
 # --- keys ------------------------------------------------------------------------------------
 
 
-@router.post("/tenants/{tenant_id}/keys")
+@router.post("/tenants/{tenant_id}/keys", responses=documented(404))
 async def create_key(tenant_id: str, db: DbDep) -> dict[str, Any]:
     """The secret is in this answer only; the database keeps its hash."""
     await _tenant(db, tenant_id)
@@ -194,7 +201,7 @@ async def create_key(tenant_id: str, db: DbDep) -> dict[str, Any]:
     return issued.to_api()
 
 
-@router.get("/tenants/{tenant_id}/keys")
+@router.get("/tenants/{tenant_id}/keys", responses=documented(404))
 async def list_keys(tenant_id: str, db: DbDep) -> dict[str, Any]:
     await _tenant(db, tenant_id)
     async with db.session() as s:
@@ -202,7 +209,7 @@ async def list_keys(tenant_id: str, db: DbDep) -> dict[str, Any]:
     return list_page([k.to_api() for k in keys], False)
 
 
-@router.delete("/keys/{key_id}")
+@router.delete("/keys/{key_id}", responses=documented(404))
 async def revoke_key(key_id: str, db: DbDep, r: RedisDep, names: NamesDep) -> dict[str, Any]:
     """Effective at once: every request looks its key up in the database (no cache),
     admission looks again under the tenant's lock, and the key's open streams close."""
@@ -217,7 +224,7 @@ async def revoke_key(key_id: str, db: DbDep, r: RedisDep, names: NamesDep) -> di
 # --- quotas ----------------------------------------------------------------------------------
 
 
-@router.put("/tenants/{tenant_id}/quota")
+@router.put("/tenants/{tenant_id}/quota", responses=documented(404))
 async def set_quota(
     tenant_id: str, body: QuotaSet, db: DbDep, r: RedisDep, names: NamesDep
 ) -> dict[str, Any]:
@@ -231,7 +238,7 @@ async def set_quota(
     return {"object": "quota", "tenant_id": tenant_id, **quota.to_api()}
 
 
-@router.get("/tenants/{tenant_id}/quota")
+@router.get("/tenants/{tenant_id}/quota", responses=documented(404))
 async def get_quota(tenant_id: str, db: DbDep) -> dict[str, Any]:
     """Every quota of the tenant with its current usage against each limit."""
     await _tenant(db, tenant_id)
@@ -290,13 +297,13 @@ async def list_prices(db: DbDep) -> dict[str, Any]:
 # --- usage and invoices -----------------------------------------------------------------------
 
 
-@router.get("/tenants/{tenant_id}/usage")
+@router.get("/tenants/{tenant_id}/usage", responses=documented(404))
 async def tenant_usage(
     tenant_id: str,
     db: DbDep,
-    start: Annotated[str | None, Query(alias="from")] = None,
-    end: Annotated[str | None, Query(alias="to")] = None,
-    group_by: str | None = None,
+    start: Since = None,
+    end: Until = None,
+    group_by: GroupBy = None,
 ) -> dict[str, Any]:
     async with db.session() as s:
         exists = await tenant_repo.get_tenant(s, tenant_id)
@@ -305,24 +312,30 @@ async def tenant_usage(
     return await usage_report(db, tenant_id, start, end, group_by)
 
 
+# A month as invoices name it: YYYY-MM in ASCII digits, whose end is a date too (so not
+# 9999-12), and no other spelling of the same month ("2024-1", Arabic-Indic digits).
+PERIOD_PATTERN = r"^(?!0000)(?!9999-12)[0-9]{4}-(0[1-9]|1[0-2])$"
+Period = Annotated[str | None, Query(json_schema_extra={"pattern": PERIOD_PATTERN})]
+
+
 def _period(value: str | None) -> str | None:
     if value is None:
         return None
-    try:
-        datetime.strptime(value, "%Y-%m")
-    except ValueError:
-        raise APIError(
-            400, "'period' is a month: YYYY-MM.", "invalid_request", param="period"
-        ) from None
+    if re.fullmatch(PERIOD_PATTERN, value) is None:
+        raise APIError(400, "'period' is a month: YYYY-MM.", "invalid_request", param="period")
     return value
 
 
-@router.get("/invoices", response_model=None)
+@router.get(
+    "/invoices",
+    response_model=None,
+    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}},
+)
 async def list_invoices(
     db: DbDep,
     tenant: str | None = None,
-    period: str | None = None,
-    format: str = "json",
+    period: Period = None,
+    format: Annotated[str, Query(json_schema_extra={"enum": ["json", "csv"]})] = "json",
 ) -> dict[str, Any] | Response:
     async with db.session() as s:
         rows = await billing.invoices(s, tenant, _period(period))
@@ -333,8 +346,12 @@ async def list_invoices(
     return {"object": "list", "data": rows}
 
 
-@router.get("/invoices.csv", response_model=None)
-async def invoices_csv(db: DbDep, tenant: str | None = None, period: str | None = None) -> Response:
+@router.get(
+    "/invoices.csv",
+    response_model=None,
+    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}},
+)
+async def invoices_csv(db: DbDep, tenant: str | None = None, period: Period = None) -> Response:
     async with db.session() as s:
         rows = await billing.invoices(s, tenant, _period(period))
     return _csv(rows)
@@ -392,7 +409,7 @@ def _csv(rows: list[dict[str, Any]]) -> Response:
 
 
 @router.post("/invoices/rollup")
-async def roll_up_invoices(db: DbDep, period: str | None = None) -> dict[str, Any]:
+async def roll_up_invoices(db: DbDep, period: Period = None) -> dict[str, Any]:
     """Roll the month's ledger up into invoices now (beat does it periodically)."""
     month = _period(period) or datetime.now(UTC).strftime("%Y-%m")
     async with db.transaction() as s:

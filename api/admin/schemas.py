@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
+from tierq.requests import INT64_DOCUMENTED
 from tierq.tiers import Tier
+
+# A money column holds the amount's string (models.tables.Money).
+MONEY_CHARS = 40
+# What the document promises is taken as money: a plain non-negative decimal string.
+MONEY_SCHEMA: dict[str, Any] = {
+    "type": "string",
+    "pattern": r"^[0-9]{1,20}(\.[0-9]{1,12})?$",
+    "examples": ["0.15"],
+    "description": "A non-negative decimal string (a JSON number is refused).",
+}
+Money = Annotated[Decimal, WithJsonSchema(MONEY_SCHEMA)]
+MaybeMoney = Annotated[
+    Decimal | None, WithJsonSchema({"anyOf": [MONEY_SCHEMA, {"type": "null"}], "default": None})
+]
 
 
 def _decimal(value: object, name: str) -> Decimal | None:
@@ -23,11 +38,36 @@ def _decimal(value: object, name: str) -> Decimal | None:
         raise ValueError(f"'{name}' is not a decimal number") from None
     if not amount.is_finite() or amount < 0:
         raise ValueError(f"'{name}' must be a non-negative decimal")
+    if len(str(amount)) > MONEY_CHARS:  # the column could not hold it
+        raise ValueError(f"'{name}' has more digits than an amount may ({MONEY_CHARS})")
     return amount
 
 
+def _default_is_allowed() -> dict[str, Any]:
+    """JSON Schema of TenantCreate's rule: `default_tier` is one of `allowed_tiers` (each
+    defaulting as the model does: all tiers, and the standard tier)."""
+    branches: list[dict[str, Any]] = [{"not": {"required": ["allowed_tiers"]}}]
+    for tier in Tier:
+        default: dict[str, Any] = {"properties": {"default_tier": {"const": tier.value}}}
+        if tier is Tier.STANDARD:
+            default = {"anyOf": [{"not": {"required": ["default_tier"]}}, default]}
+        else:
+            default["required"] = ["default_tier"]
+        branches.append(
+            {
+                "allOf": [
+                    default,
+                    {"properties": {"allowed_tiers": {"contains": {"const": tier.value}}}},
+                ]
+            }
+        )
+    return {"anyOf": branches}
+
+
 class TenantCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """`default_tier` is one of `allowed_tiers`."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_default_is_allowed())
 
     name: str = Field(min_length=1, max_length=200)
     allowed_tiers: list[Tier] = Field(
@@ -44,6 +84,8 @@ class TenantCreate(BaseModel):
 
 
 class TenantUpdate(BaseModel):
+    """`default_tier` must be one of `allowed_tiers`, as they are after the update (400)."""
+
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(default=None, min_length=1, max_length=200)
@@ -67,8 +109,10 @@ class QuotaSet(BaseModel):
     tokens_per_minute: int | None = Field(default=None, ge=0, le=INT32_MAX)
     max_running: int | None = Field(default=None, ge=0, le=INT32_MAX)
     max_queued: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    token_budget: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    spend_budget: Decimal | None = None
+    token_budget: int | None = Field(
+        default=None, ge=0, le=INT64_MAX, json_schema_extra={"maximum": INT64_DOCUMENTED}
+    )
+    spend_budget: MaybeMoney = None
     budget_period: Literal["day", "month", "total"] = "month"
 
     @field_validator("spend_budget", mode="before")
@@ -82,8 +126,8 @@ class PriceSet(BaseModel):
 
     model: str = Field(min_length=1, max_length=200)
     tier: Tier
-    input_per_million: Decimal
-    output_per_million: Decimal
+    input_per_million: Money
+    output_per_million: Money
 
     @field_validator("input_per_million", "output_per_million", mode="before")
     @classmethod

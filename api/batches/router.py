@@ -6,11 +6,19 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict, field_validator
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, TenantDep
-from api.errors import APIError, not_found
+from api.deps import (
+    DbDep,
+    NamesDep,
+    RedisDep,
+    SettingsDep,
+    TenantDep,
+    api_key_id,
+    refuse_unless_active,
+)
+from api.errors import APIError, documented, not_found
 from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
@@ -20,14 +28,14 @@ from tierq.openai_compat import ENDPOINTS
 from tierq.requests import Metadata
 from tierq.tiers import Tier
 
-router = APIRouter(prefix="/v1/batches", tags=["batches"])
+router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=documented(400, 401, 503))
 
 
 class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
-    endpoint: str
+    endpoint: str = Field(json_schema_extra={"enum": list(ENDPOINTS)})
     completion_window: Literal["24h"]
     metadata: Metadata = None
 
@@ -39,9 +47,10 @@ class BatchCreate(BaseModel):
         return v
 
 
-@router.post("")
+@router.post("", responses=documented(403, 404, 413, 429))
 async def create_batch(
     body: BatchCreate,
+    request: Request,
     tenant: TenantDep,
     db: DbDep,
     r: RedisDep,
@@ -51,8 +60,10 @@ async def create_batch(
     if Tier.BATCH not in tenant.allowed_tiers:
         raise APIError(403, "This tenant may not use the batch tier.", "tier_not_allowed")
     async with db.transaction() as s:
-        # Serialised with the tenant's other admissions: the cap below is exact.
-        await tenant_repo.lock_tenant(s, tenant.id)
+        # Serialised with the tenant's other admissions: the cap below is exact, and a
+        # suspension or revocation that committed meanwhile refuses the batch.
+        status = await tenant_repo.lock_tenant(s, tenant.id, key_id=api_key_id(request))
+        refuse_unless_active(status)
         unfinished = await batch_repo.count_unfinished(s, tenant.id)
         if unfinished >= settings.max_batches_per_tenant:
             raise APIError(
@@ -106,7 +117,7 @@ async def list_batches(
     return list_page(data, has_more)
 
 
-@router.get("/{batch_id}")
+@router.get("/{batch_id}", responses=documented(404))
 async def get_batch(batch_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]:
     async with db.session() as s:
         batch = await batch_repo.get_batch(s, batch_id, tenant.id)
@@ -115,7 +126,7 @@ async def get_batch(batch_id: str, tenant: TenantDep, db: DbDep) -> dict[str, An
         return batch.to_api(await batch_repo.live_counts(s, batch))
 
 
-@router.post("/{batch_id}/cancel")
+@router.post("/{batch_id}/cancel", responses=documented(404, 409))
 async def cancel_batch(
     batch_id: str,
     tenant: TenantDep,

@@ -11,8 +11,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from starlette.datastructures import FormData, UploadFile
 
-from api.deps import DbDep, SettingsDep, TenantDep
-from api.errors import APIError, not_found
+from api.deps import DbDep, SettingsDep, TenantDep, api_key_id, refuse_unless_active
+from api.errors import APIError, documented, not_found
 from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
@@ -22,19 +22,58 @@ from tierq import metrics
 from tierq.hostile import unstorable
 from tierq.settings import Settings
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=documented(400, 401, 503))
 
 UPLOAD_PURPOSES = ("batch",)
 COPY_CHUNK = 1024 * 1024
+MAX_FIELDS = 8  # form fields besides the file
 # Room for the multipart framing and the other fields: a refusal by Content-Length alone
 # (before any byte is spooled) must never refuse a file that would fit.
 FRAMING_BYTES = 64 * 1024
 # OpenAI's expires_after, as the SDKs send it in a multipart form.
 EXPIRES_ANCHOR, EXPIRES_SECONDS = "expires_after[anchor]", "expires_after[seconds]"
 EXPIRES_MIN_S, EXPIRES_MAX_S = 3600, 30 * 86_400
+# The upload as the OpenAPI document states it (the route reads the form itself).
+_UPLOAD = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)},
+                        EXPIRES_ANCHOR: {"type": "string", "enum": ["created_at"]},
+                        EXPIRES_SECONDS: {
+                            "type": "integer",
+                            "minimum": EXPIRES_MIN_S,
+                            "maximum": EXPIRES_MAX_S,
+                        },
+                    },
+                    "dependentRequired": {
+                        EXPIRES_ANCHOR: [EXPIRES_SECONDS],
+                        EXPIRES_SECONDS: [EXPIRES_ANCHOR],
+                    },
+                    # Other fields are ignored: at most MAX_FIELDS besides the file, and
+                    # none named expires_after... but the two above.
+                    "maxProperties": MAX_FIELDS + 1,
+                    "additionalProperties": {"type": "string"},
+                    "propertyNames": {
+                        "anyOf": [
+                            {"not": {"pattern": "^expires_after"}},
+                            {"enum": [EXPIRES_ANCHOR, EXPIRES_SECONDS]},
+                        ]
+                    },
+                }
+            }
+        },
+    }
+}
 
 
-@router.post("")
+@router.post("", openapi_extra=_UPLOAD, responses=documented(413, 415))
 async def create_file(
     request: Request, tenant: TenantDep, db: DbDep, settings: SettingsDep
 ) -> dict[str, Any]:
@@ -49,7 +88,7 @@ async def create_file(
         )
     await _refuse_early(request, tenant.id, db, settings)
     # Starlette spools a file part to a temporary file beyond 1 MB: never whole in memory.
-    async with request.form(max_files=1, max_fields=8) as form:
+    async with request.form(max_files=1, max_fields=MAX_FIELDS) as form:
         purpose, upload = _purpose(form), form.get("file")
         if not isinstance(upload, UploadFile):
             raise APIError(400, "'file' must be a file part.", "invalid_request", param="file")
@@ -58,8 +97,11 @@ async def create_file(
         size = await _store(upload, settings, file_id)
     try:
         async with db.transaction() as s:
-            if _limited(settings):
-                await lock_tenant(s, tenant.id, exclusive=True)
+            # The tenant's state as of now: a suspension or a revoked key refuses it.
+            limited = _limited(settings)
+            status = await lock_tenant(s, tenant.id, exclusive=limited, key_id=api_key_id(request))
+            refuse_unless_active(status)
+            if limited:
                 _check_room(await file_repo.storage_used(s, tenant.id), size, settings)
             record = await file_repo.add_file(
                 s, file_id, tenant.id, purpose, filename, size, expires_after_s=expires_after_s
@@ -209,7 +251,7 @@ async def list_files(
     return list_page(data, has_more)
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", responses=documented(404))
 async def get_file(file_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]:
     async with db.session() as s:
         record = await file_repo.get_file(s, file_id, tenant.id)
@@ -218,7 +260,15 @@ async def get_file(file_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]
     return record.to_api()
 
 
-@router.get("/{file_id}/content", response_model=None)
+@router.get(
+    "/{file_id}/content",
+    response_model=None,
+    response_class=FileResponse,
+    responses={
+        200: {"content": {"application/octet-stream": {"schema": {"type": "string"}}}},
+        **documented(404),
+    },
+)
 async def file_content(
     file_id: str, tenant: TenantDep, db: DbDep, settings: SettingsDep
 ) -> FileResponse:
@@ -230,7 +280,7 @@ async def file_content(
     return FileResponse(path, media_type="application/octet-stream", filename=record.filename)
 
 
-@router.delete("/{file_id}")
+@router.delete("/{file_id}", responses=documented(404, 409))
 async def delete_file(
     file_id: str, tenant: TenantDep, db: DbDep, settings: SettingsDep
 ) -> dict[str, Any]:

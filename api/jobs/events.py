@@ -8,9 +8,10 @@ on, then the live events, skipping any it already has — none lost, none double
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from api.jobs.hub import RECHECK, RECHECK_S, RESYNC, EventHub, Follower, Slot, StreamClosed
@@ -25,6 +26,22 @@ from tierq.states import TERMINAL
 log = logging.getLogger(__name__)
 
 TERMINAL_KINDS = ("done", "error")
+
+# A streamed answer as the OpenAPI document states it: events, each with its data (JSON, or
+# [DONE] to end an OpenAI stream).
+EVENT_STREAM: dict[str, Any] = {
+    "text/event-stream": {
+        "itemSchema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {"type": "string"},
+                "event": {"type": "string"},
+                "id": {"type": "string"},
+            },
+        }
+    }
+}
 
 
 def _sse(seq: int, event: JobEvent) -> dict[str, Any]:
@@ -47,8 +64,9 @@ async def job_event_stream(
     """The SSE events of a job; a stream closed by a suspension or a revocation ends with
     an `error` event in OpenAI's error shape. Holds (and lets go of) the stream's slot."""
     try:
-        async for seq, event in follow_job(hub, db, events, job, last_seq, key_id):
-            yield _sse(seq, event)
+        async with contextlib.aclosing(follow_job(hub, db, events, job, last_seq, key_id)) as it:
+            async for seq, event in it:
+                yield _sse(seq, event)
     except StreamClosed as closed:
         body = {"error": {"message": closed.message, "type": "invalid_request_error"}}
         body["error"]["code"] = closed.code
@@ -64,7 +82,7 @@ async def follow_job(
     job: JobRecord,
     last_seq: int = 0,
     key_id: str | None = None,
-) -> AsyncIterator[tuple[int, JobEvent]]:
+) -> AsyncGenerator[tuple[int, JobEvent], None]:
     """A job's events after `last_seq`, numbered, up to and including the terminal one.
 
     Live events come through the process's one pub/sub connection (`EventHub`); whatever

@@ -129,11 +129,14 @@ redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])) + 1)
 return 1
 """
 
-# Renew this process's slots of one tenant (re-adding any a flush of Redis dropped).
+# Renew this process's slots of one tenant: only those still there (XX), so a slot let go
+# meanwhile stays gone — unless the whole set is gone (a flush of Redis): then re-add all.
 _RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i]) end
+local mode = 'XX'
+if redis.call('EXISTS', KEYS[1]) == 0 then mode = 'NX' end
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], mode, now + tonumber(ARGV[1]), ARGV[i]) end
 redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1])) + 1)
 return #ARGV - 1
 """
@@ -207,19 +210,17 @@ class EventHub:
         """One of the tenant's stream slots; TooManyStreams at its cap."""
         limit = self.settings.max_streams_per_tenant
         member = uuid.uuid4().hex
-        self.slots[tenant_id].add(member)  # renewed from now on, even while we wait
         key = self.names.tenant_streams(tenant_id)
         args: list[str | int | float] = [limit, self.settings.stream_lease_s, member]
         try:
             got = await with_retries(lambda: self._acquire(keys=[key], args=args))
         except BaseException:
-            Slot(self, tenant_id, member).release()
+            self.spawn(self.r.zrem(key, member))  # in case it went through
             raise
-        slot = Slot(self, tenant_id, member)
         if not got:
-            slot.release()
             raise TooManyStreams(limit)
-        return slot
+        self.slots[tenant_id].add(member)  # renewed from now on
+        return Slot(self, tenant_id, member)
 
     def spawn(self, work: Awaitable[Any]) -> None:
         """Run clean-up work in a task of its own, kept until it ends (errors logged)."""
@@ -289,7 +290,12 @@ class EventHub:
         self._confirmed = {c: asyncio.Event() for c in self.followers}
         self._subscribed = {self.names.access_channel}
         pubsub = self.r.pubsub()
-        await pubsub.subscribe(self.names.access_channel)
+        try:
+            await pubsub.subscribe(self.names.access_channel)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()  # its connection goes back to the pool
+            raise
         self._pubsub = pubsub
         await self._subscribe(list(self.followers))
 

@@ -21,19 +21,25 @@ from api.deps import (
     api_key_id,
     stream_slot,
 )
-from api.errors import APIError, not_found
+from api.errors import APIError, documented, not_found
 from api.jobs import service
-from api.jobs.events import job_event_stream
+from api.jobs.events import EVENT_STREAM, job_event_stream
 from api.pages import list_page
 from models import jobs as job_repo
 from tierq.requests import JobCreate
 from tierq.states import TERMINAL, JobStatus
 from tierq.tiers import Tier
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+# Every route: the door's guard (400), the key (401), the database (503).
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=documented(400, 401, 503))
+_EVENTS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The job's events as Server-Sent Events.", "content": EVENT_STREAM},
+    204: {"description": "Last-Event-ID is the job's final event: nothing follows."},
+    **documented(404, 429),
+}
 
 
-@router.post("", status_code=202)
+@router.post("", status_code=202, responses=documented(403, 404, 409, 413, 429))
 async def create_job(
     body: JobCreate,
     request: Request,
@@ -43,7 +49,10 @@ async def create_job(
     names: NamesDep,
     settings: SettingsDep,
     gate: GateDep,
-    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+    idempotency_key: Annotated[
+        str | None,
+        Header(alias="Idempotency-Key", json_schema_extra={"minLength": 1, "maxLength": 255}),
+    ] = None,
 ) -> JSONResponse:
     job, _created = await service.submit(
         db,
@@ -78,7 +87,7 @@ async def list_jobs(
     return list_page(data, has_more)
 
 
-@router.get("/{job_id}")
+@router.get("/{job_id}", responses=documented(404))
 async def get_job(job_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]:
     async with db.session() as s:
         job = await job_repo.get_job(s, job_id, tenant.id)
@@ -87,7 +96,7 @@ async def get_job(job_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]:
     return job.to_api()
 
 
-@router.post("/{job_id}/cancel")
+@router.post("/{job_id}/cancel", responses=documented(404, 409))
 async def cancel_job(
     job_id: str, tenant: TenantDep, db: DbDep, r: RedisDep, names: NamesDep, events: EventsDep
 ) -> dict[str, Any]:
@@ -95,7 +104,7 @@ async def cancel_job(
     return job.to_api()
 
 
-@router.get("/{job_id}/events")
+@router.get("/{job_id}/events", responses=_EVENTS)
 async def job_events(
     job_id: str,
     request: Request,

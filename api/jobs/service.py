@@ -136,7 +136,8 @@ async def submit(
         )
     messages = [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None
     # Never below what the engine will bill (the served model's tokenizer, or a byte bound).
-    reserved = token_count.for_settings(settings).reserve(messages, body.prompt, body.max_tokens)
+    counter = token_count.for_settings(settings)
+    reserved = await counter.reserve_off_loop(messages, body.prompt, body.max_tokens)
     req_hash = request_hash(body)
     try:
         async with _gated(gate, tenant.id), db.transaction() as s:

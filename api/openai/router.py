@@ -8,12 +8,12 @@ A client that goes away takes its job with it: the job is cancelled and its slot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any
 
-import redis
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -31,9 +31,9 @@ from api.deps import (
     api_key_id,
     stream_slot,
 )
-from api.errors import APIError, error_body
+from api.errors import APIError, documented, error_body
 from api.jobs import service
-from api.jobs.events import follow_job
+from api.jobs.events import EVENT_STREAM, follow_job
 from api.jobs.hub import EventHub, Slot, StreamClosed
 from api.jobs.service import TenantGate
 from models import jobs as job_repo
@@ -47,7 +47,14 @@ from tierq.states import TERMINAL
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+# Every route: the door's guard (400), the key (401), the database or the queue (503).
+router = APIRouter(prefix="/v1", tags=["openai"], responses=documented(400, 401, 503))
+# A completion: JSON, or chunks as Server-Sent Events with `stream: true`. A job that
+# failed is answered with its error: 400 (the request's fault), 409 (cancelled) or 500.
+_COMPLETION: dict[int | str, dict[str, Any]] = {
+    200: {"content": EVENT_STREAM},
+    **documented(403, 404, 409, 413, 429),
+}
 
 DISCONNECT_POLL_S = 1.0
 RETRY_AFTER_S = 2
@@ -59,7 +66,7 @@ async def list_models(_: TenantDep, settings: SettingsDep) -> dict[str, Any]:
     return {"object": "list", "data": [_model(settings.served_model_name)]}
 
 
-@router.get("/models/{model_id:path}")
+@router.get("/models/{model_id:path}", responses=documented(404))
 async def get_model(model_id: str, _: TenantDep, settings: SettingsDep) -> dict[str, Any]:
     if model_id != settings.served_model_name:
         raise APIError(
@@ -93,7 +100,7 @@ class _Context:
         self.key_id = api_key_id(request)
         self.gate: TenantGate = request.app.state.admission_gate
 
-    def follow(self, job: JobRecord) -> AsyncIterator[tuple[int, Any]]:
+    def follow(self, job: JobRecord) -> AsyncGenerator[tuple[int, Any], None]:
         return follow_job(self.hub, self.db, self.events, job, key_id=self.key_id)
 
     def cancel_later(self, job_id: str) -> None:
@@ -134,14 +141,14 @@ def _context(
 ContextDep = Annotated[_Context, Depends(_context)]
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None, responses=_COMPLETION)
 async def chat_completions(
     body: oa.ChatCompletionRequest, ctx: ContextDep, settings: SettingsDep
 ) -> JSONResponse | StreamingResponse:
     return await _complete(ctx, body, True, settings)
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, responses=_COMPLETION)
 async def completions(
     body: oa.CompletionRequest, ctx: ContextDep, settings: SettingsDep
 ) -> JSONResponse | StreamingResponse:
@@ -180,12 +187,13 @@ async def _complete(
     headers = {"x-request-id": job.id}
     if body.stream:
         # The stream lets its slot go when it ends; the background task covers a response
-        # that never started streaming.
+        # that never started streaming (a client gone before it): slot freed, job cancelled.
+        state = _StreamState()
         return StreamingResponse(
-            _stream(ctx, job, chat, body.include_usage, slot),
+            _stream(ctx, job, chat, body.include_usage, slot, state),
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            background=BackgroundTask(slot.release),
+            background=BackgroundTask(_after_stream, ctx, job, slot, state),
         )
     try:
         final = await _await_final(ctx, job)
@@ -202,9 +210,10 @@ async def _complete(
 
 async def _last_event(ctx: _Context, job: JobRecord) -> None:
     """Follow the job's events to its terminal one (the result is read from the database)."""
-    async for _seq, event in ctx.follow(job):
-        if event.kind != "delta":
-            return
+    async with contextlib.aclosing(ctx.follow(job)) as events:
+        async for _seq, event in events:
+            if event.kind != "delta":
+                return
 
 
 async def _await_final(ctx: _Context, job: JobRecord) -> JobRecord:
@@ -223,7 +232,9 @@ async def _await_final(ctx: _Context, job: JobRecord) -> JobRecord:
         ctx.cancel_later(job.id)
         status = 403 if closed.code == "tenant_suspended" else 401
         raise APIError(status, closed.message, closed.code) from None
-    except (redis.RedisError, OSError):
+    except APIError:
+        raise
+    except Exception:  # Redis or the database lost: whatever it was, it is a 503
         log.exception("lost the event stream of %s", job.id)
         ctx.cancel_later(job.id)  # answered with an error: it must not run (and bill) on
         raise APIError(
@@ -247,47 +258,77 @@ def _data(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
+class _StreamState:
+    """Whether a streamed answer's generator ever ran (see _after_stream)."""
+
+    started = False
+
+
+async def _after_stream(ctx: _Context, job: JobRecord, slot: Slot, state: _StreamState) -> None:
+    slot.release()
+    if not state.started:  # the client left before the first byte: nobody will read it
+        ctx.cancel_later(job.id)
+
+
 async def _stream(
-    ctx: _Context, job: JobRecord, chat: bool, include_usage: bool, slot: Slot
+    ctx: _Context,
+    job: JobRecord,
+    chat: bool,
+    include_usage: bool,
+    slot: Slot,
+    state: _StreamState,
 ) -> AsyncIterator[bytes]:
+    state.started = True
     finished = False
     # The assistant's role chunk goes out with the first token, as vLLM sends it: a client
     # timing its first chunk measures the time to the first token, not to admission.
     role_sent = not chat
+    sent = 0  # characters of text sent
+    gap = False
+    final: JobRecord | None = None
     try:
-        async for _seq, event in ctx.follow(job):
-            if event.kind == "delta":
-                text = event.data.get("text", "")
-                if text:
-                    if not role_sent:
-                        role_sent = True
-                        yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
-                    yield _data(oa.chunk(job, chat, text=text, include_usage=include_usage))
-                continue
-            finished = True
-            final = await ctx.job(job.id)
-            if final.status.value == "succeeded":
-                if not role_sent:  # nothing was generated: the role still opens the answer
-                    yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
-                yield _data(
-                    oa.chunk(
-                        final,
-                        chat,
-                        finish_reason=final.finish_reason or "stop",
-                        include_usage=include_usage,
-                    )
-                )
-                if include_usage:
-                    yield _data(oa.usage_chunk(final, chat))
-            else:
-                status = oa.failure_status(final)
-                message = final.error_message or "The request failed."
-                yield _data(error_body(status, message, final.error_code or "server_error"))
-            break
-        else:
+        async with contextlib.aclosing(ctx.follow(job)) as events:
+            async for _seq, event in events:
+                if event.kind == "delta":
+                    # Past a placeholder (text the replay buffer did not keep) the text
+                    # continues from the result, in order, once the job is over.
+                    gap = gap or bool(event.data.get("replay_truncated"))
+                    text = "" if gap else event.data.get("text", "")
+                    if text:
+                        if not role_sent:
+                            role_sent = True
+                            yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
+                        sent += len(text)
+                        yield _data(oa.chunk(job, chat, text=text, include_usage=include_usage))
+                    continue
+                finished = True
+                final = await ctx.job(job.id)
+                break
+        if final is None:
             finished = True
             ctx.cancel_later(job.id)  # answered with an error: it must not run on
             yield _data(error_body(503, "The job's stream ended early.", "service_unavailable"))
+        elif final.status.value == "succeeded":
+            if not role_sent:  # nothing was generated: the role still opens the answer
+                yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
+            # What followed text the replay buffer no longer held: from the result.
+            rest = (final.result_text or "")[sent:]
+            if rest:
+                yield _data(oa.chunk(job, chat, text=rest, include_usage=include_usage))
+            yield _data(
+                oa.chunk(
+                    final,
+                    chat,
+                    finish_reason=final.finish_reason or "stop",
+                    include_usage=include_usage,
+                )
+            )
+            if include_usage:
+                yield _data(oa.usage_chunk(final, chat))
+        else:
+            status = oa.failure_status(final)
+            message = final.error_message or "The request failed."
+            yield _data(error_body(status, message, final.error_code or "server_error"))
         yield b"data: [DONE]\n\n"
     except StreamClosed as closed:
         finished = True
@@ -295,7 +336,7 @@ async def _stream(
         status = 403 if closed.code == "tenant_suspended" else 401
         yield _data(error_body(status, closed.message, closed.code))
         yield b"data: [DONE]\n\n"
-    except (redis.RedisError, OSError):
+    except Exception:  # Redis or the database lost
         finished = True
         log.exception("lost the event stream of %s", job.id)
         ctx.cancel_later(job.id)  # answered with an error: it must not run on

@@ -137,6 +137,8 @@ async def test_batches_and_online_jobs_at_once_never_pass_the_budget(
         ):
             break
         await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("jobs still unfinished or unbilled after 20 s")
     ledger = await ledger_of(running, tenant_id)
     spent = sum(r.prompt_tokens + r.completion_tokens for r in ledger)
     assert spent <= budget, (spent, budget)
@@ -148,6 +150,8 @@ async def test_batches_and_online_jobs_at_once_never_pass_the_budget(
     by_job = {r.job_id: r for r in ledger}
     assert len(by_job) == len(ledger)
     for job in jobs:
+        if job.status == "cancelled" and job.started_at is not None:
+            assert job.prompt_tokens is not None  # its worker recorded what it did
         if job.completion_tokens:
             record = by_job[job.id]
             assert (record.prompt_tokens, record.completion_tokens) == (
@@ -181,3 +185,42 @@ async def test_the_spend_is_read_from_counters_not_the_ledger(platform: Platform
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "budget_exceeded"
     assert "990 used" in refused.json()["error"]["message"]
+
+
+async def test_a_job_cancelled_while_it_ran_holds_its_reservation_until_billed(
+    platform: Platform,
+) -> None:
+    """Between a cancel and the worker's bill of what the job generated, the job still
+    holds its reservation: a job admitted in that window cannot take the budget past it."""
+    from datetime import UTC, datetime, timedelta
+
+    from models import jobs as job_repo
+    from models import quotas as quota_repo
+
+    tenant_id, key = await budgeted_tenant(platform, token_budget=10_000, budget_period="total")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
+    async with client(platform.url, key) as c:
+        job_id = (await c.post("/v1/jobs", json=body)).json()["id"]
+    async with platform.db.transaction() as s:
+        await job_repo.start_job(s, job_id, "w-test", 3)  # as a worker claims it
+    now = datetime.now(UTC)
+
+    async def held() -> int:
+        async with platform.db.session() as s:
+            tokens, _cost = await quota_repo._reserved(s, tenant_id, "*", now)
+        return tokens
+
+    reserved = await held()
+    assert reserved > 500
+    async with platform.db.transaction() as s:
+        await job_repo.cancel_job(s, job_id)
+    assert await held() == reserved  # cancelled, not yet billed: still held
+    # ...and not for ever: a worker that died with it bills nothing
+    async with platform.db.session() as s:
+        later = now + quota_repo.BILLING_GRACE + timedelta(seconds=1)
+        assert (await quota_repo._reserved(s, tenant_id, "*", later))[0] == 0
+    async with platform.db.transaction() as s:
+        await job_repo.bill_cancelled(s, job_id, 20, 300)
+    assert await held() == 0  # billed: the ledger holds it now
+    async with platform.db.session() as s:
+        assert await spend.spent(s, tenant_id, None, "total", now) == (320, Decimal(0))

@@ -278,3 +278,97 @@ async def test_followers_miss_nothing_when_the_hub_connection_is_killed(
             assert ids == list(range(1, len(ids) + 1))
             text = "".join(e["data"].get("text", "") for e in got if e["event"] == "delta")
             assert text == final["result"]["text"]
+
+
+async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses_it(
+    platform: Platform,
+) -> None:
+    """An admission waiting on the tenant's row lock sees a revocation that committed
+    while it waited (PostgreSQL re-reads only the locked row: the key is read after it)."""
+    from api.errors import APIError
+    from api.jobs import service
+    from models import tenants as tenant_repo
+    from models.tables import ApiKey, utcnow
+    from tierq.requests import JobCreate
+
+    tenant_id, key = await new_tenant(platform)
+    async with admin(platform) as a:  # a quota: admission takes the row's exclusive lock
+        await a.put(f"/admin/tenants/{tenant_id}/quota", json={"requests_per_minute": 100})
+    async with platform.db.session() as s:
+        owner = await tenant_repo.owner_of_key(s, key)
+    assert owner is not None
+    body = JobCreate(messages=[{"role": "user", "content": "hi"}], max_tokens=8)  # type: ignore[list-item]
+    async with platform.db.transaction() as s:
+        await tenant_repo.lock_tenant(s, tenant_id)  # held while the admission starts
+        admission = asyncio.create_task(
+            service.submit(
+                platform.db,
+                platform.r,
+                platform.dispatcher.names,
+                platform.settings,
+                owner.tenant,
+                body,
+                None,
+                key_id=owner.key_id,
+            )
+        )
+        await asyncio.sleep(0.5)
+        assert not admission.done()  # waiting for the lock
+        row = await s.get(ApiKey, owner.key_id)
+        assert row is not None
+        row.revoked_at = utcnow()
+    with pytest.raises(APIError) as refused:
+        await admission
+    assert refused.value.status == 401 and refused.value.code == "invalid_api_key"
+
+
+async def test_a_lease_renewal_never_brings_back_a_slot_let_go(platform: Platform) -> None:
+    """Renewal touches only the slots still in the set (a slot released while a renewal
+    was in flight stays released), and re-adds them all only if the set itself is gone."""
+    from api.jobs.hub import _RENEW
+
+    renew = platform.r.register_script(_RENEW)
+    key = platform.dispatcher.names.tenant_streams("ten_lease")
+    await platform.r.zadd(key, {"kept": 1.0})
+    await renew(keys=[key], args=[30, "kept", "released"])
+    assert set(await platform.r.zrange(key, 0, -1)) == {"kept"}
+    await platform.r.delete(key)  # a flush of Redis
+    await renew(keys=[key], args=[30, "kept", "released"])
+    assert set(await platform.r.zrange(key, 0, -1)) == {"kept", "released"}
+    await platform.r.delete(key)
+
+
+@pytest.mark.with_settings(replay_max_bytes=120)
+async def test_an_openai_stream_that_resyncs_past_the_replay_bound_loses_no_text(
+    running: Platform,
+) -> None:
+    """A follower that re-reads the buffer (its pub/sub connection killed mid-stream) finds
+    placeholders past REPLAY_MAX_BYTES: the stream completes the text from the result."""
+    _tenant, key = await new_tenant(running)
+    body = {
+        "model": running.settings.served_model_name,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 150,
+        "stream": True,
+    }
+    text = ""
+    async with (
+        client(running.url, key) as c,
+        c.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
+        job_id = resp.headers["x-request-id"]
+        chunks = 0
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            delta = json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
+            text += delta.get("content") or ""
+            chunks += 1
+            if chunks == 10:
+                for conn in await api_clients(running):
+                    if int(conn.get("sub", 0)) > 0:
+                        await running.r.execute_command("CLIENT", "KILL", "ID", conn["id"])
+    async with client(running.url, key) as c:
+        final = await wait_for(c, job_id)
+    assert final["status"] == "succeeded"
+    assert text == final["result"]["text"]
