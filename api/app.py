@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from api import errors, health
 from api.admin.router import router as admin_router
+from api.auth import KeyCache
 from api.batches.router import router as batches_router
 from api.files.router import router as files_router
 from api.jobs.hub import EventHub
@@ -57,6 +58,7 @@ def build_app(settings: Settings | None = None) -> FastAPI:
             settings.replay_max_bytes,
         )
         app.state.hub = EventHub(app.state.redis, app.state.names, app.state.db, settings)
+        app.state.hub.access_listeners.append(app.state.key_cache.forget)
         await app.state.hub.start()
         try:
             yield
@@ -68,6 +70,7 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="tierq", version=__version__, lifespan=lifespan)
     app.state.settings = settings
     app.state.names = RedisNames(settings.redis_prefix)
+    app.state.key_cache = KeyCache(settings.auth_cache_ttl_s)
     errors.install(app)
     app.add_middleware(HostileInput)  # inside the size limit: what it buffers is bounded
     app.add_middleware(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -10,6 +11,7 @@ import redis.asyncio as aioredis
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from api.auth import KeyCache
 from api.errors import APIError
 from api.jobs.hub import EventHub, Slot, TooManyStreams, slot_retry_after
 from api.jobs.service import TenantGate
@@ -87,18 +89,24 @@ def _bearer(request: Request) -> str:
 async def get_tenant(request: Request, db: DbDep) -> TenantRecord:
     """The tenant whose active key the request carries; 401 for a missing or wrong key.
 
-    Looked up in the database on every request — no cache — so a revoked key or a
-    suspended tenant is refused at once by every API process.
+    Remembered for AUTH_CACHE_TTL_S by this process (api/auth.py); a revoked key or a
+    suspended tenant is forgotten at once by every API process (the access channel).
     """
     secret = _bearer(request)
-    async with db.session() as s:
-        owner = await tenants.owner_of_key(s, secret)
+    cache: KeyCache = request.app.state.key_cache
+    key_hash = tenants.hash_key(secret)
+    owner = cache.get(key_hash)
     if owner is None:
-        raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
+        async with db.session() as s:
+            owner = await tenants.owner_of_key(s, secret)
+        if owner is None:
+            raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
+        cache.put(key_hash, owner)
     stale = utcnow() - tenants.LAST_USED_RESOLUTION
     if owner.last_used_at is None or owner.last_used_at < stale:
         async with db.transaction() as s:
             await tenants.touch_key(s, owner.key_id)
+        cache.put(key_hash, dataclasses.replace(owner, last_used_at=utcnow()))
     request.state.api_key_id = owner.key_id  # open streams close when it is revoked
     return owner.tenant
 

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from models import spend
 from models.pages import after_anchor
-from models.records import JobRecord
+from models.records import JobHead, JobRecord
 from models.tables import Job, JobTransition, UsageRecord, utcnow
 from models.tenants import new_id
 from tierq.states import JobStatus, sources_for
@@ -116,6 +116,13 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
             raise IdempotencyConflict(new.idempotency_key) from None
         return JobRecord.from_row(existing), False
     return JobRecord.from_row(row), True
+
+
+async def get_job_head(s: AsyncSession, job_id: str, tenant_id: str) -> JobHead | None:
+    """The tenant's job's id and status, without loading its request or its result."""
+    stmt = select(Job.status).where(Job.id == job_id, Job.tenant_id == tenant_id)
+    status = (await s.execute(stmt)).scalar_one_or_none()
+    return None if status is None else JobHead(job_id, tenant_id, JobStatus(status))
 
 
 async def statuses(s: AsyncSession, job_ids: Sequence[str]) -> dict[str, JobStatus]:

@@ -205,6 +205,15 @@ class FileRecord:
 
 
 @dataclass(frozen=True)
+class JobHead:
+    """What following a job needs to know of it: not its request or its result."""
+
+    id: str
+    tenant_id: str
+    status: JobStatus
+
+
+@dataclass(frozen=True)
 class BatchRecord:
     id: str
     tenant_id: str

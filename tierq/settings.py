@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     # without a database connection): one tenant's burst, serialised on its row lock,
     # cannot take every pooled connection from the other tenants.
     admission_concurrency_per_tenant: int = Field(default=4, ge=1)
+    # How long an API process remembers who owns a key (0: look it up every request). A
+    # revocation, suspension or change reaches every process at once on the access
+    # channel; this bounds it if that message is lost. Admission always reads both again.
+    auth_cache_ttl_s: float = Field(default=5.0, ge=0)
     max_body_bytes: int = 1_000_000
     # Uploads to /v1/files may be this large (streamed to disk, never held in memory).
     max_upload_bytes: int = 512 * 1024 * 1024

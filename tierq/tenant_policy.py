@@ -19,14 +19,17 @@ def _entry(weight: float, max_running: dict[str, int]) -> str:
 
 
 async def publish(db: Database, r: aioredis.Redis, names: RedisNames, tenant_id: str) -> None:
+    """Write the tenant's entry, and tell every API process it changed (their key caches
+    forget it)."""
     async with db.session() as s:
         tenant = await tenant_repo.get_tenant(s, tenant_id)
         quotas = await quota_repo.quotas_of(s, tenant_id)
     if tenant is None or tenant.status != tenant_repo.ACTIVE:
         await r.hdel(names.tenant_policy, tenant_id)
-        return
-    caps = {q.tier: q.max_running for q in quotas if q.max_running is not None}
-    await r.hset(names.tenant_policy, tenant_id, _entry(tenant.weight, caps))
+    else:
+        caps = {q.tier: q.max_running for q in quotas if q.max_running is not None}
+        await r.hset(names.tenant_policy, tenant_id, _entry(tenant.weight, caps))
+    await r.publish(names.access_channel, f"changed:{tenant_id}")
 
 
 async def sync_all(db: Database, r: aioredis.Redis, names: RedisNames) -> int:

@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 
 from api.admin import metrics as admin_metrics
 from api.admin.schemas import PriceSet, QuotaSet, TenantCreate, TenantUpdate
+from api.auth import forget_in_process
 from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, require_admin
 from api.errors import APIError, documented, not_found
 from api.pages import list_page
@@ -70,7 +71,7 @@ async def create_tenant(
             )
     except IntegrityError:
         raise APIError(409, f"A tenant named '{body.name}' exists.", "tenant_exists") from None
-    await tenant_policy.publish(db, r, names, tenant.id)
+    await _policy_changed(db, r, names, tenant.id)
     return tenant.to_api()
 
 
@@ -126,8 +127,21 @@ async def update_tenant(
         return await suspend_tenant(tenant_id, db, r, names, settings)
     if status == "active" and updated.status != "active":
         return await resume_tenant(tenant_id, db, r, names)
-    await tenant_policy.publish(db, r, names, tenant_id)
+    await _policy_changed(db, r, names, tenant_id)
     return updated.to_api()
+
+
+async def _policy_changed(db: Database, r: Any, names: RedisNames, tenant_id: str) -> None:
+    """A tenant changed: the dispatcher's entry rewritten, every key cache told."""
+    forget_in_process(f"changed:{tenant_id}")
+    await tenant_policy.publish(db, r, names, tenant_id)
+
+
+async def _announce(r: Any, names: RedisNames, what: str) -> None:
+    """A key revoked ("key:<id>") or a tenant stopped ("tenant:<id>"): in effect in this
+    process before the answer, and in every other API process when it hears of it."""
+    forget_in_process(what)
+    await r.publish(names.access_channel, what)
 
 
 async def _stop_work(
@@ -158,8 +172,8 @@ async def suspend_tenant(
         tenant = await tenant_repo.update_tenant(s, tenant_id, status=tenant_repo.SUSPENDED)
     assert tenant is not None
     await _stop_work(db, r, names, settings, tenant_id, "the tenant was suspended")
-    await tenant_policy.publish(db, r, names, tenant_id)
-    await r.publish(names.access_channel, f"tenant:{tenant_id}")  # close its open streams
+    await _policy_changed(db, r, names, tenant_id)
+    await _announce(r, names, f"tenant:{tenant_id}")  # its open streams close
     return tenant.to_api()
 
 
@@ -169,7 +183,7 @@ async def resume_tenant(tenant_id: str, db: DbDep, r: RedisDep, names: NamesDep)
     async with db.transaction() as s:
         tenant = await tenant_repo.update_tenant(s, tenant_id, status=tenant_repo.ACTIVE)
     assert tenant is not None
-    await tenant_policy.publish(db, r, names, tenant_id)
+    await _policy_changed(db, r, names, tenant_id)
     return tenant.to_api()
 
 
@@ -184,8 +198,8 @@ async def delete_tenant(
         await tenant_repo.update_tenant(s, tenant_id, status=tenant_repo.DELETED)
         await tenant_repo.revoke_all_keys(s, tenant_id)
     await _stop_work(db, r, names, settings, tenant_id, "the tenant was deleted")
-    await tenant_policy.publish(db, r, names, tenant_id)
-    await r.publish(names.access_channel, f"tenant:{tenant_id}")  # close its open streams
+    await _policy_changed(db, r, names, tenant_id)
+    await _announce(r, names, f"tenant:{tenant_id}")  # its open streams close
     return {"id": tenant_id, "object": "tenant", "deleted": True}
 
 
@@ -217,7 +231,7 @@ async def revoke_key(key_id: str, db: DbDep, r: RedisDep, names: NamesDep) -> di
         key = await tenant_repo.revoke_key(s, key_id)
     if key is None:
         raise not_found("key", key_id)
-    await r.publish(names.access_channel, f"key:{key_id}")
+    await _announce(r, names, f"key:{key_id}")
     return {**key.to_api(), "revoked": True}
 
 
@@ -234,7 +248,7 @@ async def set_quota(
     scope = body.tier.value if body.tier else quota_repo.ALL_TIERS
     async with db.transaction() as s:
         quota = await quota_repo.set_quota(s, tenant_id, scope, **limits)
-    await tenant_policy.publish(db, r, names, tenant_id)
+    await _policy_changed(db, r, names, tenant_id)
     return {"object": "quota", "tenant_id": tenant_id, **quota.to_api()}
 
 

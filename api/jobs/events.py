@@ -17,7 +17,7 @@ from typing import Any
 from api.jobs.hub import RECHECK, RECHECK_S, RESYNC, EventHub, Follower, Slot, StreamClosed
 from models import jobs as job_repo
 from models.db import Database
-from models.records import JobRecord
+from models.records import JobHead, JobRecord
 from tierq.messages import JobEvent
 from tierq.queue import EventLog
 from tierq.redis_conn import is_unavailable as redis_unavailable
@@ -56,7 +56,7 @@ async def job_event_stream(
     hub: EventHub,
     db: Database,
     events: EventLog,
-    job: JobRecord,
+    job: JobHead | JobRecord,
     last_seq: int,
     key_id: str | None,
     slot: Slot,
@@ -79,7 +79,7 @@ async def follow_job(
     hub: EventHub,
     db: Database,
     events: EventLog,
-    job: JobRecord,
+    job: JobHead | JobRecord,
     last_seq: int = 0,
     key_id: str | None = None,
 ) -> AsyncGenerator[tuple[int, JobEvent], None]:

@@ -28,7 +28,7 @@ import logging
 import math
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +176,8 @@ class EventHub:
         self._confirmed: dict[str, asyncio.Event] = {}
         self._pubsub: PubSub | None = None
         self._subscribed: set[str] = set()
+        # Told every access message (a revoked key, a suspended or changed tenant).
+        self.access_listeners: list[Callable[[str], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._cleanups: set[asyncio.Task[None]] = set()
         self._acquire = r.register_script(_ACQUIRE)
@@ -356,6 +358,8 @@ class EventHub:
             follower.push(data)
 
     def _revoke(self, what: str) -> None:
+        for listener in self.access_listeners:
+            listener(what)
         kind, _, ident = what.partition(":")
         for group in self.followers.values():
             for follower in group:

@@ -116,7 +116,7 @@ async def job_events(
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> Response:
     async with db.session() as s:
-        job = await job_repo.get_job(s, job_id, tenant.id)
+        job = await job_repo.get_job_head(s, job_id, tenant.id)
     if job is None:
         raise not_found("job", job_id)
     last_seq = 0

@@ -372,3 +372,44 @@ async def test_an_openai_stream_that_resyncs_past_the_replay_bound_loses_no_text
         final = await wait_for(c, job_id)
     assert final["status"] == "succeeded"
     assert text == final["result"]["text"]
+
+
+async def test_every_api_process_forgets_a_revoked_key_at_once(platform: Platform) -> None:
+    """Each API process remembers key owners for AUTH_CACHE_TTL_S; a revocation made
+    through one process reaches the other's cache at once (the access channel)."""
+    other = Platform(platform.settings, platform.db, platform.r)
+    await other.start_api()
+    try:
+        tenant_id, key = await new_tenant(platform)
+        async with client(other.url, key) as c:
+            assert (await c.get("/v1/jobs")).status_code == 200  # remembered there now
+            async with admin(platform) as a:
+                keys = (await a.get(f"/admin/tenants/{tenant_id}/keys")).json()["data"]
+                assert (await a.delete(f"/admin/keys/{keys[0]['id']}")).status_code == 200
+            for _ in range(50):  # pub/sub: a few milliseconds
+                if (await c.get("/v1/jobs")).status_code == 401:
+                    break
+                await asyncio.sleep(0.02)
+            assert_openai_error(await c.get("/v1/jobs"), 401, "invalid_api_key")
+    finally:
+        await other.stop()
+
+
+@pytest.mark.with_settings(auth_cache_ttl_s=1.0)
+async def test_a_revocation_whose_message_was_lost_holds_within_the_cache_ttl(
+    platform: Platform,
+) -> None:
+    """Revoked behind the API's back (no message): admission refuses it at once (it reads
+    the key again under the lock); reads are refused once the cache entry expires."""
+    from models import tenants as tenant_repo
+
+    _tenant_id, key = await new_tenant(platform)
+    async with client(platform.url, key) as c:
+        assert (await c.get("/v1/jobs")).status_code == 200
+        async with platform.db.transaction() as s:
+            owner = await tenant_repo.owner_of_key(s, key)
+            assert owner is not None
+            await tenant_repo.revoke_key(s, owner.key_id)
+        assert_openai_error(await c.post("/v1/jobs", json=CHAT), 401, "invalid_api_key")
+        await asyncio.sleep(1.1)
+        assert_openai_error(await c.get("/v1/jobs"), 401, "invalid_api_key")
