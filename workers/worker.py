@@ -572,7 +572,11 @@ class Worker:
                     text_parts.append(chunk.text)
                     start, produced = produced, produced + len(chunk.text)
                     if produced > emitted:  # beyond what a previous delivery streamed
-                        self.publisher.delta(job.id, chunk.text[max(0, emitted - start) :])
+                        # A batch's lines are read from its output file, not followed live:
+                        # no deltas (the final event carries the whole result), so 50,000
+                        # lines leave next to nothing in Redis.
+                        if job.batch_id is None:
+                            self.publisher.delta(job.id, chunk.text[max(0, emitted - start) :])
                         emitted = produced
         except EngineRequestError as exc:
             return dataclasses.replace(out, kind="failed", code=exc.code, message=str(exc))

@@ -316,7 +316,9 @@ async def test_a_job_run_twice_streams_and_finishes_once(
     platform.start_dispatcher()
     await platform.start_worker("first", cost=SLOW)
     async with client(platform.url, tenant_key) as c:
-        (job_id,) = await submit(c, 1, {**CHAT, "max_tokens": 60})
+        # Long enough that the second delivery claims it while the first still runs, even
+        # on a loaded machine.
+        (job_id,) = await submit(c, 1, {**CHAT, "max_tokens": 150})
         follower = asyncio.create_task(read_sse(c, f"/v1/jobs/{job_id}/events"))
         await read_sse(c, f"/v1/jobs/{job_id}/events", limit=5)  # under way on `first`
         await platform.start_worker("second", cost=SLOW)
@@ -328,7 +330,7 @@ async def test_a_job_run_twice_streams_and_finishes_once(
         events = await asyncio.wait_for(follower, 30)
     assert final["status"] == "succeeded"
     text = "".join(e["data"]["text"] for e in events if e["event"] == "delta")
-    assert text == final["result"]["text"] == "".join(f" tok{i}" for i in range(1, 61))
+    assert text == final["result"]["text"] == "".join(f" tok{i}" for i in range(1, 151))
     assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
     assert [e["event"] for e in events].count("done") == 1
     async with platform.db.session() as s:
@@ -377,7 +379,7 @@ async def test_a_follower_reconnecting_after_redis_lost_its_data_misses_nothing(
     events = first + rest
     assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
     text = "".join(e["data"]["text"] for e in events if e["event"] == "delta")
-    assert text == final["result"]["text"] == "".join(f" tok{i}" for i in range(1, 61))
+    assert text == final["result"]["text"] == "".join(f" tok{i}" for i in range(1, 151))
     assert events[-1]["event"] == "done"
 
 

@@ -136,3 +136,44 @@ async def test_one_tenants_burst_cannot_take_every_database_connection(
             assert not any(t.done() for t in burst)
         answers = await asyncio.gather(*burst)
     assert [a.status_code for a in answers] == [202] * 10
+
+
+async def test_a_batch_line_leaves_only_its_final_event_in_redis(running: Platform) -> None:
+    """A batch's lines are read from its output file, not followed live: a line's job
+    streams no deltas, so its replay buffer holds the final event alone (with the result)."""
+    from datetime import UTC, datetime, timedelta
+
+    from models import batches as batch_repo
+    from tierq.queue import enqueue
+
+    tenant_id, key = await new_tenant(running)
+    async with running.db.transaction() as s:
+        batch = await batch_repo.create_batch(
+            s,
+            tenant_id,
+            "/v1/chat/completions",
+            "file-x",
+            "24h",
+            None,
+            datetime.now(UTC) + timedelta(hours=1),
+        )
+        started = await batch_repo.transition(
+            s, batch.id, batch_repo.IN_PROGRESS, (batch_repo.VALIDATING,)
+        )
+        assert started is not None
+        line = batch_repo.BatchLine(
+            line=0,
+            custom_id="a",
+            model=running.settings.served_model_name,
+            messages=[{"role": "user", "content": "hi"}],
+            prompt=None,
+            params={"max_tokens": 40},
+            reserved_tokens=80,
+        )
+        (job,) = await batch_repo.expand(s, started, [line], 1, 10) or []
+    await enqueue(running.r, running.dispatcher.names, job.to_message())
+    async with client(running.url, key) as c:
+        final = await wait_for(c, job.id)
+    assert final["status"] == "succeeded" and final["result"]["text"]
+    buffered = await running.r.lrange(running.dispatcher.names.job_events(job.id), 0, -1)
+    assert len(buffered) == 1 and '"kind":"done"' in buffered[0]
