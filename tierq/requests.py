@@ -75,7 +75,10 @@ def _check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
             len(k) > METADATA_KEY_CHARS or len(val) > METADATA_VALUE_CHARS for k, val in v.items()
         )
     ):
-        raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
+        raise ValueError(
+            f"at most {METADATA_PAIRS} pairs, keys up to {METADATA_KEY_CHARS} and values up to "
+            f"{METADATA_VALUE_CHARS} characters"
+        )
     return v
 
 
