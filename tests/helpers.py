@@ -33,6 +33,17 @@ async def new_tenant(platform: Any, **body: Any) -> tuple[str, str]:
     return tenant["id"], key["key"]
 
 
+async def admit_as(platform: Any, tenant: Any, body: Any, key_id: str | None = None) -> Any:
+    """Admission as a route runs it, for a tenant (and key) authenticated a moment earlier:
+    what a request already past authentication meets inside the admission transaction."""
+    from api.jobs import service
+
+    names = platform.dispatcher.names
+    return await service.submit(
+        platform.db, platform.r, names, platform.settings, tenant, body, None, key_id=key_id
+    )
+
+
 async def wait_for(
     c: httpx.AsyncClient, job_id: str, statuses: tuple[str, ...] = TERMINAL, timeout: float = 30
 ) -> dict[str, Any]:

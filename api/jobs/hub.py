@@ -71,6 +71,11 @@ class StreamClosed(Exception):
         self.code = code
         self.message = message
 
+    @property
+    def status(self) -> int:
+        """The HTTP status a request answers with: 403 suspended, 401 key revoked."""
+        return 403 if self.code == "tenant_suspended" else 401
+
 
 class TooManyStreams(Exception):
     def __init__(self, limit: int) -> None:
@@ -217,7 +222,7 @@ class EventHub:
         try:
             got = await with_retries(lambda: self._acquire(keys=[key], args=args))
         except BaseException:
-            self.spawn(self.r.zrem(key, member))  # in case it went through
+            Slot(self, tenant_id, member).release()  # in case it went through
             raise
         if not got:
             raise TooManyStreams(limit)

@@ -230,8 +230,7 @@ async def _await_final(ctx: _Context, job: JobRecord) -> JobRecord:
                 raise APIError(499, "The client closed the request.", "client_closed_request")
     except StreamClosed as closed:
         ctx.cancel_later(job.id)
-        status = 403 if closed.code == "tenant_suspended" else 401
-        raise APIError(status, closed.message, closed.code) from None
+        raise APIError(closed.status, closed.message, closed.code) from None
     except APIError:
         raise
     except Exception:  # Redis or the database lost: whatever it was, it is a 503
@@ -333,8 +332,7 @@ async def _stream(
     except StreamClosed as closed:
         finished = True
         ctx.cancel_later(job.id)
-        status = 403 if closed.code == "tenant_suspended" else 401
-        yield _data(error_body(status, closed.message, closed.code))
+        yield _data(error_body(closed.status, closed.message, closed.code))
         yield b"data: [DONE]\n\n"
     except Exception:  # Redis or the database lost
         finished = True

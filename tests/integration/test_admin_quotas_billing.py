@@ -18,7 +18,7 @@ from sqlalchemy import select
 from api.app import build_app
 from models.tables import Job, UsageRecord
 from tests.conftest import Platform
-from tests.helpers import admin, assert_openai_error, client, new_tenant, wait_for
+from tests.helpers import admin, admit_as, assert_openai_error, client, new_tenant, wait_for
 from workers.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
@@ -437,7 +437,6 @@ async def test_a_suspension_committed_after_authentication_still_refuses_the_job
     """Admission reads the tenant's status under a lock on its row, in the transaction that
     inserts the job — not the snapshot authentication took a moment earlier."""
     from api.errors import APIError
-    from api.jobs import service
     from models import tenants as tenant_repo
     from tierq.requests import JobCreate
 
@@ -452,14 +451,6 @@ async def test_a_suspension_committed_after_authentication_still_refuses_the_job
         assert (await a.post(f"/admin/tenants/{tenant_id}/suspend")).status_code == 200
     body = JobCreate(messages=[{"role": "user", "content": "hi"}], max_tokens=8)  # type: ignore[list-item]
     with pytest.raises(APIError) as refused:
-        await service.submit(
-            platform.db,
-            platform.r,
-            platform.dispatcher.names,
-            platform.settings,
-            owner.tenant,
-            body,
-            None,
-        )
+        await admit_as(platform, owner.tenant, body)
     assert refused.value.status == 403 and refused.value.code == "tenant_suspended"
     assert await jobs_of(platform, tenant_id) == []

@@ -17,7 +17,15 @@ import httpx
 import pytest
 
 from tests.conftest import Platform
-from tests.helpers import admin, assert_openai_error, client, new_tenant, read_sse, wait_for
+from tests.helpers import (
+    admin,
+    admit_as,
+    assert_openai_error,
+    client,
+    new_tenant,
+    read_sse,
+    wait_for,
+)
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
 
@@ -221,7 +229,6 @@ async def test_a_revocation_committed_after_authentication_refuses_the_job(
     """Admission reads the key's state under the tenant's lock, in the transaction that
     inserts the job — not the snapshot authentication took."""
     from api.errors import APIError
-    from api.jobs import service
     from models import tenants as tenant_repo
     from tierq.requests import JobCreate
 
@@ -233,16 +240,7 @@ async def test_a_revocation_committed_after_authentication_refuses_the_job(
         assert (await a.delete(f"/admin/keys/{owner.key_id}")).status_code == 200
     body = JobCreate(messages=[{"role": "user", "content": "hi"}], max_tokens=8)  # type: ignore[list-item]
     with pytest.raises(APIError) as refused:
-        await service.submit(
-            platform.db,
-            platform.r,
-            platform.dispatcher.names,
-            platform.settings,
-            owner.tenant,
-            body,
-            None,
-            key_id=owner.key_id,
-        )
+        await admit_as(platform, owner.tenant, body, key_id=owner.key_id)
     assert refused.value.status == 401 and refused.value.code == "invalid_api_key"
     async with platform.db.session() as s:
         from models import jobs as job_repo
@@ -286,7 +284,6 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
     """An admission waiting on the tenant's row lock sees a revocation that committed
     while it waited (PostgreSQL re-reads only the locked row: the key is read after it)."""
     from api.errors import APIError
-    from api.jobs import service
     from models import tenants as tenant_repo
     from models.tables import ApiKey, utcnow
     from tierq.requests import JobCreate
@@ -300,18 +297,7 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
     body = JobCreate(messages=[{"role": "user", "content": "hi"}], max_tokens=8)  # type: ignore[list-item]
     async with platform.db.transaction() as s:
         await tenant_repo.lock_tenant(s, tenant_id)  # held while the admission starts
-        admission = asyncio.create_task(
-            service.submit(
-                platform.db,
-                platform.r,
-                platform.dispatcher.names,
-                platform.settings,
-                owner.tenant,
-                body,
-                None,
-                key_id=owner.key_id,
-            )
-        )
+        admission = asyncio.create_task(admit_as(platform, owner.tenant, body, key_id=owner.key_id))
         await asyncio.sleep(0.5)
         assert not admission.done()  # waiting for the lock
         row = await s.get(ApiKey, owner.key_id)
