@@ -4,12 +4,13 @@ Each tier's queue is sharded per tenant (`stream:<tier>:<tenant>`), plus one hea
 stream for preempted jobs. The loop reads a bounded read-ahead from every shard with one
 consumer group, asks the policy which jobs go to which worker against each worker's free
 slots (capacity less the entries in its inbox, which live until the worker lets their
-job go; for standard and batch work the ceiling: capacity less the interactive reserve),
+job go; for standard and batch work the ceiling: capacity less the interactive-only ones),
 then for each assignment XADDs the job to the worker's inbox and acknowledges the source
 entry — in one transaction; entries leave the read-ahead only once it committed. Workers
 report each job's real token count on the `served` stream; the policy corrects its
-accounting with it. When interactive work waits and every slot is
-taken, the policy may name lower-tier jobs to preempt; the loop tells their workers.
+accounting with it. When interactive work waits and every slot is taken, the policy may
+name lower-tier jobs to preempt on workers whose engine cannot do it itself; the loop
+tells their workers.
 When there is nothing to do it waits on the wake list (pushed by admission and by workers
 that freed a slot). It also reclaims the inboxes of workers whose heartbeat stopped.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -279,8 +281,9 @@ class Dispatcher:
         for hb, load in zip(usable, loads, strict=True):
             free = hb.capacity - int(load)
             # Standard and batch work is admitted only below the ceiling: `reserve` slots
-            # stay free for interactive work, which preemption backs up when they run out.
-            slots.append(WorkerSlots(hb.worker_id, free, free - hb.reserve))
+            # are interactive work's alone — beyond the engine's where it preempts for
+            # priority, else kept free among them (and backed up by aborting lower tiers).
+            slots.append(WorkerSlots(hb.worker_id, free, free - hb.reserve, hb.engine_preempts))
         return slots
 
     # --- the loop -----------------------------------------------------------------------
@@ -411,7 +414,7 @@ class Dispatcher:
         if not waiting:
             return
         taken = Counter(d.worker_id for d in decisions)
-        after = [WorkerSlots(w.worker_id, w.free - taken[w.worker_id], w.free_lower) for w in slots]
+        after = [dataclasses.replace(w, free=w.free - taken[w.worker_id]) for w in slots]
         victims = self.policy.preempt(
             waiting,
             [r for r in self.running.values() if r.job_id not in self.preempting],

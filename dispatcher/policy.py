@@ -21,11 +21,15 @@ The rules, in the order they apply to each free slot:
    next. A tenant that becomes backlogged is lifted to the smallest counter of those
    already backlogged, so idle time earns no credit.
 5. **Capacity.** A job goes only to a worker with a free slot; standard and batch work
-   only below each worker's ceiling (the reserve's slots stay free), so an arriving
-   interactive job finds a slot at once. The freest worker is chosen.
+   only below each worker's ceiling, so an arriving interactive job finds a slot at once.
+   A worker whose engine preempts for priority advertises interactive-only slots beyond
+   its engine's (the engine gives such a job a lower-tier request's slot, keeping that
+   request's output); another keeps a reserve of its own slots free. The freest worker is
+   chosen.
 
-Preemption: when interactive jobs wait and no worker has any free slot, the policy names
-running lower-tier jobs to abort and re-queue at the head of their tier — batch before
+Preemption, where the engine cannot do it: when interactive jobs wait and no worker has
+any free slot, the policy names running lower-tier jobs on workers whose engine does not
+preempt for priority, to abort and re-queue at the head of their tier — batch before
 standard, the most recently started first (the least work lost), never a job already
 preempted `max_preemptions` times (no livelock).
 """
@@ -56,6 +60,7 @@ class WorkerSlots:
     worker_id: str
     free: int  # slots free for any tier
     free_lower: int  # slots free for standard and batch (below the ceiling)
+    engine_preempts: bool = False  # its engine preempts for priority: never abort its jobs
 
 
 @dataclass(frozen=True)
@@ -193,10 +198,13 @@ class TierqPolicy:
         wanted = waiting_interactive - in_progress
         if wanted <= 0:
             return []
+        abortable = {w.worker_id for w in workers if not w.engine_preempts}
         victims = [
             r
             for r in running
-            if r.tier != Tier.INTERACTIVE and r.preemptions < self.config.max_preemptions
+            if r.tier != Tier.INTERACTIVE
+            and r.preemptions < self.config.max_preemptions
+            and r.worker_id in abortable
         ]
         victims.sort(key=lambda r: (-TIER_ORDER.index(r.tier), -r.started_at))
         return victims[:wanted]

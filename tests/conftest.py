@@ -29,6 +29,7 @@ from tierq.settings import Settings
 from tierq.token_count import for_settings
 from workers.engine import Engine
 from workers.simulated_engine import CostModel, SimulatedEngine
+from workers.vllm_scheduler import Tiering
 from workers.worker import Worker
 
 PG_ADMIN_URL = os.environ.get(
@@ -148,7 +149,9 @@ class Platform:
         """A worker on the simulated engine; `wrap` puts a wrapper (faults) around it."""
         engine = SimulatedEngine(
             cost or CostModel(slots=self.settings.max_num_seqs).scaled(20),
+            priority_steps=self.settings.engine_priority_steps,
             counter=for_settings(self.settings),
+            tiering=Tiering.from_settings(self.settings),
         )
         await engine.start()
         hosted: Engine = engine if wrap is None else wrap(engine)

@@ -109,6 +109,9 @@ class Heartbeat:
     reserve: int = 0  # slots kept for the interactive tier
     jobs: list[str] = field(default_factory=list)
     engine_ok: bool = True  # False: its engine died; it is handing its jobs back
+    # True: its engine preempts for priority itself; the dispatcher never aborts its jobs
+    # for interactive work (`reserve` then counts the interactive jobs beyond its slots).
+    engine_preempts: bool = False
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

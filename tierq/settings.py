@@ -99,6 +99,17 @@ class Settings(BaseSettings):
     # priority order, lower-tier prefill chunks deferred while better work waits for a
     # slot. False: vLLM's stock scheduler (running requests first, in admission order).
     engine_priority_steps: bool = True
+    # With tierq's scheduler: a better request waiting for a slot preempts the worst running
+    # one inside vLLM (it keeps its output; only its KV cache is recomputed), at most
+    # engine_max_preemptions times per request. Lower tiers may then use every slot.
+    engine_preemption: bool = True
+    engine_max_preemptions: int = 4
+    # With tierq's scheduler: while interactive work runs or waits, or arrived within
+    # interactive_step_hold_s, a step takes at most this many tokens (or what the interactive
+    # work needs, if more); otherwise MAX_NUM_BATCHED_TOKENS. None: 128 on the CPU build,
+    # where a step lasts as long as its token count; 0 (off) on GPUs.
+    interactive_step_tokens: int | None = None
+    interactive_step_hold_s: float = 5.0
     # Failure-path tests and `tierq bench chaos` only: the fraction of requests that a
     # fault-injecting wrapper around the engine fails (workers/faulty_engine.py), seeded.
     engine_fault_rate: float = 0.0
@@ -135,9 +146,15 @@ class Settings(BaseSettings):
     urgency_fraction: float = 0.8
     tenant_weights: dict[str, float] = Field(default_factory=dict)  # tenant id -> weight
     # Slots per worker that standard and batch work leave free (capped at half the slots).
-    # Small on purpose: reserved slots idle while work waits; preemption covers bursts.
-    interactive_reserve: int = 1
-    max_preemptions: int = 2  # a job is preempted at most this often
+    # 0: an engine that preempts for priority (ENGINE_PREEMPTION) needs none; reserved slots
+    # idle while work waits.
+    interactive_reserve: int = 0
+    # Interactive jobs a worker takes beyond its MAX_NUM_SEQS when its engine preempts for
+    # priority: each enters the engine at once and takes a lower-tier request's slot there.
+    interactive_overflow: int = 16
+    # Times the dispatcher may abort and re-queue one job for interactive work: only on
+    # workers whose engine cannot preempt for priority itself.
+    max_preemptions: int = 2
 
     # --- streaming ----------------------------------------------------------------------
     replay_ttl_s: int = 3600

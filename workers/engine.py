@@ -39,6 +39,14 @@ class Chunk:
 class Engine(Protocol):
     name: str
 
+    @property
+    def preempts_for_priority(self) -> bool:
+        """True: a better-priority request that finds every slot busy preempts a worse
+        running one inside the engine (which resumes it later with its output kept), so the
+        worker may take interactive work beyond its slots and the dispatcher never aborts
+        its jobs for priority."""
+        ...
+
     async def start(self) -> None: ...
 
     def generate(
@@ -66,6 +74,10 @@ class EngineWrapper:
     def __init__(self, inner: Engine, name: str) -> None:
         self.inner = inner
         self.name = name
+
+    @property
+    def preempts_for_priority(self) -> bool:
+        return self.inner.preempts_for_priority
 
     async def start(self) -> None:
         await self.inner.start()

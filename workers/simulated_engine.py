@@ -11,9 +11,13 @@ Each step hands out the token budget the way vLLM's scheduler does: first to the
 requests, one after another, each taking what it needs (a decode token, or a chunk of its
 prompt) while the budget lasts; then to waiting requests, admitted by priority while
 slots and budget remain. `priority_steps=False` walks the running requests in the order
-they were admitted (vLLM's stock scheduler); True runs the very decision of tierq's
-scheduler for vLLM (`workers.vllm_scheduler.prioritise`: priority order, and worse prefill
-chunks deferred or capped while a better request waits for a slot).
+they were admitted, with the full budget every step, and never preempts (vLLM's stock
+scheduler with the KV cache never short); True runs the very decisions of tierq's scheduler
+for vLLM (`workers.vllm_scheduler`), as `tiering` sets them: preemption for priority (the
+victim goes back to waiting, keeps its output and recomputes its KV — prompt and generated
+tokens — when it resumes; at most `max_preemptions` times), the step budget that follows
+the work, priority order, and worse prefill chunks deferred or capped while a better
+request waits for a slot.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +33,7 @@ from typing import Any
 
 from tierq.token_count import PromptCounter
 from workers.engine import Chunk, EngineDead, EngineRequestError
-from workers.vllm_scheduler import prioritise
+from workers.vllm_scheduler import StepBudget, Tiering, pick_victims, prioritise
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class CostModel:
     slots: int = 64
     max_model_len: int = 2048
     max_batched_tokens: int = 2048  # vLLM's per-step token budget (chunked prefill)
+    speedup: float = 1.0  # simulated seconds per wall-clock second
 
     @classmethod
     def load(cls, path: Path | None = None) -> CostModel:
@@ -68,6 +74,7 @@ class CostModel:
             self.slots,
             self.max_model_len,
             self.max_batched_tokens,
+            self.speedup * speedup,
         )
 
 
@@ -82,6 +89,7 @@ class _Request:
     generated: int = field(default=0, compare=False)
     prefill_left: int = field(default=0, compare=False)
     next_decode_eligible_step: int = field(default=0, compare=False)
+    num_preemptions: int = field(default=0, compare=False)
 
     # The names tierq's scheduler reads on vLLM's requests (workers/vllm_scheduler.py).
     @property
@@ -94,6 +102,8 @@ class _Request:
 
     @property
     def num_computed_tokens(self) -> int:
+        # After a preemption prefill_left counts the generated tokens too (their KV is
+        # recomputed), and this goes below zero; what is left to prefill stays right.
         return self.prompt_tokens - self.prefill_left
 
 
@@ -105,9 +115,16 @@ class SimulatedEngine:
         cost: CostModel | None = None,
         priority_steps: bool = True,
         counter: PromptCounter | None = None,
+        tiering: Tiering | None = None,
     ) -> None:
         self.cost = cost or CostModel()
         self.priority_steps = priority_steps
+        self.tiering = tiering or Tiering()
+        self.preempts_for_priority = priority_steps and self.tiering.preempt
+        # The budget's clock runs in simulated seconds, as the cost model does.
+        self._budget = StepBudget(self.tiering, lambda: time.monotonic() * self.cost.speedup)
+        self.preemptions = 0  # preemptions for priority (tests and benchmarks read it)
+        self.budgets: list[int] = []  # each step's token budget, the last 1000 steps
         # Prompts are counted as the served model's tokenizer would (given one), else by
         # a stand-in of about four characters a token.
         self.counter = counter or PromptCounter()
@@ -179,6 +196,23 @@ class SimulatedEngine:
     def running(self) -> int:
         return len(self._running)
 
+    def _preempt_for_priority(self) -> None:
+        victims = pick_victims(
+            self._running.values(),
+            self._waiting,
+            self.cost.slots - len(self._running),
+            self.tiering.max_preemptions,
+        )
+        for victim in victims:
+            del self._running[victim.request_id]
+            victim.prefill_left = victim.prompt_tokens + victim.generated
+            victim.num_preemptions += 1
+            victim.next_decode_eligible_step = 0
+            self._waiting.append(victim)
+            self.preemptions += 1
+        if victims:
+            self._waiting.sort()
+
     async def _step_loop(self) -> None:
         while True:
             if not self._running and not self._waiting:
@@ -186,8 +220,13 @@ class SimulatedEngine:
                 await self._wake.wait()
                 continue
             budget = self.cost.max_batched_tokens
-            order = list(self._running.values())  # admission order
             cap: int | None = None
+            if self.priority_steps:
+                budget = self._budget.tokens(self._running.values(), self._waiting, budget)
+                if self.tiering.preempt:
+                    self._preempt_for_priority()
+            self.budgets = [*self.budgets[-999:], budget]
+            order = list(self._running.values())  # admission order
             if self.priority_steps:
                 _, cap = prioritise(
                     order,

@@ -15,6 +15,7 @@ from tierq.bundled_model import resolve_model_path
 from tierq.engine_build import vllm_cpu_build
 from tierq.settings import Settings
 from workers.engine import Chunk, EngineDead, EngineRequestError
+from workers.vllm_scheduler import Tiering
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class VllmEngine:
         self.settings = settings
         self._llm: Any = None
         self._tokenizer: Any = None
+        self.tiering = Tiering.from_settings(settings)
+        self.preempts_for_priority = settings.engine_priority_steps and self.tiering.preempt
 
     async def start(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -75,6 +78,7 @@ class VllmEngine:
             enforce_eager=s.enforce_eager,
             scheduling_policy="priority",
             scheduler_cls=TIERED_SCHEDULER if s.engine_priority_steps else STOCK_SCHEDULER,
+            additional_config=self.tiering.to_config(),
             disable_log_stats=True,
         )
         self._llm = AsyncLLM.from_engine_args(args)

@@ -1,41 +1,104 @@
-"""tierq's scheduler for vLLM: vLLM's own, with each step's token budget offered in priority
-order. The worker hands it to the engine (`scheduler_cls`) unless
-`ENGINE_PRIORITY_STEPS=false`.
+"""tierq's scheduler for vLLM: vLLM's own, with the tiers put first in every step. The worker
+hands it to the engine (`scheduler_cls`) unless `ENGINE_PRIORITY_STEPS=false`.
 
 Why. vLLM's priority policy orders only its waiting queue. Every step it first gives the
 token budget to the requests already running, in the order they were admitted, and only
-then admits waiting ones with what is left. On a busy engine the running requests include
-lower-tier prompts still being prefilled in chunks, so a newly arrived interactive request
-gets the crumbs of the budget, or none, step after step (vLLM issues #24365 and #40004
-describe this priority inversion). Two changes, applied before each step:
+then admits waiting ones with what is left; and it preempts a running request only when
+KV-cache blocks run out, so an interactive request that arrives when every `max_num_seqs`
+slot is busy waits for a slot to free (vLLM issues #24365 and #40004 describe this priority
+inversion). Four changes, applied before each step:
 
-1. The running requests are sorted by (priority, arrival): an interactive request that is
+1. **Preemption for priority.** While a request waits that is strictly better than the
+   worst running one and no running slot is free for it, the worst running request
+   (priority value, then arrival — the victim vLLM picks under KV pressure) is preempted
+   with vLLM's own `_preempt_request`: it goes back to the waiting queue, keeps the tokens
+   it generated, and only its KV cache is recomputed when it resumes (its prompt blocks
+   may still be in the prefix cache). The better request enters in this very step. A
+   request is preempted at most `max_preemptions` times (vLLM's `num_preemptions`, which
+   counts KV-pressure preemptions too): after that it keeps its slot, so nothing livelocks.
+   With this, lower tiers may fill every slot (the worker no longer keeps one idle).
+2. **A step budget that follows the work.** On a compute-bound engine a step lasts as long
+   as its token count, and a step's length bounds how long an arriving interactive request
+   waits. While latency-sensitive work (priority at or better than `latency_priority`: the
+   interactive tier) runs or waits, or arrived within `latency_hold_s`, a step takes at
+   most `latency_step_tokens` (or what that work needs this step — its decodes, the
+   prompts of latency-sensitive requests — if more); otherwise the full
+   `max_num_batched_tokens`. 0 turns it off (the default on GPUs, where a step's time is
+   nearly flat in its token count and a small budget would only slow prefill).
+3. The running requests are sorted by (priority, arrival): an interactive request that is
    mid-prefill or decoding takes its tokens before batch work does.
-2. While a request of a better priority waits for admission with a slot free for it, the
+4. While a request of a better priority waits for admission with a slot free for it, the
    prefill chunks of worse-priority running requests that would leave it short of its
    prompt's tokens sit this step out (their decodes go on; prefills that fit beside it
    proceed, and one that does not fit may take a chunk of exactly what is left, through
    vLLM's per-request chunk limit `long_prefill_token_threshold` set for that step alone),
    so the budget they would have taken goes to the waiting request.
 
-Nothing is lost or recomputed: a deferred chunk is computed a step later. The deferral
-uses the scheduler's own per-request "not before step N" mark (`next_decode_eligible_step`,
-which vLLM's async and diffusion schedulers set for their own reasons). vLLM calls its
-scheduler interface internal; `tests/unit/test_vllm_scheduler.py` pins what this relies on.
+The deferral uses the scheduler's own per-request "not before step N" mark
+(`next_decode_eligible_step`, which vLLM's async and diffusion schedulers set for their own
+reasons). What tierq wants reaches vLLM's engine-core process in `additional_config`
+(`Tiering`). vLLM calls its scheduler interface internal; `tests/unit/test_vllm_scheduler.py`
+pins what this relies on and runs it on vLLM's real scheduler objects.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 from workers.parent_death import die_with_parent
 
+if TYPE_CHECKING:
+    from tierq.settings import Settings
+
 log = logging.getLogger(__name__)
+
+# The key of tierq's part of vLLM's `additional_config`.
+CONFIG_KEY = "tierq"
+# On the CPU a step lasts as long as its token count: 128 tokens is ~0.4 s here.
+CPU_LATENCY_STEP_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Tiering:
+    """What tierq's scheduler does beyond vLLM's own (see the module's docstring)."""
+
+    preempt: bool = True
+    max_preemptions: int = 4
+    latency_priority: int = 0
+    latency_step_tokens: int = 0  # 0: every step may take the full budget
+    latency_hold_s: float = 5.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Tiering:
+        from tierq.engine_build import vllm_cpu_build
+        from tierq.tiers import Tier, vllm_priority
+
+        step_tokens = settings.interactive_step_tokens
+        if step_tokens is None:
+            step_tokens = CPU_LATENCY_STEP_TOKENS if vllm_cpu_build() else 0
+        return cls(
+            preempt=settings.engine_preemption,
+            max_preemptions=settings.engine_max_preemptions,
+            latency_priority=vllm_priority(Tier.INTERACTIVE),
+            latency_step_tokens=step_tokens,
+            latency_hold_s=settings.interactive_step_hold_s,
+        )
+
+    def to_config(self) -> dict[str, Any]:
+        return {CONFIG_KEY: asdict(self)}
+
+    @classmethod
+    def from_config(cls, additional_config: Any) -> Tiering:
+        raw = additional_config.get(CONFIG_KEY) if isinstance(additional_config, dict) else None
+        return cls(**raw) if raw else cls()
 
 
 class _Request(Protocol):
-    """What the decision reads of a request (vLLM's, or the simulated engine's)."""
+    """What the decisions read of a request (vLLM's, or the simulated engine's)."""
 
     @property
     def priority(self) -> int: ...
@@ -45,8 +108,76 @@ class _Request(Protocol):
     def num_computed_tokens(self) -> int: ...
     @property
     def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
 
     next_decode_eligible_step: int
+
+
+def _rank(r: Any) -> tuple[int, float]:
+    return (r.priority, r.arrival_time)
+
+
+def _left(r: Any) -> int:
+    """Prompt tokens a request still has to prefill (0: it decodes, one token a step)."""
+    return max(0, r.num_prompt_tokens - r.num_computed_tokens)
+
+
+def pick_victims(
+    running: Iterable[Any], waiting: Iterable[Any], free_slots: int, max_preemptions: int
+) -> list[Any]:
+    """Running requests to preempt so that better waiting ones get a slot now.
+
+    `waiting` in the order it is admitted (best first). Each waiting request beyond the free
+    slots takes the slot of the worst running request (priority value, then latest
+    arrival) whose priority is strictly worse than its own and that was preempted fewer
+    than `max_preemptions` times. Equal priorities never preempt each other."""
+    candidates = sorted((r for r in running if r.num_preemptions < max_preemptions), key=_rank)
+    victims: list[Any] = []
+    for request in waiting:
+        if free_slots > 0:
+            free_slots -= 1
+            continue
+        if not candidates or candidates[-1].priority <= request.priority:
+            break  # the rest wait no better than this one
+        victims.append(candidates.pop())
+    return victims
+
+
+class StepBudget:
+    """The token budget of each step: small while latency-sensitive work is around (see the
+    module's docstring), the full one once only lower tiers have run for `latency_hold_s`."""
+
+    def __init__(self, tiering: Tiering, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tiering = tiering
+        self.clock = clock
+        self.last_seen = float("-inf")  # when latency-sensitive work was last around
+
+    def tokens(self, running: Iterable[Any], waiting: Iterable[Any], full: int) -> int:
+        small = self.tiering.latency_step_tokens
+        if small <= 0 or small >= full:
+            return full
+        best = self.tiering.latency_priority
+        decodes = 0
+        need = 0
+        urgent = False
+        for r in running:
+            left = _left(r)
+            decodes += not left
+            if r.priority <= best:
+                urgent = True
+                need += left
+        for r in waiting:  # best first: stop at the first that is not latency-sensitive
+            if r.priority > best:
+                break
+            urgent = True
+            need += _left(r)
+        now = self.clock()
+        if urgent:
+            self.last_seen = now
+        elif now - self.last_seen >= self.tiering.latency_hold_s:
+            return full
+        return min(full, max(small, decodes + need))
 
 
 def prioritise(
@@ -61,12 +192,11 @@ def prioritise(
     step and, where one worse prefill can take exactly what is left beside the waiting
     request, that cap (a per-request chunk limit for this step; None: no cap).
     `current_step` is the scheduler's counter before `schedule()` increments it."""
-    running.sort(key=lambda r: (r.priority, r.arrival_time))
+    running.sort(key=_rank)
     if waiting_head is None or free_slots <= 0:
         return [], None
 
-    def left(r: Any) -> int:
-        return max(0, r.num_prompt_tokens - r.num_computed_tokens)
+    left = _left
 
     # What vLLM will schedule before the waiting request whatever happens: one token per
     # decoding request, and the prefill of running requests at least as urgent.
@@ -104,31 +234,88 @@ def _tiered(base: type) -> type:
     class Tiered(base):
         _tiering = True  # off for good if this vLLM's internals are not what it expects
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            config = getattr(self, "vllm_config", None)
+            policy = Tiering.from_config(getattr(config, "additional_config", None))
+            if not getattr(self.scheduler_config, "enable_chunked_prefill", True):
+                # Without chunked prefill a prompt longer than the step budget never runs.
+                policy = replace(policy, latency_step_tokens=0)
+            self.tier_policy = policy
+            self.step_budget = StepBudget(policy)
+            self.full_budget: int = getattr(
+                self, "max_num_scheduled_tokens", self.scheduler_config.max_num_batched_tokens
+            )
+            self.priority_preemptions = 0  # how many this scheduler made (logs, tests)
+
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
-            if not (self._tiering and self.policy == SchedulingPolicy.PRIORITY and self.running):
+            if not (self._tiering and self.policy == SchedulingPolicy.PRIORITY):
                 return super().schedule(*args, **kwargs)
             config = self.scheduler_config
             try:
-                limit: int = getattr(self, "max_num_active_reqs", None) or self.max_num_running_reqs
-                _, cap = prioritise(
-                    self.running,
-                    self.waiting.peek_request() if self.waiting else None,
-                    limit - len(self.running),
-                    self.current_step,
-                    getattr(self, "max_num_scheduled_tokens", config.max_num_batched_tokens),
-                )
+                budget = self.step_budget.tokens(self.running, self.waiting, self.full_budget)
+                if self.tier_policy.preempt and self.waiting and self.running:
+                    self._preempt_for_priority()
+                cap: int | None = None
+                if self.running:
+                    _, cap = prioritise(
+                        self.running,
+                        self.waiting.peek_request() if self.waiting else None,
+                        self._free_slots(),
+                        self.current_step,
+                        budget,
+                    )
                 configured = config.long_prefill_token_threshold
             except Exception:  # an engine that dies takes every job in it along
                 log.exception("tierq's scheduler does not fit this vLLM; using vLLM's own")
                 self._tiering = False
+                self.max_num_scheduled_tokens = self.full_budget
                 return super().schedule(*args, **kwargs)
-            if cap is None or 0 < configured <= cap:
-                return super().schedule(*args, **kwargs)
-            config.long_prefill_token_threshold = cap  # read once, at the start of a step
+            self.max_num_scheduled_tokens = budget
+            capped = cap is not None and not 0 < configured <= cap
+            if capped:
+                config.long_prefill_token_threshold = cap  # read once, at the start of a step
             try:
                 return super().schedule(*args, **kwargs)
             finally:
-                config.long_prefill_token_threshold = configured
+                self.max_num_scheduled_tokens = self.full_budget
+                if capped:
+                    config.long_prefill_token_threshold = configured
+
+        def _free_slots(self) -> int:
+            limit: int = getattr(self, "max_num_active_reqs", None) or self.max_num_running_reqs
+            # Paused streaming sessions hold a slot without being in `running` (vLLM counts
+            # them the same way when it admits waiting requests).
+            return limit - len(self.running) - getattr(self, "num_waiting_for_streaming_input", 0)
+
+        def _preempt_for_priority(self) -> None:
+            blocked = getattr(self, "_is_blocked_waiting_status", lambda _status: False)
+            victims = pick_victims(
+                self.running,
+                (r for r in self.waiting if not blocked(r.status)),
+                self._free_slots(),
+                self.tier_policy.max_preemptions,
+            )
+            now = time.monotonic()
+            for victim in victims:
+                can_free = getattr(self, "_request_blocks_can_be_freed", lambda _r: True)
+                if not can_free(victim):  # a deferred block free would not make room now
+                    continue
+                # What vLLM does to its victim under KV pressure: out of `running`, then back
+                # to the waiting queue keeping its output; only its KV is recomputed.
+                self.running.remove(victim)
+                self._preempt_request(
+                    victim, now, drop_stale_output=getattr(self, "requires_kv_delivery", False)
+                )
+                # Should it resume in this very step, the model runner needs all its tokens
+                # again (as after vLLM's own reset_prefix_cache preemptions).
+                self.prev_step_scheduled_req_ids.discard(victim.request_id)
+                self.priority_preemptions += 1
+                log.debug(
+                    "preempted %s (priority %d) for a better waiting request",
+                    victim.request_id,
+                    victim.priority,
+                )
 
     Tiered.__name__ = Tiered.__qualname__ = f"Tiered{base.__name__}"
     return Tiered

@@ -130,11 +130,19 @@ class Worker:
         self.publisher = EventPublisher(
             self.events, self._superseded_elsewhere, settings.outage_retry_max_s
         )
-        # Slots advertised to the dispatcher: the engine's, unless told otherwise (the
-        # engine-priority baseline of the QoS benchmark hands everything to the engine).
-        self.capacity = capacity or settings.max_num_seqs
-        # Slots standard and batch work never take; at most half of them.
-        self.reserve = min(settings.interactive_reserve, self.capacity // 2)
+        # The engine's slots, unless told otherwise (the engine-priority baseline of the QoS
+        # benchmark hands everything to the engine).
+        slots = capacity or settings.max_num_seqs
+        # An engine that preempts for priority takes interactive work beyond its slots: such
+        # a job enters the engine at once and takes a lower-tier request's slot there, so
+        # lower tiers may fill every slot. Otherwise `interactive_reserve` slots (at most
+        # half) stay free of lower-tier work, and the dispatcher preempts (abort, re-queue).
+        self.engine_preempts = bool(getattr(engine, "preempts_for_priority", False))
+        overflow = max(0, settings.interactive_overflow) if self.engine_preempts else 0
+        # Advertised to the dispatcher: every job this worker may hold, and how many of
+        # them only interactive work may take (its ceiling for the lower tiers).
+        self.capacity = slots + overflow
+        self.reserve = overflow + min(settings.interactive_reserve, slots // 2)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # job id -> its task
         self._entries: dict[str, str] = {}  # job id -> inbox entry id
         self._jobs: dict[str, JobRecord] = {}  # job id -> the delivery this worker runs
@@ -297,6 +305,7 @@ class Worker:
             self.reserve,
             jobs=sorted(self._tasks),
             engine_ok=not self._engine_dead.is_set(),
+            engine_preempts=self.engine_preempts,
         )
         await write_heartbeat(self.r, self.names, hb)
 

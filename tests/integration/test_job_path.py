@@ -60,16 +60,20 @@ async def test_many_jobs_run_concurrently_in_one_engine(
             await asyncio.sleep(0.01)
         jobs = [await wait_for(c, i) for i in ids]
     assert all(j["status"] == "succeeded" for j in jobs)
-    assert peak == worker.capacity == 8  # continuous batching: all eight at once
+    # Continuous batching: all eight at once, in every slot of the engine.
+    assert peak == platform.settings.max_num_seqs == 8 and worker.engine_preempts
 
 
+@pytest.mark.with_settings(engine_preemption=False)
 async def test_lower_tiers_leave_the_interactive_reserve_free(
     platform: Platform, tenant_key: str
 ) -> None:
+    """An engine that cannot preempt for priority: the worker keeps a reserve of its slots."""
     platform.start_dispatcher()
     worker = await platform.start_worker("w1", cost=CostModel(slots=8))
     _, _, engine = platform.workers["w1"]
     assert worker.reserve == 4  # INTERACTIVE_RESERVE in these tests (at most half the slots)
+    assert worker.capacity == 8 and not worker.engine_preempts
     async with client(platform.url, tenant_key) as c:
         posts = [
             c.post("/v1/jobs", json={**CHAT, "max_tokens": 60, "tier": t})

@@ -18,19 +18,20 @@ LONG = {"prompt": "x" * 40, "max_tokens": 150, "tier": "batch"}
 SHORT = {"prompt": "y" * 40, "max_tokens": 10, "tier": "interactive"}
 
 
-async def test_interactive_work_preempts_a_full_engine_and_the_victim_still_finishes_once(
-    platform: Platform, tenant_key: str
-) -> None:
-    platform.settings.max_num_seqs = 4
-    platform.settings.interactive_reserve = 1
+async def _two_interactive_jobs_behind_batch_work(
+    platform: Platform, tenant_key: str, running: int
+) -> tuple[list[str], dict[str, list[str]]]:
+    """Five long batch jobs on a 4-slot worker (`running` of them run); two interactive jobs
+    then get their first token while no batch job has finished, and every job finishes
+    once, whole. Returns the batch jobs and their status histories."""
     platform.start_dispatcher()
     await platform.start_worker("w1", cost=CostModel(slots=4).scaled(2))
     _, _, engine = platform.workers["w1"]
     async with client(platform.url, tenant_key) as c:
         batch = [(await c.post("/v1/jobs", json=LONG)).json()["id"] for _ in range(5)]
-        for job_id in batch[:3]:
+        for job_id in batch[:running]:
             await wait_for(c, job_id, ("running",))
-        assert engine.running == 3  # the fourth slot is the interactive reserve
+        assert engine.running == running
         inter = [(await c.post("/v1/jobs", json=SHORT)).json()["id"] for _ in range(2)]
         firsts = [
             await asyncio.wait_for(read_sse(c, f"/v1/jobs/{i}/events", limit=1), 10) for i in inter
@@ -44,11 +45,38 @@ async def test_interactive_work_preempts_a_full_engine_and_the_victim_still_fini
     async with platform.db.session() as s:
         histories = {b: [st for st, _ in await job_repo.transitions(s, b)] for b in batch}
         usage = {b: await job_repo.usage_for_job(s, b) for b in batch}
+    assert all(len(u) == 1 for u in usage.values())
+    return batch, histories
+
+
+async def test_interactive_work_takes_a_slot_of_a_full_engine_inside_it_and_the_victim_finishes(
+    platform: Platform, tenant_key: str
+) -> None:
+    """The default: lower tiers fill every slot; interactive jobs go to the worker beyond
+    them and the engine preempts batch requests for them (the victims keep their output and
+    are never re-queued)."""
+    platform.settings.max_num_seqs = 4
+    platform.settings.interactive_reserve = 0
+    _, histories = await _two_interactive_jobs_behind_batch_work(platform, tenant_key, running=4)
+    worker, _, engine = platform.workers["w1"]
+    assert worker.engine_preempts and worker.capacity == 4 + platform.settings.interactive_overflow
+    assert engine.preemptions == 2
+    assert all(h == ["queued", "running", "succeeded"] for h in histories.values()), histories
+
+
+@pytest.mark.with_settings(engine_preemption=False)
+async def test_interactive_work_preempts_a_full_engine_and_the_victim_still_finishes_once(
+    platform: Platform, tenant_key: str
+) -> None:
+    """An engine that cannot preempt for priority: one slot is the interactive reserve, and
+    for the second job the dispatcher aborts a batch job and re-queues it."""
+    platform.settings.max_num_seqs = 4
+    platform.settings.interactive_reserve = 1
+    _, histories = await _two_interactive_jobs_behind_batch_work(platform, tenant_key, running=3)
     preempted = [b for b, h in histories.items() if h.count("running") > 1]
     assert preempted, histories  # the second interactive job took a batch job's slot
     for b in preempted:
         assert histories[b][:3] == ["queued", "running", "queued"]
-    assert all(len(u) == 1 for u in usage.values())
 
 
 async def test_a_small_tenant_is_not_starved_by_a_big_backlog_in_its_tier(

@@ -143,6 +143,21 @@ def test_preemption_picks_batch_first_newest_first_and_is_bounded() -> None:
     assert policy.preempt(0, running, full, 0) == []
 
 
+def test_jobs_on_workers_whose_engine_preempts_for_priority_are_never_aborted() -> None:
+    policy = TierqPolicy(PolicyConfig(max_preemptions=1))
+    running = [
+        RunningJob("b-engine", Tier.BATCH, "engine", 5.0, 0),
+        RunningJob("b-platform", Tier.BATCH, "plain", 1.0, 0),
+    ]
+    full = [WorkerSlots("engine", 0, 0, engine_preempts=True), WorkerSlots("plain", 0, 0)]
+    assert [r.job_id for r in policy.preempt(2, running, full, 0)] == ["b-platform"]
+    assert policy.preempt(2, running, full[:1], 0) == []
+    # An interactive job goes beyond the engine's slots, where lower tiers may not.
+    beyond = WorkerSlots("engine", free=4, free_lower=0, engine_preempts=True)
+    got = policy.assign(queues_of(job(Tier.BATCH, at=1), job(Tier.INTERACTIVE, at=2)), [beyond], 3)
+    assert [a.job.tier for a in got] == [Tier.INTERACTIVE]
+
+
 def test_baselines() -> None:
     jobs = [job(Tier.BATCH, at=1), job(Tier.INTERACTIVE, at=2), job(Tier.STANDARD, at=0)]
     for policy in (FcfsPolicy(), EnginePriorityPolicy()):

@@ -52,3 +52,38 @@ async def test_stock_vllm_steps_make_a_waiting_interactive_request_wait_for_olde
     # step's budget to the running batch prompt until its 600 tokens are done.
     assert tiered < 3, tiered
     assert stock > 10, stock
+
+
+async def _interactive_behind_full_slots(priority_steps: bool) -> tuple[float, list[int], int]:
+    """Both slots busy with batch requests when an interactive one arrives: its first token,
+    in steps, the tokens each batch request ended with, and the engine's preemptions."""
+    engine = SimulatedEngine(COST, priority_steps=priority_steps)
+    await engine.start()
+
+    async def drain(rid: str, priority: int, max_tokens: int) -> tuple[float, int]:
+        sent = time.monotonic()
+        first, tokens = 0.0, 0
+        async for chunk in engine.generate(
+            rid, None, "x" * 40, {"max_tokens": max_tokens}, priority
+        ):
+            first = first or time.monotonic() - sent
+            tokens += chunk.new_tokens
+        return first, tokens
+
+    try:
+        batch = [asyncio.create_task(drain(f"b{i}", 100, 60)) for i in range(4)]
+        await asyncio.sleep(0.05)  # all four slots decoding
+        ttft, _ = await drain("chat", 0, 1)
+        outputs = [tokens for _, tokens in await asyncio.gather(*batch)]
+    finally:
+        await engine.shutdown()
+    return ttft / (COST.step_s(4) + 32 * COST.prefill_s_per_token), outputs, engine.preemptions
+
+
+async def test_an_interactive_request_preempts_a_batch_one_which_still_finishes_whole() -> None:
+    tiered, outputs, preemptions = await _interactive_behind_full_slots(priority_steps=True)
+    assert tiered < 3, tiered  # the step under way, then its own
+    assert outputs == [60, 60, 60, 60] and preemptions == 1
+    stock, outputs, preemptions = await _interactive_behind_full_slots(priority_steps=False)
+    assert stock > 20, stock  # it waited for a batch request to finish (60 decode steps)
+    assert outputs == [60, 60, 60, 60] and preemptions == 0

@@ -1,13 +1,28 @@
-"""tierq's scheduler for vLLM: the per-step ordering and deferral (a pure function, tested on
-plain request records), and the vLLM internals it relies on, pinned so that a vLLM upgrade
-that moves them fails here rather than silently turning the tiered scheduler into vLLM's."""
+"""tierq's scheduler for vLLM: the per-step decisions (pure functions, tested on plain request
+records), the scheduler itself on vLLM's real scheduler objects (preemption for priority, the
+step budget, the preemption bound), and the vLLM internals it relies on, pinned so that a
+vLLM upgrade that moves them fails here rather than silently turning the tiered scheduler
+into vLLM's."""
 
 from __future__ import annotations
 
 import inspect
+import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from workers.vllm_scheduler import TieredScheduler, _tiered, prioritise
+import pytest
+
+from workers.vllm_scheduler import (
+    StepBudget,
+    TieredScheduler,
+    Tiering,
+    _tiered,
+    pick_victims,
+    prioritise,
+)
 
 
 @dataclass
@@ -18,6 +33,8 @@ class Req:
     num_prompt_tokens: int
     num_computed_tokens: int = 0
     next_decode_eligible_step: int = 0
+    num_preemptions: int = 0
+    status: str = "WAITING"
 
 
 def decoding(name: str, priority: int, at: float) -> Req:
@@ -88,8 +105,29 @@ def test_the_vllm_internals_the_tiered_scheduler_relies_on_are_there() -> None:
     assert "self.scheduler_config.long_prefill_token_threshold" in schedule
     assert "self.next_decode_eligible_step = 0" in inspect.getsource(Request.__init__)
     init = inspect.getsource(Scheduler.__init__)
-    for name in ("self.running", "self.waiting", "self.max_num_running_reqs", "self.policy"):
+    for name in (
+        "self.running",
+        "self.waiting",
+        "self.max_num_running_reqs",
+        "self.policy",
+        "self.max_num_scheduled_tokens",
+        "self.prev_step_scheduled_req_ids",
+    ):
         assert name in init
+    # The step's token budget is read from the attribute the wrapper sets for the step.
+    assert "token_budget = self.max_num_scheduled_tokens" in schedule
+    # Preemption for priority goes through vLLM's own: back to waiting, output kept, KV
+    # freed; waiting requests are admitted in a step only if that step preempted nothing.
+    preempt = inspect.getsource(Scheduler._preempt_request)
+    for line in (
+        "request.status = RequestStatus.PREEMPTED",
+        "request.num_computed_tokens = 0",
+        "request.num_preemptions += 1",
+        "self.waiting.prepend_request(request)",
+        "self.reset_preempted_req_ids.add(request.request_id)",
+    ):
+        assert line in preempt
+    assert "if not preempted_reqs" in schedule
     assert issubclass(AsyncScheduler, Scheduler)
     # What the worker names in its engine arguments resolves to this class.
     from workers.vllm_engine import TIERED_SCHEDULER
@@ -115,6 +153,7 @@ class _StockStep:
         self.running = running
         self.waiting = _Waiting(waiting)
         self.max_num_running_reqs = 4
+        self.max_num_scheduled_tokens = 100
         self.current_step = 10
         self.scheduler_config = SimpleNamespace(
             long_prefill_token_threshold=0, max_num_batched_tokens=100
@@ -142,3 +181,286 @@ def test_the_wrapper_falls_back_to_vllms_own_steps_if_the_internals_moved() -> N
     step = tiered([object(), object()], [])  # records without the fields it reads
     assert step.schedule() == "scheduled" and step.schedule() == "scheduled"
     assert step._tiering is False and len(step.seen) == 2
+
+
+# --- preemption for priority and the step budget: the pure decisions ---------------------
+
+
+def test_a_better_waiting_request_takes_the_worst_running_requests_slot() -> None:
+    running = [decoding("b-old", 100, 1.0), decoding("s", 10, 2.0), decoding("b-new", 100, 3.0)]
+    waiting = [Req("chat1", 0, 4.0, 40), Req("chat2", 0, 5.0, 40), Req("b", 100, 6.0, 40)]
+    # Two better requests, no free slot: the newest batch request, then the older one.
+    victims = pick_victims(running, waiting, free_slots=0, max_preemptions=4)
+    assert [v.name for v in victims] == ["b-new", "b-old"]
+    # A free slot serves the first; only the second needs a victim.
+    assert [v.name for v in pick_victims(running, waiting, 1, 4)] == ["b-new"]
+    # Equal priorities never preempt each other (batch behind batch just waits).
+    assert pick_victims(running, [Req("b", 100, 6.0, 40)], 0, 4) == []
+    # A standard request preempts batch work, never interactive or standard work.
+    victims = pick_victims(
+        [decoding("i", 0, 1.0), decoding("s", 10, 2.0)], [Req("s2", 10, 3.0, 40)], 0, 4
+    )
+    assert victims == []
+
+
+def test_a_request_preempted_max_preemptions_times_keeps_its_slot() -> None:
+    tired = decoding("tired", 100, 3.0)
+    tired.num_preemptions = 2
+    fresh = decoding("fresh", 100, 1.0)
+    waiting = [Req("chat1", 0, 4.0, 40), Req("chat2", 0, 5.0, 40)]
+    assert pick_victims([fresh, tired], waiting, 0, max_preemptions=2) == [fresh]
+    fresh.num_preemptions = 2
+    assert pick_victims([fresh, tired], waiting, 0, max_preemptions=2) == []
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_step_budget_is_small_while_interactive_work_is_around() -> None:
+    clock = Clock()
+    budget = StepBudget(Tiering(latency_step_tokens=128, latency_hold_s=5.0), clock)
+    batch = [decoding(f"b{i}", 100, i) for i in range(20)]
+    # Only lower tiers, ever: the full budget.
+    assert budget.tokens(batch, [Req("b-next", 100, 50.0, 600)], 2048) == 2048
+    # An interactive request waiting: small, but never less than its prompt and the decodes.
+    assert budget.tokens(batch, [Req("chat", 0, 60.0, 40)], 2048) == 128
+    assert budget.tokens(batch, [Req("chat", 0, 60.0, 500)], 2048) == 520
+    # Running (mid-prefill or decoding) counts too.
+    assert budget.tokens([*batch, decoding("chat", 0, 60.0)], [], 2048) == 128
+    # It has gone: small for the hold, then the full budget again.
+    clock.now += 4.9
+    assert budget.tokens(batch, [], 2048) == 128
+    clock.now += 0.2
+    assert budget.tokens(batch, [], 2048) == 2048
+    # Off (0, the GPU default) or not below the full budget: always the full budget.
+    off = StepBudget(Tiering(latency_step_tokens=0), clock)
+    assert off.tokens(batch, [Req("chat", 0, 60.0, 40)], 2048) == 2048
+    assert budget.tokens(batch, [Req("chat", 0, 60.0, 40)], 100) == 100
+
+
+def test_tiering_reaches_the_engine_core_process_through_vllms_additional_config() -> None:
+    tiering = Tiering(preempt=False, max_preemptions=3, latency_step_tokens=64)
+    config = json.loads(json.dumps(tiering.to_config()))  # what crosses the process line
+    assert Tiering.from_config(config) == tiering
+    assert Tiering.from_config(None) == Tiering() == Tiering.from_config({"other": 1})
+
+
+# --- the scheduler on vLLM's real scheduler objects ----------------------------------------
+
+BLOCK = 16
+FIRST_TOKEN = 100  # the fake model samples FIRST_TOKEN + position: a lost or repeated token shows
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model config only (no weights, no tokenizer): all vLLM's scheduler reads."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 1,
+        "vocab_size": 1000,
+        "max_position_embeddings": 2048,
+        "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+class Engine:
+    """vLLM's real scheduler (tierq's, as the worker configures it) and a fake model runner
+    that samples one token for every request whose prompt and output are all computed."""
+
+    def __init__(self, model_dir: Path, slots: int, budget: int, tiering: Tiering) -> None:
+        import torch
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        model = ModelConfig(
+            model=str(model_dir), skip_tokenizer_init=True, max_model_len=2048, dtype="float32"
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=slots,
+            max_num_batched_tokens=budget,
+            max_model_len=2048,
+            policy="priority",
+            is_encoder_decoder=False,
+        )
+        cache = CacheConfig(block_size=BLOCK)
+        cache.num_gpu_blocks = 2000
+        config = VllmConfig(
+            model_config=model,
+            cache_config=cache,
+            scheduler_config=scheduler,
+            additional_config=tiering.to_config(),
+        )
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        kv = KVCacheConfig(
+            num_blocks=2000, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
+        )
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.scheduler: Any = TieredScheduler(
+            vllm_config=config,
+            kv_cache_config=kv,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK,
+        )
+        self.sampled: dict[str, int] = {}  # request id -> tokens the model sampled for it
+        self.serial = 0
+
+    def add(self, name: str, priority: int, prompt_len: int = 40, max_tokens: int = 12) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        self.serial += 1
+        # Distinct prompts: the prefix cache must not make anyone's prefill free.
+        prompt = [(self.serial * 7919 + i) % 997 + 1 for i in range(prompt_len)]
+        request = Request(
+            name,
+            prompt,
+            SamplingParams(max_tokens=max_tokens),
+            None,
+            arrival_time=float(self.serial),
+            priority=priority,
+            block_hasher=self.hasher,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in ids:
+            r = self.scheduler.requests[rid]
+            done = r.num_computed_tokens >= r.num_tokens  # prompt and output all computed
+            sampled.append([FIRST_TOKEN + r.num_output_tokens] if done else [])
+            self.sampled[rid] = self.sampled.get(rid, 0) + done
+        runner = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+        )
+        self.scheduler.update_from_output(out, runner)
+        return out
+
+    def run(self, steps: int) -> Iterator[Any]:
+        for _ in range(steps):
+            yield self.step()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Callable[..., Engine]:
+    def make(slots: int = 4, budget: int = 256, **tiering: Any) -> Engine:
+        return Engine(model_dir, slots, budget, Tiering(**tiering))
+
+    return make
+
+
+def full_output(max_tokens: int) -> list[int]:
+    return [FIRST_TOKEN + i for i in range(max_tokens)]
+
+
+def test_an_interactive_request_is_scheduled_in_the_next_step_on_an_engine_full_of_batch_work(
+    engine: Callable[..., Engine],
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    e = engine(slots=4)
+    batch = [e.add(f"batch{i}", 100) for i in range(4)]
+    list(e.run(3))  # every slot busy: prompts done, decoding
+    assert len(e.scheduler.running) == 4 and all(len(b.output_token_ids) == 3 for b in batch)
+    chat = e.add("chat", 0)
+    out = e.step()
+    # In the very next step: the chat's prompt goes in, in the slot of the newest batch request.
+    assert out.num_scheduled_tokens["chat"] == 40
+    victim = batch[-1]
+    assert out.preempted_req_ids == {victim.request_id}
+    assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+    assert list(victim.output_token_ids) == full_output(3)  # its output is kept
+    assert e.scheduler.priority_preemptions == 1
+    steps = list(e.run(40))
+    # The victim came back once a slot freed, recomputed its KV, and finished with its full
+    # output: every token sampled once, none lost or sampled again.
+    assert any("batch3" in s.scheduled_cached_reqs.resumed_req_ids for s in steps)
+    for r in [*batch, chat]:
+        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED, r.request_id
+        assert list(r.output_token_ids) == full_output(12), r.request_id
+        assert e.sampled[r.request_id] == 12
+    assert victim.num_preemptions == 1
+
+
+def test_requests_of_one_priority_never_preempt_each_other(
+    engine: Callable[..., Engine],
+) -> None:
+    e = engine(slots=2)
+    first = [e.add(f"b{i}", 100) for i in range(2)]
+    list(e.run(2))
+    late = e.add("b-late", 100)
+    list(e.run(3))
+    assert e.scheduler.priority_preemptions == 0
+    assert all(r.num_preemptions == 0 for r in [*first, late])
+    assert late not in e.scheduler.running
+
+
+def test_a_request_is_preempted_at_most_max_preemptions_times(
+    engine: Callable[..., Engine],
+) -> None:
+    """One slot, one long batch request, interactive requests one after another: the first
+    preempts it; the second finds it at its bound and waits (no livelock)."""
+    from vllm.v1.request import RequestStatus
+
+    e = engine(slots=1, max_preemptions=1)
+    batch = e.add("batch", 100, max_tokens=30)
+    list(e.run(3))
+    chat1 = e.add("chat1", 0, max_tokens=3)
+    assert e.step().num_scheduled_tokens == {"chat1": 40}
+    list(e.run(3))  # chat1 finishes; batch resumes
+    assert chat1.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    list(e.run(2))
+    assert batch in e.scheduler.running and batch.num_preemptions == 1
+    chat2 = e.add("chat2", 0, max_tokens=3)
+    out = e.step()
+    assert "chat2" not in out.num_scheduled_tokens and batch.num_preemptions == 1
+    while batch.status == RequestStatus.RUNNING:
+        e.step()
+    assert list(batch.output_token_ids) == full_output(30) and e.sampled["batch"] == 30
+    list(e.run(4))
+    assert chat2.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_the_step_budget_follows_interactive_work_in_vllms_scheduler(
+    engine: Callable[..., Engine],
+) -> None:
+    e = engine(slots=8, budget=512, latency_step_tokens=64, latency_hold_s=3600)
+    # A cold burst of batch prompts: vLLM's full budget.
+    for i in range(6):
+        e.add(f"b{i}", 100, prompt_len=200, max_tokens=40)
+    assert e.step().total_num_scheduled_tokens == 512
+    list(e.run(3))
+    # An interactive request arrives: steps shrink to 64 tokens (its prompt fits beside the
+    # decodes), and stay small while it runs and for the hold after it.
+    e.add("chat", 0, prompt_len=40, max_tokens=4)
+    e.add("b-more", 100, prompt_len=400, max_tokens=4)
+    for out in e.run(10):
+        assert out.total_num_scheduled_tokens <= 64
+    assert e.scheduler.full_budget == e.scheduler.max_num_scheduled_tokens == 512
