@@ -1,16 +1,19 @@
 """`tierq bench overhead`: the whole platform against the raw engine, same prompts, same machine.
 
-N identical chat jobs go through the running platform (REST in, polling for results,
-from the database); the same prompts go straight to vLLM's `LLM.chat` in this
-process with the same engine settings. Engine start-up is excluded on both sides: the
-platform's engine is already running, and the in-process engine is timed only around
-`chat()`. Tokens per second count generated tokens.
+N chat jobs go through the running platform (REST in, polling for results, from the
+database); the same prompts go straight to vLLM's `LLM.chat` in this process with the same
+engine settings. Engine start-up is excluded on both sides: the platform's engine is
+already running, and the in-process engine is timed only around `chat()`. Tokens per
+second count generated tokens. The jobs are identical, or with `mixed` of seeded mixed
+lengths (prompts of 1 to 12 sentences, max_tokens from a quarter to twice the given one),
+the same on both sides.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 import statistics
 import sys
 import time
@@ -21,23 +24,42 @@ import httpx
 from tierq.settings import Settings
 
 PROMPT = "Write a short story about a robot who learns to paint."
+SENTENCE = "Add one more detail about the colours, the brushes and the light. "
 POLL_S = 0.1
 
+# One job: its chat prompt and max_tokens.
+Job = tuple[str, int]
 
-async def _platform(url: str, key: str, n: int, max_tokens: int, tier: str) -> dict[str, Any]:
+
+def workload(n: int, max_tokens: int, mixed: bool, seed: int = 0) -> list[Job]:
+    if not mixed:
+        return [(PROMPT, max_tokens)] * n
+    rng = random.Random(seed)
+    return [
+        (PROMPT + " " + SENTENCE * rng.randint(0, 11), rng.randint(max_tokens // 4, 2 * max_tokens))
+        for _ in range(n)
+    ]
+
+
+async def _platform(url: str, key: str, jobs: list[Job], tier: str) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}"}
-    body = {
-        "tier": tier,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-    }
+
+    def body(prompt: str, max_tokens: int) -> dict[str, Any]:
+        return {
+            "tier": tier,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
         # One warm-up job so that connection set-up is not measured.
-        warm = (await client.post("/v1/jobs", json={**body, "max_tokens": 1})).json()
+        warm = (await client.post("/v1/jobs", json=body(PROMPT, 1))).json()
         await _wait(client, [warm["id"]])
         started = time.perf_counter()
-        responses = await asyncio.gather(*(client.post("/v1/jobs", json=body) for _ in range(n)))
+        responses = await asyncio.gather(
+            *(client.post("/v1/jobs", json=body(p, m)) for p, m in jobs)
+        )
         ids = [r.json()["id"] for r in responses]
         jobs = await _wait(client, ids)
         elapsed = time.perf_counter() - started
@@ -95,29 +117,38 @@ class _RawEngine:
             enforce_eager=settings.enforce_eager,
         )
 
-    def run(self, n: int, max_tokens: int) -> dict[str, Any]:
+    def run(self, jobs: list[Job]) -> dict[str, Any]:
         from vllm import SamplingParams
 
-        conversation = [{"role": "user", "content": PROMPT}]
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        self.llm.chat([conversation], sampling, use_tqdm=False)  # warm-up, as on the platform
+        conversations = [[{"role": "user", "content": p}] for p, _ in jobs]
+        sampling = [SamplingParams(max_tokens=m, temperature=0.0) for _, m in jobs]
+        warm = SamplingParams(max_tokens=1, temperature=0.0)
+        self.llm.chat([conversations[0]], warm, use_tqdm=False)  # warm-up, as on the platform
         started = time.perf_counter()
-        outputs = self.llm.chat([conversation] * n, sampling, use_tqdm=False)
+        outputs = self.llm.chat(conversations, sampling, use_tqdm=False)
         elapsed = time.perf_counter() - started
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         return {"tokens": tokens, "seconds": elapsed}
 
 
 def run_overhead(
-    settings: Settings, url: str, key: str, n: int, max_tokens: int, tier: str, rounds: int = 3
+    settings: Settings,
+    url: str,
+    key: str,
+    n: int,
+    max_tokens: int,
+    tier: str,
+    rounds: int = 3,
+    mixed: bool = False,
 ) -> dict[str, Any]:
     """Alternate platform and engine rounds (times drift here); compare the medians."""
     engine = _RawEngine(settings)  # its start-up is not measured
+    jobs = workload(n, max_tokens, mixed)
     platform_rates: list[float] = []
     engine_rates: list[float] = []
     for i in range(rounds):
-        p = asyncio.run(_platform(url, key, n, max_tokens, tier))
-        e = engine.run(n, max_tokens)
+        p = asyncio.run(_platform(url, key, jobs, tier))
+        e = engine.run(jobs)
         platform_rates.append(p["tokens"] / p["seconds"])
         engine_rates.append(e["tokens"] / e["seconds"])
         print(
@@ -134,5 +165,7 @@ def run_overhead(
         "ratio": round(p_rate / e_rate, 3),
         "n": n,
         "max_tokens": max_tokens,
+        "mixed_lengths": mixed,
+        "tier": tier,
         "rounds": rounds,
     }

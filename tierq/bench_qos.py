@@ -56,6 +56,7 @@ from tierq.settings import Settings
 from tierq.tiers import TIER_ORDER, Tier
 from workers.engine import Chunk, Engine, EngineWrapper
 from workers.simulated_engine import CostModel, SimulatedEngine
+from workers.vllm_scheduler import Tiering
 from workers.worker import Worker
 
 POLICIES = ("tierq", "fcfs", "engine-priority")
@@ -202,7 +203,9 @@ async def _run_policy(
     r = aioredis.Redis.from_url(redis_url, decode_responses=True)
     trace = Trace()
     inner: Engine = shared_engine or SimulatedEngine(
-        cost.scaled(speedup), priority_steps=settings.engine_priority_steps
+        cost.scaled(speedup),
+        priority_steps=settings.engine_priority_steps,
+        tiering=Tiering.from_settings(settings),
     )
     engine = InstrumentedEngine(inner, trace)
     if shared_engine is None:

@@ -216,13 +216,16 @@ def bench_overhead(
     key_file: Path = typer.Option(Path(".tierq/dev-api-key"), help="The tenant's API key."),
     tier: str = typer.Option("standard"),
     rounds: int = typer.Option(3, help="Alternating rounds of each; medians are compared."),
+    mixed: bool = typer.Option(
+        False, "--mixed", help="Seeded mixed prompt lengths and max_tokens, the same each side."
+    ),
 ) -> None:
     """Platform vs the raw engine (LLM.chat) on the same prompts; prints one JSON line last."""
     from tierq.bench_overhead import run_overhead
 
     setup_logging("WARNING")
     key = key_file.read_text().strip()
-    result = run_overhead(get_settings(), url, key, n, max_tokens, tier, rounds)
+    result = run_overhead(get_settings(), url, key, n, max_tokens, tier, rounds, mixed)
     typer.echo(json.dumps(result))
 
 

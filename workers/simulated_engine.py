@@ -47,6 +47,10 @@ class CostModel:
     max_model_len: int = 2048
     max_batched_tokens: int = 2048  # vLLM's per-step token budget (chunked prefill)
     speedup: float = 1.0  # simulated seconds per wall-clock second
+    # vLLM's KV block (128 on the CPU build). A preempted request's full blocks stay in the
+    # prefix cache (this model assumes they are not reused meanwhile): on resuming, only
+    # the tokens past its last full block are computed again.
+    block_size: int = 128
 
     @classmethod
     def load(cls, path: Path | None = None) -> CostModel:
@@ -75,6 +79,7 @@ class CostModel:
             self.max_model_len,
             self.max_batched_tokens,
             self.speedup * speedup,
+            self.block_size,
         )
 
 
@@ -102,8 +107,8 @@ class _Request:
 
     @property
     def num_computed_tokens(self) -> int:
-        # After a preemption prefill_left counts the generated tokens too (their KV is
-        # recomputed), and this goes below zero; what is left to prefill stays right.
+        # After a preemption prefill_left may count generated tokens too (their KV is
+        # recomputed), and this may go below zero; what is left to prefill stays right.
         return self.prompt_tokens - self.prefill_left
 
 
@@ -205,7 +210,11 @@ class SimulatedEngine:
         )
         for victim in victims:
             del self._running[victim.request_id]
-            victim.prefill_left = victim.prompt_tokens + victim.generated
+            tokens = victim.prompt_tokens + victim.generated
+            # vLLM's prefix cache hits whole blocks, short of the last token.
+            victim.prefill_left = (
+                tokens - (tokens - 1) // self.cost.block_size * self.cost.block_size
+            )
             victim.num_preemptions += 1
             victim.next_decode_eligible_step = 0
             self._waiting.append(victim)

@@ -54,7 +54,9 @@ from workers.parent_death import die_with_parent
 if TYPE_CHECKING:
     from tierq.settings import Settings
 
-log = logging.getLogger(__name__)
+# The scheduler runs in vLLM's engine-core process, where only vLLM's logger tree is set up
+# (its lines reach the worker's log there).
+log = logging.getLogger("vllm.tierq.scheduler")
 
 # The key of tierq's part of vLLM's `additional_config`.
 CONFIG_KEY = "tierq"
@@ -311,10 +313,12 @@ def _tiered(base: type) -> type:
                 # again (as after vLLM's own reset_prefix_cache preemptions).
                 self.prev_step_scheduled_req_ids.discard(victim.request_id)
                 self.priority_preemptions += 1
-                log.debug(
-                    "preempted %s (priority %d) for a better waiting request",
+                log.info(
+                    "tierq: preempted request %s (priority %d, preempted %d times) for a "
+                    "better waiting request",
                     victim.request_id,
                     victim.priority,
+                    victim.num_preemptions,
                 )
 
     Tiered.__name__ = Tiered.__qualname__ = f"Tiered{base.__name__}"

@@ -220,18 +220,18 @@ async def test_a_dead_engine_is_noticed_its_jobs_handed_back_and_its_worker_rest
 async def test_an_interactive_job_behind_a_full_engine_of_batch_work_starts_at_once(
     pg_platform: LivePlatform,
 ) -> None:
-    """16 slots, one kept free: 20 long batch jobs fill the rest; two interactive jobs then
-    get their first token while every batch job is still unfinished — the first through the
-    reserve, the second by preempting a batch job."""
+    """16 slots: 20 long batch jobs fill every one; two interactive jobs then get their
+    first token while every batch job is still unfinished — each takes a batch request's
+    slot inside vLLM (tierq's scheduler preempts it; it resumes later, output kept)."""
     # ignore_eos: a sampled story may end early, and a batch job that finished on its own
     # would say nothing about the interactive jobs.
     long_job = {**STORY, "tier": "batch", "max_tokens": 400, "temperature": 0.8, "ignore_eos": True}
     async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
         posts = await asyncio.gather(*(c.post("/v1/jobs", json=long_job) for _ in range(20)))
         batch = [p.json()["id"] for p in posts]
-        for _ in range(240):  # until the 15 slots below the ceiling are taken
+        for _ in range(240):  # until every one of the 16 slots is taken
             page = (await c.get("/v1/jobs", params={"status": "running", "limit": 100})).json()
-            if len({j["id"] for j in page["data"]} & set(batch)) >= 15:
+            if len({j["id"] for j in page["data"]} & set(batch)) >= 16:
                 break
             await asyncio.sleep(0.5)
         else:
@@ -251,6 +251,42 @@ async def test_an_interactive_job_behind_a_full_engine_of_batch_work_starts_at_o
     worker_log = (pg_platform.state_dir / "logs" / "worker.log").read_text()
     assert "Using custom scheduler class workers.vllm_scheduler.TieredScheduler" in worker_log
     assert "tierq's scheduler does not fit this vLLM" not in worker_log
+
+
+async def test_a_batch_job_preempted_inside_vllm_finishes_with_the_text_it_has_alone(
+    pg_platform: LivePlatform,
+) -> None:
+    """Greedy: a batch job run alone, then the same job as the newest of 16 batch jobs in a
+    full engine when an interactive job arrives. tierq's scheduler preempts it inside vLLM
+    (the worker's log says so); it resumes once a slot frees, is never re-queued, and ends
+    with the very text and token count it had alone."""
+    probe = {**STORY, "tier": "batch", "max_tokens": 48}
+    filler = {**STORY, "tier": "batch", "max_tokens": 400, "temperature": 0.8, "ignore_eos": True}
+    async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
+        alone = await wait_for(c, (await c.post("/v1/jobs", json=probe)).json()["id"], timeout=240)
+        assert alone["status"] == "succeeded"
+        posts = await asyncio.gather(*(c.post("/v1/jobs", json=filler) for _ in range(15)))
+        fillers = [p.json()["id"] for p in posts]
+        for job_id in fillers:
+            await wait_for(c, job_id, ("running",), timeout=240)
+        probe_id = (await c.post("/v1/jobs", json=probe)).json()["id"]
+        first = await read_sse(c, f"/v1/jobs/{probe_id}/events", limit=1)
+        assert first[0]["event"] == "delta"  # it runs: the newest of 16 in a full engine
+        chat = (await c.post("/v1/jobs", json=PARIS)).json()["id"]
+        chat_first = await read_sse(c, f"/v1/jobs/{chat}/events", limit=1)
+        assert chat_first[0]["event"] == "delta"
+        assert (await c.get(f"/v1/jobs/{probe_id}")).json()["status"] == "running"
+        done = await wait_for(c, probe_id, timeout=600)
+        for job_id in fillers:  # leave the engine empty for the tests after this one
+            await c.post(f"/v1/jobs/{job_id}/cancel")
+        assert (await wait_for(c, chat, timeout=120))["status"] == "succeeded"
+    assert done["status"] == "succeeded"
+    assert done["result"]["text"] == alone["result"]["text"]
+    assert done["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
+    history, usage = await _history_and_usage(pg_platform.database_url, probe_id)
+    assert history == ["queued", "running", "succeeded"] and len(usage) == 1
+    worker_log = (pg_platform.state_dir / "logs" / "worker.log").read_text()
+    assert f"tierq: preempted request {probe_id}" in worker_log
 
 
 async def test_the_openai_sdk_chats_streams_and_runs_a_batch_on_the_real_engine(
