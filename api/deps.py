@@ -1,4 +1,8 @@
-"""Typed dependencies: route functions take these and nothing else."""
+"""Typed dependencies: route functions take these and nothing else.
+
+Every dependency is a coroutine function, even where it only reads app.state: FastAPI
+runs a plain function in a worker thread, a hop that cost the hot path more than the
+lookup itself."""
 
 from __future__ import annotations
 
@@ -24,12 +28,12 @@ from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_db(request: Request) -> Database:
+async def get_db(request: Request) -> Database:
     db: Database = request.app.state.db
     return db
 
@@ -39,27 +43,27 @@ async def get_session(db: Annotated[Database, Depends(get_db)]) -> AsyncIterator
         yield s
 
 
-def get_redis(request: Request) -> aioredis.Redis:
+async def get_redis(request: Request) -> aioredis.Redis:
     r: aioredis.Redis = request.app.state.redis
     return r
 
 
-def get_names(request: Request) -> RedisNames:
+async def get_names(request: Request) -> RedisNames:
     names: RedisNames = request.app.state.names
     return names
 
 
-def get_events(request: Request) -> EventLog:
+async def get_events(request: Request) -> EventLog:
     events: EventLog = request.app.state.events
     return events
 
 
-def get_admission_gate(request: Request) -> TenantGate:
+async def get_admission_gate(request: Request) -> TenantGate:
     gate: TenantGate = request.app.state.admission_gate
     return gate
 
 
-def get_hub(request: Request) -> EventHub:
+async def get_hub(request: Request) -> EventHub:
     hub: EventHub = request.app.state.hub
     return hub
 

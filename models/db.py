@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -68,11 +70,92 @@ def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
     return create_async_engine(url, **kwargs)
 
 
+class Unavailable(ConnectionError):
+    """The database could not be reached through a raw connection (`RawPool`); answered
+    503 like SQLAlchemy's own connection errors (`is_unavailable`)."""
+
+
+class RawPool:
+    """A few asyncpg connections (PostgreSQL only) for the hot path's single statements,
+    each its own implicit transaction: no session, no ORM, no BEGIN/COMMIT round trips, no
+    pre-ping. A connection is opened when first needed and dropped after any error that is
+    not the statement's own (the next use opens a fresh one); `size` bound how many are
+    open, and waiting longer than `timeout_s` for one raises `Unavailable` (503)."""
+
+    def __init__(self, url: str, size: int, timeout_s: float) -> None:
+        from sqlalchemy.engine import make_url
+
+        self.dsn = make_url(url).set(drivername="postgresql").render_as_string(False)
+        self.timeout_s = timeout_s
+        self._free: list[Any] = []
+        self._slots = asyncio.Semaphore(size)
+        self._closed = False
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[Any]:
+        """An asyncpg connection for one or more autocommit statements."""
+        import asyncpg
+
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+        except TimeoutError:
+            raise Unavailable("no database connection was free in time") from None
+        try:
+            conn = self._free.pop() if self._free else None
+            if conn is None or conn.is_closed():
+                try:
+                    conn = await asyncpg.connect(self.dsn, timeout=self.timeout_s)
+                except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+                    raise Unavailable(f"cannot connect to the database: {exc}") from exc
+            try:
+                yield conn
+            except asyncpg.PostgresError as exc:
+                if conn.is_closed() or isinstance(exc, _gone()):  # a restart, a shutdown
+                    await _discard(conn)
+                    raise Unavailable(f"the database is unavailable: {exc}") from exc
+                raise  # the statement's own error: its implicit transaction rolled back
+            except BaseException as exc:
+                # A lost connection, or a cancelled request whose statement may still be
+                # running on it: that connection is never handed out again.
+                await _discard(conn)
+                if isinstance(exc, OSError | TimeoutError | asyncpg.InterfaceError):
+                    raise Unavailable(f"the database connection was lost: {exc}") from exc
+                raise
+            if self._closed:
+                await _discard(conn)
+            else:
+                self._free.append(conn)
+        finally:
+            self._slots.release()
+
+    async def close(self) -> None:
+        self._closed = True
+        free, self._free = self._free, []
+        for conn in free:
+            await _discard(conn)
+
+
+def _gone() -> tuple[type[BaseException], ...]:
+    import asyncpg
+
+    # A server restart or shutdown (57P01..57P03) or a broken connection.
+    return (asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError)
+
+
+async def _discard(conn: Any) -> None:
+    with contextlib.suppress(Exception):
+        conn.terminate()
+
+
 class Database:
     def __init__(self, url: str, **kwargs: Any) -> None:
         self.url = url
         self.engine = make_engine(url, **kwargs)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        # The hot path's raw connections (PostgreSQL): as many as the pool's base size.
+        self.raw: RawPool | None = None
+        if url.startswith("postgresql"):
+            self.raw = RawPool(url, kwargs.get("pool_size", 10), kwargs.get("pool_timeout", 30.0))
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
@@ -91,4 +174,6 @@ class Database:
             await conn.execute(text("SELECT 1"))
 
     async def close(self) -> None:
+        if self.raw is not None:
+            await self.raw.close()
         await self.engine.dispose()

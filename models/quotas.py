@@ -234,6 +234,10 @@ async def queued_refusal(
     )
     if int((await s.execute(stmt)).scalar_one()) < limit:
         return None
+    return too_many_queued(limit, scope)
+
+
+def too_many_queued(limit: int, scope: str = "") -> Refusal:
     return Refusal(
         "quota_exceeded", f"Too many queued jobs{scope}: at most {limit} may wait at once.", 1
     )

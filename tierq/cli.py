@@ -46,19 +46,28 @@ def run(
 
 
 @app.command()
-def api(host: str | None = typer.Option(None), port: int | None = typer.Option(None)) -> None:
+def api(
+    host: str | None = typer.Option(None),
+    port: int | None = typer.Option(None),
+    workers: int = typer.Option(
+        1, min=1, help="API processes behind the one port (one per core on a multi-core host)."
+    ),
+) -> None:
     """Serve the HTTP API."""
     import uvicorn
-
-    from api.app import build_app
 
     setup_logging()
     settings = get_settings()
     uvicorn.run(
-        build_app(settings),
+        "api.app:build_app",
+        factory=True,  # each process builds its own app (and pools) from the environment
         host=host or settings.api_host,
         port=port or settings.api_port,
+        workers=workers,
+        loop="uvloop",
+        http="httptools",
         log_level="warning",
+        access_log=False,
         timeout_graceful_shutdown=10,
     )
 
@@ -323,6 +332,32 @@ def bench_isolation(
         keep_logs=keep_logs,
     )
     _run_platform_bench(run_isolation(get_settings(), cfg))
+
+
+@bench_app.command("admission")
+def bench_admission(
+    clients: int = typer.Option(32, min=1, help="Concurrent clients."),
+    n: int = typer.Option(5000, min=1, help="Measured requests per phase."),
+    api_workers: int = typer.Option(1, min=1, help="API processes (`tierq api --workers`)."),
+    tenants: int = typer.Option(8, min=1, help="Tenants the clients are spread over."),
+    quota: bool = typer.Option(False, "--quota", help="Give each tenant a quota (exact path)."),
+    keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the API's log."),
+) -> None:
+    """Jobs admitted per second by the real API on PostgreSQL and Redis (no engine), and
+    the OpenAI chat path's admission; prints one JSON line last."""
+    from tierq.bench_admission import AdmissionConfig, run_admission
+
+    setup_logging("INFO")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = AdmissionConfig(
+        clients=clients,
+        n=n,
+        api_workers=api_workers,
+        tenants=tenants,
+        quota=quota,
+        keep_logs=keep_logs,
+    )
+    _run_platform_bench(run_admission(get_settings(), cfg))
 
 
 def _run_platform_bench(run: Coroutine[Any, Any, dict[str, Any]]) -> None:

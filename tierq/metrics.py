@@ -16,6 +16,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 JOBS_SUBMITTED = Counter("tierq_jobs_submitted_total", "Jobs admitted", ["tier"])
 JOBS_REFUSED = Counter("tierq_jobs_refused_total", "Job submissions refused", ["code"])
+ADMISSION_STATEMENTS = Counter(
+    "tierq_admission_statements_total",
+    "Admission decisions by path: fast (one statement, PostgreSQL, no quota for the tier) "
+    "or exact (a transaction checking quotas under the tenant's lock, or SQLite)",
+    ["path"],
+)
 JOBS_FINISHED = Counter(
     "tierq_jobs_finished_total", "Jobs finished by a worker", ["tier", "status"]
 )

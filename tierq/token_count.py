@@ -16,6 +16,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
@@ -178,9 +179,19 @@ def _for_folder(folder: str | None) -> PromptCounter:
 def for_settings(settings: Settings) -> PromptCounter:
     """The served model's counter: its tokenizer when its folder is here (MODEL_PATH, or
     the bundled model once `tierq prepare-model` made it; never converted here), else the
-    byte bound. Loaded once per process and folder."""
+    byte bound. Loaded once per process and folder; the folder is looked for again at
+    most every FIND_AGAIN_S (it may be prepared after the API started)."""
     from tierq.bundled_model import bundled_model_dir
 
     folder = Path(settings.model_path) if settings.model_path else bundled_model_dir(settings)
-    found = folder if (folder / "tokenizer.json").is_file() else None
-    return _for_folder(None if found is None else str(found))
+    now = time.monotonic()
+    looked = _looked.get(folder)
+    if looked is None or (looked[1] is None and now - looked[0] > FIND_AGAIN_S):
+        found = folder if (folder / "tokenizer.json").is_file() else None
+        looked = (now, None if found is None else str(found))
+        _looked[folder] = looked
+    return _for_folder(looked[1])
+
+
+FIND_AGAIN_S = 30.0
+_looked: dict[Path, tuple[float, str | None]] = {}  # folder -> (when looked, tokenizer folder)

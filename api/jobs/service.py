@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -16,12 +17,15 @@ import redis.asyncio as aioredis
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from api.errors import APIError, not_found
+from models import admission
 from models import jobs as job_repo
 from models import prices as price_repo
 from models import quotas as quota_repo
 from models import tenants as tenant_repo
-from models.db import Database
+from models.db import Database, RawPool
 from models.records import JobRecord, TenantRecord
+from models.tables import utcnow
+from models.tenants import new_id
 from tierq import metrics, token_count
 from tierq.messages import JobEvent
 from tierq.queue import EventLog, enqueue, forget_inflight
@@ -138,50 +142,28 @@ async def submit(
     # Never below what the engine will bill (the served model's tokenizer, or a byte bound).
     counter = token_count.for_settings(settings)
     reserved = await counter.reserve_off_loop(messages, body.prompt, body.max_tokens)
-    req_hash = request_hash(body)
-    try:
-        async with _gated(gate, tenant.id), db.transaction() as s:
-            if idempotency_key is not None:
-                again = await job_repo.find_by_idempotency_key(
-                    s, tenant.id, idempotency_key, req_hash
-                )
-                if again is not None:
-                    return again, False  # a replay: no quota is charged twice
-            price = await price_repo.current_price(s, model, tier, settings.batch_discount)
-            price_in = price.input_per_million if price else Decimal(0)
-            price_out = price.output_per_million if price else Decimal(0)
-            await _admit(
-                s,
-                settings,
-                tenant,
-                key_id,
-                tier,
-                reserved,
-                body.max_tokens,
-                price_in,
-                price_out,
-            )
-            new = job_repo.NewJob(
-                tenant_id=tenant.id,
-                tier=tier,
-                model=model,
-                messages=messages,
-                prompt=body.prompt,
-                params=body.params(),
-                metadata=body.metadata,
-                idempotency_key=idempotency_key,
-                request_hash=req_hash,
-                reserved_tokens=reserved,
-                input_price=price_in,
-                output_price=price_out,
-            )
-            job, created = await job_repo.create_job(s, new)
-    except job_repo.IdempotencyConflict:
-        raise _refuse(
-            409,
-            "This Idempotency-Key was already used with a different request body.",
-            "idempotency_key_reused",
-        ) from None
+    new = job_repo.NewJob(
+        tenant_id=tenant.id,
+        tier=tier,
+        model=model,
+        messages=messages,
+        prompt=body.prompt,
+        params=body.params(),
+        metadata=body.metadata,
+        idempotency_key=idempotency_key,
+        # What a replay of the key is compared with: only jobs with a key need it.
+        request_hash=None if idempotency_key is None else request_hash(body),
+        reserved_tokens=reserved,
+    )
+    async with _gated(gate, tenant.id):
+        job = None
+        if db.raw is not None:  # PostgreSQL: one statement, unless quotas apply
+            metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
+            job = await _admit_fast(db.raw, settings, tenant, key_id, new)
+        created = True
+        if job is None:
+            metrics.ADMISSION_STATEMENTS.labels(path="exact").inc()
+            job, created = await _admit_exact(db, settings, tenant, key_id, new)
     if created:
         metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()
         metrics.TENANT_ADMITTED.labels(metrics.tenant_label(tenant.id), job.tier.value).inc()
@@ -205,6 +187,76 @@ async def submit(
 
 def _gated(gate: TenantGate | None, tenant_id: str) -> AbstractAsyncContextManager[None]:
     return gate.enter(tenant_id) if gate is not None else contextlib.nullcontext()
+
+
+async def _admit_fast(
+    raw: RawPool, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
+) -> JobRecord | None:
+    """The job, admitted by one statement (models/admission.py); None when the exact path
+    must decide (quotas apply to the tier, or the Idempotency-Key was used before)."""
+    outcome = await admission.admit(
+        raw,
+        new_id("job"),
+        new,
+        key_id,
+        utcnow(),
+        settings.default_max_queued,
+        settings.batch_discount,
+    )
+    if outcome.job is not None:
+        return outcome.job
+    if outcome.tenant_status is not None and not outcome.key_ok:
+        raise _refuse(401, "Incorrect API key provided.", "invalid_api_key")
+    if outcome.tenant_status != tenant_repo.ACTIVE:
+        raise _refuse(
+            403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=new.tier
+        )
+    if outcome.quotas:
+        return None
+    if settings.default_max_queued and outcome.queued >= settings.default_max_queued:
+        refusal = quota_repo.too_many_queued(settings.default_max_queued)
+        raise _refuse(
+            429, refusal.message, refusal.code, tenant=tenant, tier=new.tier, retry_after_s=1
+        )
+    return None  # an Idempotency-Key used before: a replay or a conflict
+
+
+async def _admit_exact(
+    db: Database, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
+) -> tuple[JobRecord, bool]:
+    """Admission in a session: quotas checked under the tenant's exclusive lock, and
+    Idempotency-Key replays. Returns (job, created)."""
+    try:
+        async with db.transaction() as s:
+            if new.idempotency_key is not None:
+                again = await job_repo.find_by_idempotency_key(
+                    s, tenant.id, new.idempotency_key, new.request_hash
+                )
+                if again is not None:
+                    return again, False  # a replay: no quota is charged twice
+            price = await price_repo.current_price(s, new.model, new.tier, settings.batch_discount)
+            price_in = price.input_per_million if price else Decimal(0)
+            price_out = price.output_per_million if price else Decimal(0)
+            max_tokens = int(new.params["max_tokens"])
+            await _admit(
+                s,
+                settings,
+                tenant,
+                key_id,
+                new.tier,
+                new.reserved_tokens,
+                max_tokens,
+                price_in,
+                price_out,
+            )
+            priced = dataclasses.replace(new, input_price=price_in, output_price=price_out)
+            return await job_repo.create_job(s, priced)
+    except job_repo.IdempotencyConflict:
+        raise _refuse(
+            409,
+            "This Idempotency-Key was already used with a different request body.",
+            "idempotency_key_reused",
+        ) from None
 
 
 async def _admit(

@@ -126,7 +126,7 @@ class _Context:
         return job
 
 
-def _context(
+async def _context(
     request: Request,
     tenant: TenantDep,
     db: DbDep,

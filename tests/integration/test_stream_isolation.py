@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import (
     admin,
@@ -278,19 +279,22 @@ async def test_followers_miss_nothing_when_the_hub_connection_is_killed(
             assert text == final["result"]["text"]
 
 
+@pytest.mark.parametrize("path", ["exact", "fast"])
 async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses_it(
-    platform: Platform,
+    platform: Platform, path: str
 ) -> None:
     """An admission waiting on the tenant's row lock sees a revocation that committed
-    while it waited (PostgreSQL re-reads only the locked row: the key is read after it)."""
+    while it waited (PostgreSQL re-reads only the locked row: the key is read after it),
+    on the exact path (a quota) and on the one-statement fast path (none) alike."""
     from api.errors import APIError
     from models import tenants as tenant_repo
     from models.tables import ApiKey, utcnow
     from tierq.requests import JobCreate
 
     tenant_id, key = await new_tenant(platform)
-    async with admin(platform) as a:  # a quota: admission takes the row's exclusive lock
-        await a.put(f"/admin/tenants/{tenant_id}/quota", json={"requests_per_minute": 100})
+    if path == "exact":
+        async with admin(platform) as a:  # a quota: admission takes the row's exclusive lock
+            await a.put(f"/admin/tenants/{tenant_id}/quota", json={"requests_per_minute": 100})
     async with platform.db.session() as s:
         owner = await tenant_repo.owner_of_key(s, key)
     assert owner is not None
@@ -306,6 +310,8 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
     with pytest.raises(APIError) as refused:
         await admission
     assert refused.value.status == 401 and refused.value.code == "invalid_api_key"
+    async with platform.db.session() as s:
+        assert await job_repo.tenant_job_counts(s, tenant_id) == {}  # nothing written
 
 
 async def test_a_lease_renewal_never_brings_back_a_slot_let_go(platform: Platform) -> None:

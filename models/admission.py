@@ -1,0 +1,189 @@
+"""Admission's fast path on PostgreSQL: one statement admits a job.
+
+Most admissions are of a tenant without quotas for the job's tier. For them one
+statement, in its own implicit transaction on a raw connection (models.db.RawPool), does
+what the exact path (api/jobs/service.py: a session, the ORM, nine round trips) does:
+
+- takes the tenant's row lock (shared, as the exact path does for a tenant without
+  quotas), then the request's key's, and reads both: in READ COMMITTED a row locked is
+  read in its newest version, so a suspension or a revocation that committed while the
+  statement waited refuses it (each takes the tenant's exclusive lock first);
+- finds whether any quota applies to the tier (then nothing is written, and the caller
+  takes the exact path, which checks them under the tenant's exclusive lock);
+- counts the tenant's waiting online jobs against DEFAULT_MAX_QUEUED (up to the bound
+  only), under the shared lock as the exact path does;
+- finds the price in force (the batch tier without a price of its own pays the standard
+  tier's times `1 - BATCH_DISCOUNT`, as models.prices.current_price);
+- inserts the job and its first transition when every check passed; an Idempotency-Key
+  already used inserts nothing (ON CONFLICT), and the caller takes the exact path,
+  which answers the replay or the conflict.
+
+Nothing is written unless the job is admitted, and the job's row and transition are
+committed when the statement returns: the guarantees of the exact path, in one round trip.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from models import quotas as quota_repo
+from models.db import RawPool
+from models.jobs import NewJob
+from models.records import JobRecord
+from tierq.states import JobStatus
+from tierq.tiers import Tier
+
+_ANY_LIMIT = " OR ".join(f"{field} IS NOT NULL" for field in quota_repo.LIMIT_FIELDS)
+
+# $1 tenant, $2 key id (NULL: not checked), $3 tier, $4 DEFAULT_MAX_QUEUED (0: none),
+# $5 model, $6 what the batch tier pays of the standard price, $7 job id, $8 messages,
+# $9 prompt, $10 params, $11 metadata, $12 Idempotency-Key, $13 request hash,
+# $14 created_at, $15 reserved tokens.
+ADMIT = f"""
+WITH t AS (
+    SELECT status FROM tenants WHERE id = $1 FOR SHARE
+), k AS (
+    -- After the tenant's lock (the subquery is evaluated before this row is locked): the
+    -- order revocation takes them in, so the two cannot deadlock. Locked, the key is read
+    -- in its newest version, as the tenant is.
+    SELECT revoked_at FROM api_keys
+    WHERE id = $2 AND tenant_id = (SELECT $1::text FROM t)
+    FOR SHARE
+), q AS (
+    SELECT EXISTS (
+        SELECT 1 FROM quotas
+        WHERE tenant_id = $1 AND tier IN ('{quota_repo.ALL_TIERS}', $3) AND ({_ANY_LIMIT})
+    ) AS found
+), w AS (
+    SELECT count(*) AS n FROM (
+        SELECT 1 FROM jobs
+        WHERE tenant_id = $1 AND status = 'queued' AND batch_id IS NULL
+        LIMIT $4
+    ) waiting
+), p AS (
+    SELECT input_per_million AS i, output_per_million AS o FROM prices
+    WHERE model = $5 AND tier = $3
+    ORDER BY effective_at DESC, id DESC LIMIT 1
+), b AS (
+    SELECT (input_per_million::numeric * $6::numeric)::text AS i,
+           (output_per_million::numeric * $6::numeric)::text AS o
+    FROM prices
+    WHERE model = $5 AND tier = '{Tier.STANDARD.value}' AND $3 = '{Tier.BATCH.value}'
+    ORDER BY effective_at DESC, id DESC LIMIT 1
+), go AS (
+    SELECT coalesce((SELECT i FROM p), (SELECT i FROM b), '0') AS i,
+           coalesce((SELECT o FROM p), (SELECT o FROM b), '0') AS o
+    FROM t
+    WHERE t.status = 'active'
+      AND ($2::text IS NULL OR EXISTS (SELECT 1 FROM k WHERE revoked_at IS NULL))
+      AND NOT (SELECT found FROM q)
+      AND ($4 = 0 OR (SELECT n FROM w) < $4)
+), ins AS (
+    INSERT INTO jobs (
+        id, tenant_id, tier, model, status, messages, prompt, params, metadata,
+        idempotency_key, request_hash, created_at, deliveries, preemptions,
+        reserved_tokens, input_price, output_price
+    )
+    SELECT $7, $1, $3, $5, '{JobStatus.QUEUED.value}', $8::json, $9, $10::json, $11::json,
+           $12, $13, $14, 0, 0, $15, go.i, go.o
+    FROM go
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING id, input_price, output_price
+), tr AS (
+    INSERT INTO job_transitions (job_id, status, at)
+    SELECT id, '{JobStatus.QUEUED.value}', $14 FROM ins
+)
+SELECT (SELECT status FROM t) AS tenant_status,
+       (SELECT revoked_at IS NULL FROM k) AS key_ok,
+       (SELECT found FROM q) AS quotas,
+       (SELECT n FROM w) AS queued,
+       ins.id, ins.input_price, ins.output_price
+FROM (SELECT 1) AS one LEFT JOIN ins ON true
+"""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the statement found. `job` is set when it admitted one; otherwise the first
+    reason not to: the tenant's status (None: no such tenant), the key's, quotas that
+    apply (take the exact path), the queue bound, or an Idempotency-Key used before
+    (take the exact path)."""
+
+    job: JobRecord | None
+    tenant_status: str | None
+    key_ok: bool
+    quotas: bool
+    queued: int
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"))
+
+
+async def admit(
+    pool: RawPool,
+    job_id: str,
+    new: NewJob,
+    key_id: str | None,
+    created_at: datetime,
+    default_max_queued: int,
+    batch_discount: Decimal,
+) -> Outcome:
+    async with pool.connection() as conn:
+        row = await conn.fetchrow(
+            ADMIT,
+            new.tenant_id,
+            key_id,
+            new.tier.value,
+            default_max_queued,
+            new.model,
+            str(Decimal(1) - batch_discount),
+            job_id,
+            _json(new.messages),
+            new.prompt,
+            _json(new.params),
+            _json(new.metadata),
+            new.idempotency_key,
+            new.request_hash,
+            created_at,
+            new.reserved_tokens,
+        )
+    job = None
+    if row["id"] is not None:
+        job = JobRecord(
+            id=row["id"],
+            tenant_id=new.tenant_id,
+            tier=new.tier,
+            model=new.model,
+            status=JobStatus.QUEUED,
+            messages=new.messages,
+            prompt=new.prompt,
+            params=new.params,
+            metadata=new.metadata,
+            request_hash=new.request_hash,
+            created_at=created_at,
+            started_at=None,
+            finished_at=None,
+            result_text=None,
+            finish_reason=None,
+            prompt_tokens=None,
+            completion_tokens=None,
+            error_code=None,
+            error_message=None,
+            deliveries=0,
+            worker_id=None,
+            reserved_tokens=new.reserved_tokens,
+            input_price=Decimal(row["input_price"]),
+            output_price=Decimal(row["output_price"]),
+        )
+    return Outcome(
+        job=job,
+        tenant_status=row["tenant_status"],
+        key_ok=key_id is None or bool(row["key_ok"]),
+        quotas=bool(row["quotas"]),
+        queued=int(row["queued"] or 0),
+    )
