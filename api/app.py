@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +22,7 @@ from api.limits import BodySizeLimit, HostileInput
 from api.openai.router import router as openai_router
 from api.usage import router as usage_router
 from models.db import Database
-from tierq import __version__, metrics
+from tierq import __version__, metrics, token_count
 from tierq.queue import EventLog
 from tierq.redis_conn import connect
 from tierq.redis_names import RedisNames
@@ -42,6 +44,8 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.bound_tenant_labels(settings.tenant_metrics_max)
+        # The served model's tokenizer, loaded now rather than by the first request.
+        await asyncio.to_thread(token_count.for_settings, settings)
         app.state.db = Database(
             settings.resolved_database_url,
             pool_size=settings.db_pool_size,
@@ -60,6 +64,11 @@ def build_app(settings: Settings | None = None) -> FastAPI:
         app.state.hub = EventHub(app.state.redis, app.state.names, app.state.db, settings)
         app.state.hub.access_listeners.append(app.state.key_cache.forget)
         await app.state.hub.start()
+        # What startup made lives as long as the process: out of the collector's sight, so
+        # that its full collections stay short (they set the admission's p99: 101 ms with
+        # them, 37 ms without, `tierq bench admission`).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:

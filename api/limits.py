@@ -4,6 +4,7 @@ and input that no route may take (400): see tierq/hostile.py."""
 from __future__ import annotations
 
 import json
+from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -148,12 +149,13 @@ def replaying(body: bytes, receive: Receive) -> Receive:
 
 
 def _bad_target(scope: Scope) -> str | None:
-    from urllib.parse import parse_qsl
-
     why = unstorable(scope.get("path", ""))
     if why is not None:
         return f"the path {why.removeprefix('a value ')}"
-    raw = scope.get("query_string", b"").decode("latin-1")
+    query: bytes = scope.get("query_string", b"")
+    if not query:
+        return None
+    raw = query.decode("latin-1")
     try:
         pairs = parse_qsl(raw, keep_blank_values=True, errors="strict")
     except UnicodeDecodeError:

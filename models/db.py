@@ -96,10 +96,13 @@ class RawPool:
         """An asyncpg connection for one or more autocommit statements."""
         import asyncpg
 
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
-        except TimeoutError:
-            raise Unavailable("no database connection was free in time") from None
+        if self._slots.locked():  # all in use: wait, but not forever
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+            except TimeoutError:
+                raise Unavailable("no database connection was free in time") from None
+        else:
+            await self._slots.acquire()  # free: no wait, and no timer task
         try:
             conn = self._free.pop() if self._free else None
             if conn is None or conn.is_closed():
