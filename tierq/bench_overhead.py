@@ -61,12 +61,12 @@ async def _platform(url: str, key: str, jobs: list[Job], tier: str) -> dict[str,
             *(client.post("/v1/jobs", json=body(p, m)) for p, m in jobs)
         )
         ids = [r.json()["id"] for r in responses]
-        jobs = await _wait(client, ids)
+        finished = await _wait(client, ids)
         elapsed = time.perf_counter() - started
-    failed = [j for j in jobs if j["status"] != "succeeded"]
+    failed = [j for j in finished if j["status"] != "succeeded"]
     if failed:
         raise RuntimeError(f"{len(failed)} jobs did not succeed, e.g. {failed[0]}")
-    tokens = sum(j["usage"]["completion_tokens"] for j in jobs)
+    tokens = sum(j["usage"]["completion_tokens"] for j in finished)
     return {"tokens": tokens, "seconds": elapsed}
 
 

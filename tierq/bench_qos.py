@@ -8,9 +8,10 @@ compressed by `speedup` (every figure is reported in simulated seconds). With
 scaled-down workload, in real time.
 
 Policies:
-- `tierq`: this project's policy (minimum shares, tenant fairness, urgency, the
-  interactive reserve, preemption) and its scheduler inside vLLM (each step's token
-  budget in priority order; workers/vllm_scheduler.py);
+- `tierq`: this project's policy (minimum shares, tenant fairness, urgency) and its
+  scheduler inside vLLM (preemption for priority, the step budget that follows the work,
+  each step's token budget in priority order; workers/vllm_scheduler.py), with the
+  settings' defaults;
 - `fcfs`: one queue, first come first served, no reserve, no preemption, vLLM's stock
   scheduler;
 - `engine-priority`: every job handed straight to the engine, which admits by vLLM

@@ -12,8 +12,10 @@ inversion). Four changes, applied before each step:
    worst running one and no running slot is free for it, the worst running request
    (priority value, then arrival — the victim vLLM picks under KV pressure) is preempted
    with vLLM's own `_preempt_request`: it goes back to the waiting queue, keeps the tokens
-   it generated, and only its KV cache is recomputed when it resumes (its prompt blocks
-   may still be in the prefix cache). The better request enters in this very step. A
+   it generated, and only its KV cache is recomputed when it resumes (its full blocks may
+   still be in the prefix cache). Of equally bad ones, the one preempted least often goes
+   first, so one request does not pay for every arrival. The better request enters in this
+   very step. A
    request is preempted at most `max_preemptions` times (vLLM's `num_preemptions`, which
    counts KV-pressure preemptions too): after that it keeps its slot, so nothing livelocks.
    With this, lower tiers may fill every slot (the worker no longer keeps one idle).
@@ -131,10 +133,15 @@ def pick_victims(
     """Running requests to preempt so that better waiting ones get a slot now.
 
     `waiting` in the order it is admitted (best first). Each waiting request beyond the free
-    slots takes the slot of the worst running request (priority value, then latest
-    arrival) whose priority is strictly worse than its own and that was preempted fewer
-    than `max_preemptions` times. Equal priorities never preempt each other."""
-    candidates = sorted((r for r in running if r.num_preemptions < max_preemptions), key=_rank)
+    slots takes the slot of a running request of the worst priority value strictly worse
+    than its own, preempted fewer than `max_preemptions` times: of those, the one preempted
+    least often, then the latest to arrive (vLLM's own victim under KV pressure). A resumed
+    request is the latest arrival again, and would otherwise be preempted over and over,
+    its KV recomputed each time. Equal priorities never preempt each other."""
+    candidates = sorted(
+        (r for r in running if r.num_preemptions < max_preemptions),
+        key=lambda r: (r.priority, -r.num_preemptions, r.arrival_time),
+    )
     victims: list[Any] = []
     for request in waiting:
         if free_slots > 0:

@@ -53,6 +53,7 @@ from tierq.redis_names import WORKER_GROUP, RedisNames
 from tierq.settings import Settings
 from tierq.states import JobStatus
 from tierq.tiers import vllm_priority
+from workers.claims import Claims
 from workers.engine import Engine, EngineDead, EngineRequestError
 from workers.streaming import EventPublisher
 
@@ -157,6 +158,7 @@ class Worker:
         self._stopped = asyncio.Event()
         self._engine_dead = asyncio.Event()
         self._retire_if_empty = r.register_script(_RETIRE_IF_EMPTY)
+        self.claims = Claims(db, self.worker_id, settings.max_deliveries)
 
     # --- lifecycle --------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -527,9 +529,7 @@ class Worker:
 
     async def _start(self, msg: JobMessage) -> tuple[JobRecord | None, str]:
         """Claim the job in the database; (job, "") to run it, else (None, outcome)."""
-        limit = self.settings.max_deliveries
-        async with self.db.transaction() as s:
-            job = await job_repo.start_job(s, msg.job_id, self.worker_id, limit)
+        job = await self.claims.claim(msg.job_id)
         if job is not None:
             return job, ""
         async with self.db.session() as s:

@@ -31,6 +31,10 @@ async def _two_interactive_jobs_behind_batch_work(
         batch = [(await c.post("/v1/jobs", json=LONG)).json()["id"] for _ in range(5)]
         for job_id in batch[:running]:
             await wait_for(c, job_id, ("running",))
+        for _ in range(500):  # claimed in the database; in the engine from its next step
+            if engine.running == running:
+                break
+            await asyncio.sleep(0.01)
         assert engine.running == running
         inter = [(await c.post("/v1/jobs", json=SHORT)).json()["id"] for _ in range(2)]
         firsts = [

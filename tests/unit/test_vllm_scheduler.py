@@ -203,6 +203,16 @@ def test_a_better_waiting_request_takes_the_worst_running_requests_slot() -> Non
     assert victims == []
 
 
+def test_of_equally_bad_requests_the_one_preempted_least_often_goes_first() -> None:
+    resumed = decoding("resumed", 100, 9.0)  # the latest arrival, but preempted before
+    resumed.num_preemptions = 1
+    other = decoding("other", 100, 1.0)
+    waiting = [Req("chat", 0, 10.0, 40)]
+    assert pick_victims([other, resumed], waiting, 0, max_preemptions=4) == [other]
+    other.num_preemptions = 1
+    assert pick_victims([other, resumed], waiting, 0, max_preemptions=4) == [resumed]
+
+
 def test_a_request_preempted_max_preemptions_times_keeps_its_slot() -> None:
     tired = decoding("tired", 100, 3.0)
     tired.num_preemptions = 2
