@@ -31,7 +31,7 @@ from tierq.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 
-def build_app(settings: Settings | None = None) -> FastAPI:
+def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> FastAPI:
     settings = settings or get_settings()
     if settings.admin_api_key is not None and settings.admin_key_is_placeholder:
         if not settings.embedded:
@@ -64,11 +64,13 @@ def build_app(settings: Settings | None = None) -> FastAPI:
         app.state.hub = EventHub(app.state.redis, app.state.names, app.state.db, settings)
         app.state.hub.access_listeners.append(app.state.key_cache.forget)
         await app.state.hub.start()
-        # What startup made lives as long as the process: out of the collector's sight, so
-        # that its full collections stay short (they set the admission's p99: 101 ms with
-        # them, 37 ms without, `tierq bench admission`).
-        gc.collect()
-        gc.freeze()
+        if freeze_gc:
+            # What startup made lives as long as the process: out of the collector's
+            # sight, so that its full collections stay short (they set the admission's
+            # p99: 101 ms with them, 37 ms without, `tierq bench admission`). Only where
+            # the app is the process (`serve_app`): tests build many apps in one process.
+            gc.collect()
+            gc.freeze()
         try:
             yield
         finally:
@@ -96,3 +98,9 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(usage_router)
     app.include_router(admin_router)
     return app
+
+
+def serve_app() -> FastAPI:
+    """The factory `tierq api` gives uvicorn (each of its processes calls it): the app from
+    the environment's settings, the process's heap frozen once it started."""
+    return build_app(freeze_gc=True)

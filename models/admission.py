@@ -8,8 +8,9 @@ what the exact path (api/jobs/service.py: a session, the ORM, nine round trips) 
   quotas), then the request's key's, and reads both: in READ COMMITTED a row locked is
   read in its newest version, so a suspension or a revocation that committed while the
   statement waited refuses it (each takes the tenant's exclusive lock first);
-- finds whether any quota applies to the tier (then nothing is written, and the caller
-  takes the exact path, which checks them under the tenant's exclusive lock);
+- finds whether any quota that admission checks applies to the tier (then nothing is
+  written, and the caller takes the exact path, which checks them under the tenant's
+  exclusive lock; max_running alone is the dispatcher's, and takes the fast path);
 - counts the tenant's waiting online jobs against DEFAULT_MAX_QUEUED (up to the bound
   only), under the shared lock as the exact path does;
 - finds the price in force (the batch tier without a price of its own pays the standard
@@ -37,7 +38,7 @@ from models.records import JobRecord
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 
-_ANY_LIMIT = " OR ".join(f"{field} IS NOT NULL" for field in quota_repo.LIMIT_FIELDS)
+_ANY_LIMIT = " OR ".join(f"{field} IS NOT NULL" for field in quota_repo.ADMISSION_FIELDS)
 
 # $1 tenant, $2 key id (NULL: not checked), $3 tier, $4 DEFAULT_MAX_QUEUED (0: none),
 # $5 model, $6 what the batch tier pays of the standard price, $7 job id, $8 messages,

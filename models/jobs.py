@@ -13,7 +13,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -84,24 +84,15 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
                 raise IdempotencyConflict(new.idempotency_key)
             return JobRecord.from_row(existing), False
     now = utcnow()
-    row = Job(
-        id=new_id("job"),
-        tenant_id=new.tenant_id,
-        tier=new.tier.value,
-        model=new.model,
-        status=JobStatus.QUEUED.value,
-        messages=new.messages,
-        prompt=new.prompt,
-        params=new.params,
-        metadata_=new.metadata,
-        idempotency_key=new.idempotency_key,
-        request_hash=new.request_hash,
-        created_at=now,
-        deliveries=0,
-        reserved_tokens=new.reserved_tokens,
-        input_price=new.input_price,
-        output_price=new.output_price,
-    )
+    if new.idempotency_key is None:
+        # Nothing can conflict: two plain INSERTs, without a savepoint or the ORM's flush.
+        values = _row_values(new, new_id("job"), now)
+        await s.execute(insert(Job).values(values))
+        await s.execute(
+            insert(JobTransition).values(job_id=values["id"], status=values["status"], at=now)
+        )
+        return JobRecord.from_row(Job(**values)), True
+    row = Job(**_row_values(new, new_id("job"), now))
     try:
         async with s.begin_nested():
             s.add(row)
@@ -116,6 +107,28 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
             raise IdempotencyConflict(new.idempotency_key) from None
         return JobRecord.from_row(existing), False
     return JobRecord.from_row(row), True
+
+
+def _row_values(new: NewJob, job_id: str, now: datetime) -> dict[str, Any]:
+    return {
+        "id": job_id,
+        "tenant_id": new.tenant_id,
+        "tier": new.tier.value,
+        "model": new.model,
+        "status": JobStatus.QUEUED.value,
+        "messages": new.messages,
+        "prompt": new.prompt,
+        "params": new.params,
+        "metadata_": new.metadata,
+        "idempotency_key": new.idempotency_key,
+        "request_hash": new.request_hash,
+        "created_at": now,
+        "deliveries": 0,
+        "preemptions": 0,
+        "reserved_tokens": new.reserved_tokens,
+        "input_price": new.input_price,
+        "output_price": new.output_price,
+    }
 
 
 async def get_job_head(s: AsyncSession, job_id: str, tenant_id: str) -> JobHead | None:

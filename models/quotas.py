@@ -47,6 +47,9 @@ LIMIT_FIELDS = (
     "token_budget",
     "spend_budget",
 )
+# What admission checks (max_running is the dispatcher's): a tenant whose quotas for a
+# tier set none of these is admitted without them (models/admission.py).
+ADMISSION_FIELDS = tuple(f for f in LIMIT_FIELDS if f != "max_running")
 MILLION = Decimal(1_000_000)
 # Batch states in which a batch may still turn lines into jobs (so holds a reservation).
 EXPANDING = ("validating", "in_progress")

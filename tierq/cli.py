@@ -59,7 +59,7 @@ def api(
     setup_logging()
     settings = get_settings()
     uvicorn.run(
-        "api.app:build_app",
+        "api.app:serve_app",
         factory=True,  # each process builds its own app (and pools) from the environment
         host=host or settings.api_host,
         port=port or settings.api_port,

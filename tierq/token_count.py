@@ -176,6 +176,10 @@ def _for_folder(folder: str | None) -> PromptCounter:
         return PromptCounter()
 
 
+# Without the tokenizer: an upper bound from the UTF-8 bytes (cheap, and never below).
+BYTE_BOUND = PromptCounter()
+
+
 def for_settings(settings: Settings) -> PromptCounter:
     """The served model's counter: its tokenizer when its folder is here (MODEL_PATH, or
     the bundled model once `tierq prepare-model` made it; never converted here), else the

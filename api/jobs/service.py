@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from decimal import Decimal
@@ -65,6 +66,30 @@ class TenantGate:
                 del self._gates[tenant_id]  # no state kept for idle tenants
             else:
                 self._gates[tenant_id] = (gate, users - 1)
+
+
+class _Recent:
+    """Keys noted within the last `ttl_s` (at most `limit` kept): which tenants' tiers the
+    fast path found quotas for, so that their next admissions skip straight to the exact
+    path. A hint only: the fast path checks quotas itself, and the exact path is always
+    right, so a stale entry costs one round trip at most."""
+
+    def __init__(self, ttl_s: float, limit: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.limit = limit
+        self._seen: dict[tuple[str, Tier], float] = {}
+
+    def note(self, key: tuple[str, Tier]) -> None:
+        if len(self._seen) >= self.limit:
+            self._seen.clear()
+        self._seen[key] = time.monotonic()
+
+    def recent(self, key: tuple[str, Tier]) -> bool:
+        seen = self._seen.get(key)
+        return seen is not None and time.monotonic() - seen < self.ttl_s
+
+
+_quotas_seen = _Recent(ttl_s=5.0)
 
 
 def _refuse(
@@ -139,9 +164,10 @@ async def submit(
             400, "Idempotency-Key must be 1 to 255 characters.", "invalid_idempotency_key"
         )
     messages = [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None
-    # Never below what the engine will bill (the served model's tokenizer, or a byte bound).
-    counter = token_count.for_settings(settings)
-    reserved = await counter.reserve_off_loop(messages, body.prompt, body.max_tokens)
+    # A reservation is never below what the engine will bill. The fast path admits only
+    # where no quota applies, so nothing is checked against it: it reserves the byte bound
+    # (no tokenizer run); the exact path counts with the served model's tokenizer.
+    reserved = token_count.BYTE_BOUND.reserve(messages, body.prompt, body.max_tokens)
     new = job_repo.NewJob(
         tenant_id=tenant.id,
         tier=tier,
@@ -157,12 +183,16 @@ async def submit(
     )
     async with _gated(gate, tenant.id):
         job = None
-        if db.raw is not None:  # PostgreSQL: one statement, unless quotas apply
+        if db.raw is not None and not _quotas_seen.recent((tenant.id, tier)):
+            # PostgreSQL: one statement, unless quotas apply.
             metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
             job = await _admit_fast(db.raw, settings, tenant, key_id, new)
         created = True
         if job is None:
             metrics.ADMISSION_STATEMENTS.labels(path="exact").inc()
+            counter = token_count.for_settings(settings)
+            reserved = await counter.reserve_off_loop(messages, body.prompt, body.max_tokens)
+            new = dataclasses.replace(new, reserved_tokens=reserved)
             job, created = await _admit_exact(db, settings, tenant, key_id, new)
     if created:
         metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()
@@ -212,6 +242,7 @@ async def _admit_fast(
             403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=new.tier
         )
     if outcome.quotas:
+        _quotas_seen.note((tenant.id, new.tier))  # its next admissions go the exact way
         return None
     if settings.default_max_queued and outcome.queued >= settings.default_max_queued:
         refusal = quota_repo.too_many_queued(settings.default_max_queued)

@@ -150,3 +150,21 @@ async def test_the_fast_path_recovers_from_killed_database_connections(
         for _ in range(5):
             resp = await c.post("/v1/jobs", json=CHAT)
             assert resp.status_code == 202, resp.text
+
+
+async def test_quotas_admission_does_not_check_leave_the_fast_path(platform: Platform) -> None:
+    """max_running is the dispatcher's, a quota of another tier does not apply: the fast
+    path admits; a limit admission checks sends the job the exact way."""
+    tenant_id, key = await new_tenant(platform)
+    async with admin(platform) as a:
+        quota = {"max_running": 2}
+        assert (await a.put(f"/admin/tenants/{tenant_id}/quota", json=quota)).is_success
+        batch_only = {"tier": "batch", "requests_per_minute": 100}
+        resp = await a.put(f"/admin/tenants/{tenant_id}/quota", json=batch_only)
+        assert resp.is_success, resp.text
+    async with client(platform.url, key) as c:
+        before = _statements("exact")
+        assert (await c.post("/v1/jobs", json={**CHAT, "tier": "standard"})).status_code == 202
+        assert _statements("exact") == before
+        assert (await c.post("/v1/jobs", json={**CHAT, "tier": "batch"})).status_code == 202
+        assert _statements("exact") == before + 1
