@@ -134,25 +134,24 @@ async def admit(
     default_max_queued: int,
     batch_discount: Decimal,
 ) -> Outcome:
-    async with pool.connection() as conn:
-        row = await conn.fetchrow(
-            ADMIT,
-            new.tenant_id,
-            key_id,
-            new.tier.value,
-            default_max_queued,
-            new.model,
-            str(Decimal(1) - batch_discount),
-            job_id,
-            _json(new.messages),
-            new.prompt,
-            _json(new.params),
-            _json(new.metadata),
-            new.idempotency_key,
-            new.request_hash,
-            created_at,
-            new.reserved_tokens,
-        )
+    row = await pool.fetchrow(
+        ADMIT,
+        new.tenant_id,
+        key_id,
+        new.tier.value,
+        default_max_queued,
+        new.model,
+        str(Decimal(1) - batch_discount),
+        job_id,
+        _json(new.messages),
+        new.prompt,
+        _json(new.params),
+        _json(new.metadata),
+        new.idempotency_key,
+        new.request_hash,
+        created_at,
+        new.reserved_tokens,
+    )
     job = None
     if row["id"] is not None:
         job = JobRecord(

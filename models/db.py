@@ -112,16 +112,16 @@ class RawPool:
                     raise Unavailable(f"cannot connect to the database: {exc}") from exc
             try:
                 yield conn
-            except asyncpg.PostgresError as exc:
-                if conn.is_closed() or isinstance(exc, _gone()):  # a restart, a shutdown
-                    await _discard(conn)
-                    raise Unavailable(f"the database is unavailable: {exc}") from exc
-                raise  # the statement's own error: its implicit transaction rolled back
             except BaseException as exc:
-                # A lost connection, or a cancelled request whose statement may still be
-                # running on it: that connection is never handed out again.
+                # Whatever went wrong — a lost connection, a statement cancelled with its
+                # request, a server that ended the session, even the statement's own error —
+                # that connection is never handed out again: a fresh one costs little, a
+                # connection left mid-protocol would fail the next request.
+                lost = conn.is_closed()
                 await _discard(conn)
-                if isinstance(exc, OSError | TimeoutError | asyncpg.InterfaceError):
+                if isinstance(exc, _unavailable()) or (
+                    lost and isinstance(exc, asyncpg.PostgresError)
+                ):
                     raise Unavailable(f"the database connection was lost: {exc}") from exc
                 raise
             if self._closed:
@@ -131,6 +131,21 @@ class RawPool:
         finally:
             self._slots.release()
 
+    async def fetchrow(self, query: str, *args: Any) -> Any:
+        """One statement's first row. A pooled connection found unusable before the
+        statement was sent (the server ended its session while it was idle) is replaced
+        and the statement sent once more on a fresh one."""
+        import asyncpg
+
+        try:
+            async with self.connection() as conn:
+                return await conn.fetchrow(query, *args)
+        except Unavailable as exc:
+            if not isinstance(exc.__cause__, asyncpg.InternalClientError):
+                raise
+        async with self.connection() as conn:
+            return await conn.fetchrow(query, *args)
+
     async def close(self) -> None:
         self._closed = True
         free, self._free = self._free, []
@@ -138,11 +153,20 @@ class RawPool:
             await _discard(conn)
 
 
-def _gone() -> tuple[type[BaseException], ...]:
+def _unavailable() -> tuple[type[BaseException], ...]:
     import asyncpg
 
-    # A server restart or shutdown (57P01..57P03) or a broken connection.
-    return (asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError)
+    return (
+        OSError,
+        TimeoutError,
+        asyncpg.InterfaceError,
+        # The connection was not in a state to start the statement (a session ended by the
+        # server while idle, noticed only now): nothing was sent.
+        asyncpg.InternalClientError,
+        # A server restart or shutdown (57P01..57P03), or a broken connection.
+        asyncpg.PostgresConnectionError,
+        asyncpg.exceptions.OperatorInterventionError,
+    )
 
 
 async def _discard(conn: Any) -> None:
