@@ -121,8 +121,9 @@ class Outcome:
     queued: int
 
 
-def _json(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, separators=(",", ":"))
+def _json(value: Any) -> str:
+    # None as JSON null, as the ORM stores it (JSON columns evaluate None).
+    return json.dumps(value, separators=(",", ":"))
 
 
 async def admit(

@@ -75,6 +75,25 @@ class Unavailable(ConnectionError):
     503 like SQLAlchemy's own connection errors (`is_unavailable`)."""
 
 
+_LIBPQ_OPTIONS = frozenset(
+    {
+        "sslmode",
+        "ssl",
+        "sslrootcert",
+        "sslcert",
+        "sslkey",
+        "sslpassword",
+        "application_name",
+        "options",
+        "target_session_attrs",
+        "connect_timeout",
+        "passfile",
+        "krbsrvname",
+        "gsslib",
+    }
+)
+
+
 class RawPool:
     """A few asyncpg connections (PostgreSQL only) for the hot path's single statements,
     each its own implicit transaction: no session, no ORM, no BEGIN/COMMIT round trips, no
@@ -85,7 +104,11 @@ class RawPool:
     def __init__(self, url: str, size: int, timeout_s: float) -> None:
         from sqlalchemy.engine import make_url
 
-        self.dsn = make_url(url).set(drivername="postgresql").render_as_string(False)
+        parsed = make_url(url)
+        # libpq's connection options only: the SQLAlchemy dialect's own (such as
+        # prepared_statement_cache_size) would reach the server as settings and fail.
+        query = {k: v for k, v in parsed.query.items() if k in _LIBPQ_OPTIONS}
+        self.dsn = parsed.set(drivername="postgresql", query=query).render_as_string(False)
         self.timeout_s = timeout_s
         self._free: list[Any] = []
         self._slots = asyncio.Semaphore(size)

@@ -235,6 +235,9 @@ async def _admit_fast(
     )
     if outcome.job is not None:
         return outcome.job
+    if new.idempotency_key is not None:
+        # The exact path answers a replay first (as the job it made), then checks.
+        return None
     if outcome.tenant_status is not None and not outcome.key_ok:
         raise _refuse(401, "Incorrect API key provided.", "invalid_api_key")
     if outcome.tenant_status != tenant_repo.ACTIVE:

@@ -168,3 +168,20 @@ async def test_quotas_admission_does_not_check_leave_the_fast_path(platform: Pla
         assert _statements("exact") == before
         assert (await c.post("/v1/jobs", json={**CHAT, "tier": "batch"})).status_code == 202
         assert _statements("exact") == before + 1
+
+
+@pytest.mark.with_settings(default_max_queued=1)
+async def test_a_replay_is_answered_before_the_queue_bound(platform: Platform) -> None:
+    """A retried request with its Idempotency-Key gets its job back even when the tenant's
+    queue is full (by that very job); another body with the key is a 409, not a 429."""
+    _tenant, key = await new_tenant(platform)
+    headers = {"Idempotency-Key": "retry-me"}
+    async with client(platform.url, key) as c:
+        first = await c.post("/v1/jobs", json=CHAT, headers=headers)
+        assert first.status_code == 202
+        again = await c.post("/v1/jobs", json=CHAT, headers=headers)
+        assert again.status_code == 202 and again.json()["id"] == first.json()["id"]
+        other = await c.post("/v1/jobs", json={**CHAT, "max_tokens": 9}, headers=headers)
+        assert other.status_code == 409
+        full = await c.post("/v1/jobs", json=CHAT)
+        assert full.status_code == 429 and full.json()["error"]["code"] == "quota_exceeded"
