@@ -314,14 +314,15 @@ async def test_a_job_run_twice_streams_and_finishes_once(
     """Redis lost track of a running job and it was enqueued again while its first run
     went on: the later delivery fences the earlier off — no delta twice, one finish."""
     platform.start_dispatcher()
-    await platform.start_worker("first", cost=SLOW)
+    slower = CostModel(slots=8).scaled(1)  # 150 tokens take about 5 s
+    await platform.start_worker("first", cost=slower)
     async with client(platform.url, tenant_key) as c:
         # Long enough that the second delivery claims it while the first still runs, even
-        # on a loaded machine.
+        # on a loaded machine (at SLOW's 2.5 s a CI run under load once lost that race).
         (job_id,) = await submit(c, 1, {**CHAT, "max_tokens": 150})
         follower = asyncio.create_task(read_sse(c, f"/v1/jobs/{job_id}/events"))
         await read_sse(c, f"/v1/jobs/{job_id}/events", limit=5)  # under way on `first`
-        await platform.start_worker("second", cost=SLOW)
+        await platform.start_worker("second", cost=slower)
         async with platform.db.session() as s:
             record = await job_repo.get_job(s, job_id)
         assert record is not None
