@@ -26,11 +26,12 @@ committed when the statement returns: the guarantees of the exact path, in one r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from models import jobs
 from models import quotas as quota_repo
 from models.db import RawPool
 from models.jobs import NewJob
@@ -155,31 +156,16 @@ async def admit(
     )
     job = None
     if row["id"] is not None:
-        job = JobRecord(
-            id=row["id"],
-            tenant_id=new.tenant_id,
-            tier=new.tier,
-            model=new.model,
-            status=JobStatus.QUEUED,
-            messages=new.messages,
-            prompt=new.prompt,
-            params=new.params,
-            metadata=new.metadata,
-            request_hash=new.request_hash,
-            created_at=created_at,
-            started_at=None,
-            finished_at=None,
-            result_text=None,
-            finish_reason=None,
-            prompt_tokens=None,
-            completion_tokens=None,
-            error_code=None,
-            error_message=None,
-            deliveries=0,
-            worker_id=None,
-            reserved_tokens=new.reserved_tokens,
-            input_price=Decimal(row["input_price"]),
-            output_price=Decimal(row["output_price"]),
+        job = JobRecord.from_row(
+            jobs.new_row(
+                replace(
+                    new,
+                    input_price=Decimal(row["input_price"]),
+                    output_price=Decimal(row["output_price"]),
+                ),
+                row["id"],
+                created_at,
+            )
         )
     return Outcome(
         job=job,

@@ -91,8 +91,8 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
         await s.execute(
             insert(JobTransition).values(job_id=values["id"], status=values["status"], at=now)
         )
-        return JobRecord.from_row(Job(**values)), True
-    row = Job(**_row_values(new, new_id("job"), now))
+        return JobRecord.from_row(new_row(new, values["id"], now)), True
+    row = new_row(new, new_id("job"), now)
     try:
         async with s.begin_nested():
             s.add(row)
@@ -107,6 +107,11 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
             raise IdempotencyConflict(new.idempotency_key) from None
         return JobRecord.from_row(existing), False
     return JobRecord.from_row(row), True
+
+
+def new_row(new: NewJob, job_id: str, now: datetime) -> Job:
+    """The row of a job just admitted (queued, never delivered)."""
+    return Job(**_row_values(new, job_id, now))
 
 
 def _row_values(new: NewJob, job_id: str, now: datetime) -> dict[str, Any]:

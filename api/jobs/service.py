@@ -219,6 +219,14 @@ def _gated(gate: TenantGate | None, tenant_id: str) -> AbstractAsyncContextManag
     return gate.enter(tenant_id) if gate is not None else contextlib.nullcontext()
 
 
+def _refuse_unless_active(status: str | None, tenant: TenantRecord, tier: Tier) -> None:
+    """The tenant's status (or REVOKED for the request's key) as read under its lock."""
+    if status == tenant_repo.REVOKED:
+        raise _refuse(401, "Incorrect API key provided.", "invalid_api_key")
+    if status != tenant_repo.ACTIVE:
+        raise _refuse(403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=tier)
+
+
 async def _admit_fast(
     raw: RawPool, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
 ) -> JobRecord | None:
@@ -238,12 +246,10 @@ async def _admit_fast(
     if new.idempotency_key is not None:
         # The exact path answers a replay first (as the job it made), then checks.
         return None
-    if outcome.tenant_status is not None and not outcome.key_ok:
-        raise _refuse(401, "Incorrect API key provided.", "invalid_api_key")
-    if outcome.tenant_status != tenant_repo.ACTIVE:
-        raise _refuse(
-            403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=new.tier
-        )
+    revoked = outcome.tenant_status is not None and not outcome.key_ok
+    _refuse_unless_active(
+        tenant_repo.REVOKED if revoked else outcome.tenant_status, tenant, new.tier
+    )
     if outcome.quotas:
         _quotas_seen.note((tenant.id, new.tier))  # its next admissions go the exact way
         return None
@@ -315,10 +321,7 @@ async def _admit(
     # a suspension or revocation that committed meanwhile refuses the job, and one that
     # comes later cancels it (suspension) or lets it finish (a revoked key).
     status = await tenant_repo.lock_tenant(s, tenant.id, exclusive=bool(quotas), key_id=key_id)
-    if status == tenant_repo.REVOKED:
-        raise _refuse(401, "Incorrect API key provided.", "invalid_api_key")
-    if status != tenant_repo.ACTIVE:
-        raise _refuse(403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=tier)
+    _refuse_unless_active(status, tenant, tier)
     if settings.default_max_queued and not any(
         q.tier == quota_repo.ALL_TIERS and q.max_queued is not None for q in quotas
     ):
