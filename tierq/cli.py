@@ -238,6 +238,55 @@ def bench_overhead(
     typer.echo(json.dumps(result))
 
 
+@bench_app.command("serve")
+def bench_serve(
+    rate: float = typer.Option(2.0, help="Requests per second of the paced scenario."),
+    n: int = typer.Option(96, min=1, help="Requests of the paced scenario."),
+    burst: int = typer.Option(128, min=1, help="Requests of the burst (all at once)."),
+    input_len: int = typer.Option(64, min=1, help="Prompt tokens (random dataset)."),
+    output_len: int = typer.Option(64, min=2, help="Output tokens (ignore_eos)."),
+    seed: int = typer.Option(0, help="The client's seed: the same prompts and arrivals."),
+    vllm_scheduler: str = typer.Option(
+        "stock", help="vllm serve's scheduler: stock (vLLM's own) or tierq (tierq's policy)."
+    ),
+    only: str | None = typer.Option(None, help="Run one server only: vllm or tierq."),
+    keep_dir: Path | None = typer.Option(
+        None, help="Keep the client's result files and tierq's logs in this folder."
+    ),
+) -> None:
+    """vLLM's serving benchmark client against `vllm serve` (the worker's engine settings),
+    then against `tierq run`; prints one JSON line last."""
+    from tierq.bench_serve import ServeConfig, run_serve
+
+    setup_logging("WARNING")
+    if vllm_scheduler not in ("stock", "tierq"):
+        raise typer.BadParameter("stock or tierq", param_hint="--vllm-scheduler")
+    if only not in (None, "vllm", "tierq"):
+        raise typer.BadParameter("vllm or tierq", param_hint="--only")
+    cfg = ServeConfig(
+        rate=rate,
+        n_rate=n,
+        n_burst=burst,
+        input_len=input_len,
+        output_len=output_len,
+        seed=seed,
+        vllm_scheduler=vllm_scheduler,
+        servers=(only,) if only else ("vllm", "tierq"),
+        keep_dir=keep_dir,
+    )
+
+    def on_term(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        result = run_serve(get_settings(), cfg)
+    except KeyboardInterrupt:
+        typer.echo("interrupted: every process it started is stopped", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(json.dumps(result, separators=(",", ":")))
+
+
 @bench_app.command("qos")
 def bench_qos(
     engine: str = typer.Option("simulated", help="simulated (calibrated) or vllm (scaled down)."),
