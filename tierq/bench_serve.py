@@ -302,7 +302,7 @@ def start_vllm(cfg: ServeConfig) -> Server:
     argv = [sys.executable, "-m", "tierq.bench_serve", "serve", "127.0.0.1", str(port)]
     argv.append(cfg.vllm_scheduler)
     server = Server("vllm serve", argv, _base_env(), f"http://127.0.0.1:{port}")
-    server.wait_ready("/health")
+    _ready_or_stop(server, "/health")
     return server
 
 
@@ -315,9 +315,18 @@ def start_tierq(state_dir: Path) -> tuple[Server, str]:
     env.update({"STATE_DIR": str(state_dir), "API_HOST": "127.0.0.1", "API_PORT": str(port)})
     argv = [sys.executable, "-m", "tierq.cli", "run"]
     server = Server("tierq run", argv, env, f"http://127.0.0.1:{port}")
-    server.wait_ready("/readyz")
+    _ready_or_stop(server, "/readyz")
     key = (state_dir / "dev-api-key").read_text().strip()
     return server, key
+
+
+def _ready_or_stop(server: Server, path: str) -> None:
+    """A server that fails to start (or an interrupt meanwhile) leaves nothing running."""
+    try:
+        server.wait_ready(path)
+    except BaseException:
+        server.stop()
+        raise
 
 
 def run_client(

@@ -250,6 +250,7 @@ def bench_serve(
         "stock", help="vllm serve's scheduler: stock (vLLM's own) or tierq (tierq's policy)."
     ),
     only: str | None = typer.Option(None, help="Run one server only: vllm or tierq."),
+    first: str = typer.Option("vllm", help="Which server runs first: vllm or tierq."),
     keep_dir: Path | None = typer.Option(
         None, help="Keep the client's result files and tierq's logs in this folder."
     ),
@@ -261,8 +262,10 @@ def bench_serve(
     setup_logging("WARNING")
     if vllm_scheduler not in ("stock", "tierq"):
         raise typer.BadParameter("stock or tierq", param_hint="--vllm-scheduler")
-    if only not in (None, "vllm", "tierq"):
-        raise typer.BadParameter("vllm or tierq", param_hint="--only")
+    for value, hint in ((only, "--only"), (first, "--first")):
+        if value not in (None, "vllm", "tierq"):
+            raise typer.BadParameter("vllm or tierq", param_hint=hint)
+    both = ("vllm", "tierq") if first == "vllm" else ("tierq", "vllm")
     cfg = ServeConfig(
         rate=rate,
         n_rate=n,
@@ -271,7 +274,7 @@ def bench_serve(
         output_len=output_len,
         seed=seed,
         vllm_scheduler=vllm_scheduler,
-        servers=(only,) if only else ("vllm", "tierq"),
+        servers=(only,) if only else both,
         keep_dir=keep_dir,
     )
 
