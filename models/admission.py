@@ -21,6 +21,11 @@ what the exact path (api/jobs/service.py: a session, the ORM, nine round trips) 
 
 Nothing is written unless the job is admitted, and the job's row and transition are
 committed when the statement returns: the guarantees of the exact path, in one round trip.
+
+A tenant with quotas for the tier is admitted by `admit_with_quotas`: one call of the
+PL/pgSQL function `tierq_admit_with_quotas` (migration 0007), which checks every quota
+under the tenant's exclusive lock and words nothing itself — the refusal is worded from
+its figures by models.quotas.decide, the rule the ORM path uses.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from models import jobs
 from models import quotas as quota_repo
 from models.db import RawPool
 from models.jobs import NewJob
-from models.records import JobRecord
+from models.records import JobRecord, as_utc
+from models.spend import period_keys
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 
@@ -127,6 +133,34 @@ def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+def _job_args(
+    new: NewJob,
+    key_id: str | None,
+    job_id: str,
+    created_at: datetime,
+    default_max_queued: int,
+    batch_discount: Decimal,
+) -> tuple[Any, ...]:
+    """$1 to $15 of both ways in: the request, its limits and the job's row."""
+    return (
+        new.tenant_id,
+        key_id,
+        new.tier.value,
+        default_max_queued,
+        new.model,
+        Decimal(1) - batch_discount,
+        job_id,
+        _json(new.messages),
+        new.prompt,
+        _json(new.params),
+        _json(new.metadata),
+        new.idempotency_key,
+        new.request_hash,
+        created_at,
+        new.reserved_tokens,
+    )
+
+
 async def admit(
     pool: RawPool,
     job_id: str,
@@ -138,21 +172,7 @@ async def admit(
 ) -> Outcome:
     row = await pool.fetchrow(
         ADMIT,
-        new.tenant_id,
-        key_id,
-        new.tier.value,
-        default_max_queued,
-        new.model,
-        str(Decimal(1) - batch_discount),
-        job_id,
-        _json(new.messages),
-        new.prompt,
-        _json(new.params),
-        _json(new.metadata),
-        new.idempotency_key,
-        new.request_hash,
-        created_at,
-        new.reserved_tokens,
+        *_job_args(new, key_id, job_id, created_at, default_max_queued, batch_discount),
     )
     job = None
     if row["id"] is not None:
@@ -173,4 +193,94 @@ async def admit(
         key_ok=key_id is None or bool(row["key_ok"]),
         quotas=bool(row["quotas"]),
         queued=int(row["queued"] or 0),
+    )
+
+
+@dataclass(frozen=True)
+class QuotaOutcome:
+    """What `tierq_admit_with_quotas` found. `job` is set when it admitted one; otherwise
+    the tenant's status (None: no such tenant) and the key's, the default queue bound
+    (`queued` is None where it did not apply), and each quota that applies with the
+    figures it was checked against and whether it held. A refusal by none of these is an
+    Idempotency-Key used before (the caller takes the exact path)."""
+
+    job: JobRecord | None
+    tenant_status: str | None
+    key_ok: bool
+    queued: int | None
+    quotas: list[tuple[quota_repo.QuotaRecord, quota_repo.Figures, bool]]
+    reserved_cost: Decimal
+
+
+ADMIT_WITH_QUOTAS = (
+    "SELECT tierq_admit_with_quotas("
+    + ", ".join(f"${i}" for i in range(1, 20))
+    + ")::text AS outcome"
+)
+
+
+async def admit_with_quotas(
+    pool: RawPool,
+    job_id: str,
+    new: NewJob,
+    key_id: str | None,
+    now: datetime,
+    default_max_queued: int,
+    batch_discount: Decimal,
+) -> QuotaOutcome:
+    """One round trip: the tenant's quotas checked under its exclusive lock and the job
+    inserted when they hold (migration 0007 says how)."""
+    day, month, _total = period_keys(now)
+    row = await pool.fetchrow(
+        ADMIT_WITH_QUOTAS,
+        *_job_args(new, key_id, job_id, now, default_max_queued, batch_discount),
+        int(new.params["max_tokens"]),
+        day,
+        month,
+        quota_repo.BILLING_GRACE,
+    )
+    found = json.loads(row["outcome"])
+    status = found.get("tenant_status")
+    if status is None or "quotas" not in found:
+        return QuotaOutcome(None, status, bool(found.get("key_ok")), None, [], Decimal(0))
+    checked = []
+    for f in found["quotas"]:
+        quota = quota_repo.QuotaRecord(
+            tenant_id=new.tenant_id,
+            tier=f["tier"],
+            requests_per_minute=f["requests_per_minute"],
+            tokens_per_minute=f["tokens_per_minute"],
+            max_running=None,  # the dispatcher's
+            max_queued=f["max_queued"],
+            token_budget=f["token_budget"],
+            spend_budget=None if f["spend_budget"] is None else Decimal(f["spend_budget"]),
+            budget_period=f["budget_period"],
+        )
+        oldest = f["minute_oldest"]
+        figures = quota_repo.Figures(
+            minute_requests=int(f["minute_requests"]),
+            minute_tokens=int(f["minute_tokens"]),
+            minute_oldest=None if oldest is None else as_utc(datetime.fromisoformat(oldest)),
+            queued=int(f["queued"]),
+            held_tokens=int(f["held_tokens"]),
+            held_cost=Decimal(f["held_micro"]) / quota_repo.MILLION,
+            spent_tokens=int(f["spent_tokens"]),
+            spent_cost=Decimal(f["spent_cost"]),
+        )
+        checked.append((quota, figures, bool(f["ok"])))
+    job = None
+    if found["id"] is not None:
+        priced = replace(
+            new,
+            input_price=Decimal(found["input_price"]),
+            output_price=Decimal(found["output_price"]),
+        )
+        job = JobRecord.from_row(jobs.new_row(priced, found["id"], now))
+    return QuotaOutcome(
+        job=job,
+        tenant_status=status,
+        key_ok=True,
+        queued=found["queued"],
+        quotas=checked,
+        reserved_cost=Decimal(found["cost_micro"]) / quota_repo.MILLION,
     )

@@ -155,31 +155,52 @@ def _scope(stmt: Any, column_tier: Any, tier: str) -> Any:
     return stmt if tier == ALL_TIERS else stmt.where(column_tier == tier)
 
 
-async def check(
-    s: AsyncSession,
+@dataclass(frozen=True)
+class Figures:
+    """What a quota's limits are checked against, as read under the tenant's lock: the
+    tenant's online jobs over the last 60 s (requests, tokens, the oldest admission), its
+    waiting online jobs, what its unfinished work holds and what the budget period's
+    ledger has spent — each in the quota's scope (a tier, or every tier)."""
+
+    minute_requests: int = 0
+    minute_tokens: int = 0
+    minute_oldest: datetime | None = None
+    queued: int = 0
+    held_tokens: int = 0
+    held_cost: Decimal = Decimal(0)
+    spent_tokens: int = 0
+    spent_cost: Decimal = Decimal(0)
+
+
+def decide(
     quota: QuotaRecord,
+    figures: Figures,
     tier: str,
     reserved_tokens: int,
     reserved_cost: Decimal,
+    now: datetime,
     *,
     online: bool = True,
-    now: datetime | None = None,
 ) -> Refusal | None:
-    """The first limit of `quota` that admitting this job would break, or None."""
-    now = now or datetime.now(UTC)
+    """The first limit of `quota` that admitting this job would break, or None. The rule
+    itself, in one place: the ORM path (`check`) and the PostgreSQL function of admission
+    (migration 0007, which compares the same figures the same way) both word their
+    refusals here."""
     scope = f" for the {tier} tier" if quota.tier != ALL_TIERS else ""
-    tenant = quota.tenant_id
     if online and (quota.requests_per_minute is not None or quota.tokens_per_minute is not None):
-        count, used, oldest = await _minute_window(s, tenant, quota.tier, now)
         wait = 1
-        if oldest is not None:
-            wait = max(1, math.ceil(60 - (now - oldest).total_seconds()))
-        if quota.requests_per_minute is not None and count >= quota.requests_per_minute:
+        if figures.minute_oldest is not None:
+            wait = max(1, math.ceil(60 - (now - figures.minute_oldest).total_seconds()))
+        if (
+            quota.requests_per_minute is not None
+            and figures.minute_requests >= quota.requests_per_minute
+        ):
             return Refusal(
                 "rate_limit_exceeded",
                 f"Rate limit reached{scope}: {quota.requests_per_minute} requests per minute.",
                 wait,
             )
+        used = figures.minute_tokens
         if quota.tokens_per_minute is not None and used + reserved_tokens > quota.tokens_per_minute:
             return Refusal(
                 "rate_limit_exceeded",
@@ -187,18 +208,12 @@ async def check(
                 f"({used} used, {reserved_tokens} requested).",
                 wait,
             )
-    if online and quota.max_queued is not None:
-        refusal = await queued_refusal(s, tenant, quota.max_queued, quota.tier, scope)
-        if refusal is not None:
-            return refusal
+    if online and quota.max_queued is not None and figures.queued >= quota.max_queued:
+        return too_many_queued(quota.max_queued, scope)
     if quota.token_budget is not None or quota.spend_budget is not None:
         _start, end = period_bounds(quota.budget_period, now)
         wait = 3600 if end is None else max(1, math.ceil((end - now).total_seconds()))
-        # Reserved work first, spend after: on PostgreSQL each statement sees its own
-        # snapshot, and work moves batch -> job -> ledger; read in that order, a move that
-        # commits between two reads is counted twice (erring safe), never not at all.
-        held_tokens, held_cost = await _reserved(s, tenant, quota.tier, now)
-        used_tokens, used_cost = await spent(s, tenant, quota.tier, quota.budget_period, now)
+        used_tokens, held_tokens = figures.spent_tokens, figures.held_tokens
         if quota.token_budget is not None and (
             used_tokens + held_tokens + reserved_tokens > quota.token_budget
         ):
@@ -209,6 +224,7 @@ async def check(
                 f"{reserved_tokens} requested).",
                 wait,
             )
+        used_cost, held_cost = figures.spent_cost, figures.held_cost
         if quota.spend_budget is not None and (
             used_cost + held_cost + reserved_cost > quota.spend_budget
         ):
@@ -222,10 +238,61 @@ async def check(
     return None
 
 
+async def check(
+    s: AsyncSession,
+    quota: QuotaRecord,
+    tier: str,
+    reserved_tokens: int,
+    reserved_cost: Decimal,
+    *,
+    online: bool = True,
+    now: datetime | None = None,
+) -> Refusal | None:
+    """The first limit of `quota` that admitting this job would break, or None (read in
+    the caller's transaction, after the tenant's lock)."""
+    now = now or datetime.now(UTC)
+    return decide(
+        quota,
+        await _figures(s, quota, now, online=online),
+        tier,
+        reserved_tokens,
+        reserved_cost,
+        now,
+        online=online,
+    )
+
+
+async def _figures(s: AsyncSession, quota: QuotaRecord, now: datetime, *, online: bool) -> Figures:
+    """The figures `quota`'s limits need, and only those."""
+    tenant, tier = quota.tenant_id, quota.tier
+    minute: tuple[int, int, datetime | None] = (0, 0, None)
+    if online and (quota.requests_per_minute is not None or quota.tokens_per_minute is not None):
+        minute = await _minute_window(s, tenant, tier, now)
+    queued = 0
+    if online and quota.max_queued is not None:
+        queued = await _queued(s, tenant, tier)
+    held: tuple[int, Decimal] = (0, Decimal(0))
+    used: tuple[int, Decimal] = (0, Decimal(0))
+    if quota.token_budget is not None or quota.spend_budget is not None:
+        # Reserved work first, spend after: on PostgreSQL each statement sees its own
+        # snapshot, and work moves batch -> job -> ledger; read in that order, a move that
+        # commits between two reads is counted twice (erring safe), never not at all.
+        held = await _reserved(s, tenant, tier, now)
+        used = await spent(s, tenant, tier, quota.budget_period, now)
+    return Figures(*minute, queued, *held, *used)
+
+
 async def queued_refusal(
     s: AsyncSession, tenant_id: str, limit: int, tier: str = ALL_TIERS, scope: str = ""
 ) -> Refusal | None:
     """A refusal when the tenant already has `limit` online jobs waiting (in `tier`)."""
+    if await _queued(s, tenant_id, tier) < limit:
+        return None
+    return too_many_queued(limit, scope)
+
+
+async def _queued(s: AsyncSession, tenant_id: str, tier: str) -> int:
+    """The tenant's online jobs waiting (in `tier`, or every tier: "*")."""
     stmt = _scope(
         select(func.count()).where(
             Job.tenant_id == tenant_id,
@@ -235,9 +302,7 @@ async def queued_refusal(
         Job.tier,
         tier,
     )
-    if int((await s.execute(stmt)).scalar_one()) < limit:
-        return None
-    return too_many_queued(limit, scope)
+    return int((await s.execute(stmt)).scalar_one())
 
 
 def too_many_queued(limit: int, scope: str = "") -> Refusal:

@@ -18,8 +18,9 @@ JOBS_SUBMITTED = Counter("tierq_jobs_submitted_total", "Jobs admitted", ["tier"]
 JOBS_REFUSED = Counter("tierq_jobs_refused_total", "Job submissions refused", ["code"])
 ADMISSION_STATEMENTS = Counter(
     "tierq_admission_statements_total",
-    "Admission decisions by path: fast (one statement, PostgreSQL, no quota for the tier) "
-    "or exact (a transaction checking quotas under the tenant's lock, or SQLite)",
+    "Admission decisions by path: fast (one statement, PostgreSQL, no quota for the tier), "
+    "quotas (one call of the admission function, PostgreSQL, quotas for the tier) or exact "
+    "(an ORM transaction: an Idempotency-Key used before, or SQLite)",
     ["path"],
 )
 JOBS_FINISHED = Counter(

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from decimal import Decimal
+from typing import NoReturn
 
 import redis
 import redis.asyncio as aioredis
@@ -183,16 +184,20 @@ async def submit(
     )
     async with _gated(gate, tenant.id):
         job = None
-        if db.raw is not None and not _quotas_seen.recent((tenant.id, tier)):
-            # PostgreSQL: one statement, unless quotas apply.
-            metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
-            job = await _admit_fast(db.raw, settings, tenant, key_id, new)
-        created = True
+        created, counted = True, False
+        if db.raw is not None:  # PostgreSQL: one round trip admits the job
+            quotas = _quotas_seen.recent((tenant.id, tier))
+            if not quotas:
+                metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
+                job, quotas = await _admit_fast(db.raw, settings, tenant, key_id, new)
+            if job is None and quotas:
+                new, counted = await _counted(settings, new, messages, body), True
+                metrics.ADMISSION_STATEMENTS.labels(path="quotas").inc()
+                job = await _admit_with_quotas(db.raw, settings, tenant, key_id, new)
         if job is None:
             metrics.ADMISSION_STATEMENTS.labels(path="exact").inc()
-            counter = token_count.for_settings(settings)
-            reserved = await counter.reserve_off_loop(messages, body.prompt, body.max_tokens)
-            new = dataclasses.replace(new, reserved_tokens=reserved)
+            if not counted:
+                new = await _counted(settings, new, messages, body)
             job, created = await _admit_exact(db, settings, tenant, key_id, new)
     if created:
         metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()
@@ -227,11 +232,22 @@ def _refuse_unless_active(status: str | None, tenant: TenantRecord, tier: Tier) 
         raise _refuse(403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=tier)
 
 
+async def _counted(
+    settings: Settings, new: job_repo.NewJob, messages: list[dict] | None, body: JobCreate
+) -> job_repo.NewJob:
+    """The job reserving its prompt as the served model's tokenizer counts it: what quotas
+    are checked against."""
+    counter = token_count.for_settings(settings)
+    reserved = await counter.reserve_off_loop(messages, body.prompt, body.max_tokens)
+    return dataclasses.replace(new, reserved_tokens=reserved)
+
+
 async def _admit_fast(
     raw: RawPool, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
-) -> JobRecord | None:
-    """The job, admitted by one statement (models/admission.py); None when the exact path
-    must decide (quotas apply to the tier, or the Idempotency-Key was used before)."""
+) -> tuple[JobRecord | None, bool]:
+    """The job, admitted by one statement (models/admission.py), and whether quotas apply
+    to its tier; no job when they do (they are checked elsewhere) or when the
+    Idempotency-Key was used before (the exact path answers)."""
     outcome = await admission.admit(
         raw,
         new_id("job"),
@@ -242,23 +258,77 @@ async def _admit_fast(
         settings.batch_discount,
     )
     if outcome.job is not None:
-        return outcome.job
+        return outcome.job, False
+    if outcome.quotas:
+        _quotas_seen.note((tenant.id, new.tier))  # its next admissions go the quota way
     if new.idempotency_key is not None:
         # The exact path answers a replay first (as the job it made), then checks.
-        return None
+        return None, outcome.quotas
     revoked = outcome.tenant_status is not None and not outcome.key_ok
     _refuse_unless_active(
         tenant_repo.REVOKED if revoked else outcome.tenant_status, tenant, new.tier
     )
     if outcome.quotas:
-        _quotas_seen.note((tenant.id, new.tier))  # its next admissions go the exact way
-        return None
+        return None, True
     if settings.default_max_queued and outcome.queued >= settings.default_max_queued:
-        refusal = quota_repo.too_many_queued(settings.default_max_queued)
-        raise _refuse(
-            429, refusal.message, refusal.code, tenant=tenant, tier=new.tier, retry_after_s=1
+        _refuse_queue_bound(settings, tenant, new.tier)
+    return None, False  # an Idempotency-Key used before: a replay or a conflict
+
+
+def _refuse_queue_bound(settings: Settings, tenant: TenantRecord, tier: Tier) -> NoReturn:
+    _refuse_quota(quota_repo.too_many_queued(settings.default_max_queued), tenant, tier)
+
+
+def _refuse_quota(refusal: quota_repo.Refusal, tenant: TenantRecord, tier: Tier) -> NoReturn:
+    raise _refuse(
+        429,
+        refusal.message,
+        refusal.code,
+        tenant=tenant,
+        tier=tier,
+        retry_after_s=refusal.retry_after_s,
+    )
+
+
+async def _admit_with_quotas(
+    raw: RawPool, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
+) -> JobRecord | None:
+    """The job, admitted by one call that checks the tenant's quotas under its exclusive
+    lock (models/admission.py); a refusal worded by the rule the exact path uses
+    (models.quotas.decide). None: the exact path decides (an Idempotency-Key, which it
+    answers a replay of first; or figures that no rule refuses, which cannot happen while
+    the function and the rule agree)."""
+    now = utcnow()
+    outcome = await admission.admit_with_quotas(
+        raw,
+        new_id("job"),
+        new,
+        key_id,
+        now,
+        settings.default_max_queued,
+        settings.batch_discount,
+    )
+    if outcome.job is not None or new.idempotency_key is not None:
+        return outcome.job
+    revoked = outcome.tenant_status is not None and not outcome.key_ok
+    _refuse_unless_active(
+        tenant_repo.REVOKED if revoked else outcome.tenant_status, tenant, new.tier
+    )
+    if outcome.queued is not None and outcome.queued >= settings.default_max_queued > 0:
+        _refuse_queue_bound(settings, tenant, new.tier)
+    for quota, figures, _held in outcome.quotas:
+        refusal = quota_repo.decide(
+            quota, figures, new.tier.value, new.reserved_tokens, outcome.reserved_cost, now
         )
-    return None  # an Idempotency-Key used before: a replay or a conflict
+        if refusal is not None:
+            _refuse_quota(refusal, tenant, new.tier)
+    log.error(
+        "admission of tenant %s: the function refused a job that no quota rule refuses "
+        "(figures %s); the exact path decides",
+        tenant.id,
+        outcome.quotas,
+    )
+    return None
 
 
 async def _admit_exact(
@@ -322,31 +392,21 @@ async def _admit(
     # comes later cancels it (suspension) or lets it finish (a revoked key).
     status = await tenant_repo.lock_tenant(s, tenant.id, exclusive=bool(quotas), key_id=key_id)
     _refuse_unless_active(status, tenant, tier)
-    if settings.default_max_queued and not any(
+    # The default bound on what one tenant may leave waiting (and so on its share of
+    # Redis). Under the shared lock, so concurrent admissions of the tenant may pass it by
+    # at most their number; a quota's own max_queued is exact.
+    bound = settings.default_max_queued and not any(
         q.tier == quota_repo.ALL_TIERS and q.max_queued is not None for q in quotas
-    ):
-        # The default bound on what one tenant may leave waiting (and so on its share of
-        # Redis). Under the shared lock, so concurrent admissions of the tenant may pass
-        # it by at most their number; a quota's own max_queued is exact.
-        refusal = await quota_repo.queued_refusal(s, tenant.id, settings.default_max_queued)
-        if refusal is not None:
-            raise _refuse(
-                429, refusal.message, refusal.code, tenant=tenant, tier=tier, retry_after_s=1
-            )
+    )
+    if bound and await quota_repo.queued_refusal(s, tenant.id, settings.default_max_queued):
+        _refuse_queue_bound(settings, tenant, tier)
     if not quotas:
         return
     cost = quota_repo.reservation_cost(reserved, max_tokens, price_in, price_out)
     for quota in quotas:
         refusal = await quota_repo.check(s, quota, tier.value, reserved, cost)
         if refusal is not None:
-            raise _refuse(
-                429,
-                refusal.message,
-                refusal.code,
-                tenant=tenant,
-                tier=tier,
-                retry_after_s=refusal.retry_after_s,
-            )
+            _refuse_quota(refusal, tenant, tier)
 
 
 async def cancel(

@@ -1,17 +1,22 @@
-"""Admission's fast path (models/admission.py: one statement on PostgreSQL) against the
-exact path (api/jobs/service.py `_admit_exact`): the same jobs, prices, refusals and
-idempotency, on real PostgreSQL and Redis."""
+"""Admission's one-round-trip paths on PostgreSQL (models/admission.py: one statement for
+a tenant without quotas, the function of migration 0007 for one with quotas) against the
+exact path (api/jobs/service.py `_admit_exact`, the ORM): the same jobs, prices, figures,
+refusals and idempotency, on real PostgreSQL and Redis."""
 
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import text, update
 
+from models import admission, spend
 from models import jobs as job_repo
 from models import prices as price_repo
+from models import quotas as quota_repo
+from models.tables import Batch, Job, utcnow
 from tests.conftest import Platform
 from tests.helpers import admin, admit_as, client, new_tenant
 from tierq import metrics
@@ -34,7 +39,7 @@ async def _job_prices(platform: Platform, job_id: str) -> tuple[Decimal | None, 
 async def test_the_fast_path_prices_every_tier_as_the_exact_path(platform: Platform) -> None:
     """A tier's own price; the batch tier without one pays the standard price less the
     discount (computed in SQL on the fast path, in Python on the exact one); a model
-    without a price costs 0. A tenant with a quota takes the exact path: both agree."""
+    without a price costs 0. A tenant with a quota takes the quota function: both agree."""
     model = platform.settings.served_model_name
     async with admin(platform) as a:
         price = {"model": model, "input_per_million": "0.37", "output_per_million": "1.1"}
@@ -47,16 +52,16 @@ async def test_the_fast_path_prices_every_tier_as_the_exact_path(platform: Platf
         quota = {"requests_per_minute": 1000}
         assert (await a.put(f"/admin/tenants/{exact_tenant}/quota", json=quota)).is_success
     seen: dict[str, dict[str, tuple[Decimal | None, Decimal | None]]] = {}
-    for path, key in (("fast", fast_key), ("exact", exact_key)):
-        before = _statements("exact")
+    for path, key in (("fast", fast_key), ("quotas", exact_key)):
+        before = _statements("quotas")
         async with client(platform.url, key) as c:
             for tier in ("interactive", "standard", "batch"):
                 resp = await c.post("/v1/jobs", json={**CHAT, "tier": tier})
                 assert resp.status_code == 202, resp.text
                 seen.setdefault(path, {})[tier] = await _job_prices(platform, resp.json()["id"])
-        took_exact = _statements("exact") - before
-        assert took_exact == (3 if path == "exact" else 0)
-    assert seen["fast"] == seen["exact"]
+        took_quotas = _statements("quotas") - before
+        assert took_quotas == (3 if path == "quotas" else 0)
+    assert seen["fast"] == seen["quotas"]
     async with platform.db.session() as s:
         for tier in Tier:
             expected = await price_repo.current_price(
@@ -154,7 +159,7 @@ async def test_the_fast_path_recovers_from_killed_database_connections(
 
 async def test_quotas_admission_does_not_check_leave_the_fast_path(platform: Platform) -> None:
     """max_running is the dispatcher's, a quota of another tier does not apply: the fast
-    path admits; a limit admission checks sends the job the exact way."""
+    path admits; a limit admission checks sends the job the quota way."""
     tenant_id, key = await new_tenant(platform)
     async with admin(platform) as a:
         quota = {"max_running": 2}
@@ -163,11 +168,11 @@ async def test_quotas_admission_does_not_check_leave_the_fast_path(platform: Pla
         resp = await a.put(f"/admin/tenants/{tenant_id}/quota", json=batch_only)
         assert resp.is_success, resp.text
     async with client(platform.url, key) as c:
-        before = _statements("exact")
+        before = _statements("quotas")
         assert (await c.post("/v1/jobs", json={**CHAT, "tier": "standard"})).status_code == 202
-        assert _statements("exact") == before
+        assert _statements("quotas") == before
         assert (await c.post("/v1/jobs", json={**CHAT, "tier": "batch"})).status_code == 202
-        assert _statements("exact") == before + 1
+        assert _statements("quotas") == before + 1
 
 
 @pytest.mark.with_settings(default_max_queued=1)
@@ -185,3 +190,145 @@ async def test_a_replay_is_answered_before_the_queue_bound(platform: Platform) -
         assert other.status_code == 409
         full = await c.post("/v1/jobs", json=CHAT)
         assert full.status_code == 429 and full.json()["error"]["code"] == "quota_exceeded"
+
+
+LIMITS = ("requests_per_minute", "tokens_per_minute", "max_queued", "token_budget", "spend_budget")
+
+
+async def _tenant_with_history(platform: Platform) -> str:
+    """A tenant whose every quota figure is non-zero: online jobs waiting, running,
+    finished (its real tokens count, not its reservation), cancelled while running and not
+    billed yet, in two tiers; a batch still expanding; spend in the ledger's counters."""
+    tenant_id, _key = await new_tenant(platform)
+    model = platform.settings.served_model_name
+    now = utcnow()
+    async with platform.db.transaction() as s:
+        for tier, price_in, price_out in (("standard", "0.37", "1.1"), ("interactive", "2.5", "4")):
+            await price_repo.set_price(s, model, tier, Decimal(price_in), Decimal(price_out))
+
+        async def job(tier: Tier, reserved: int, price: str = "0.5") -> str:
+            new = job_repo.NewJob(
+                tenant_id=tenant_id,
+                tier=tier,
+                model=model,
+                messages=[{"role": "user", "content": "hi"}],
+                prompt=None,
+                params={"max_tokens": reserved // 2},
+                reserved_tokens=reserved,
+                input_price=Decimal(price),
+                output_price=Decimal("1.25"),
+            )
+            return (await job_repo.create_job(s, new))[0].id
+
+        await job(Tier.STANDARD, 100)
+        await job(Tier.STANDARD, 121, "0.37")
+        await job(Tier.INTERACTIVE, 90)
+        running = await job(Tier.STANDARD, 300)
+        await job_repo.start_job(s, running, "w-test", 3)
+        cancelled = await job(Tier.STANDARD, 77)
+        await job_repo.start_job(s, cancelled, "w-test", 3)
+        await job_repo.cancel_job(s, cancelled)
+        finished = await job(Tier.INTERACTIVE, 400)
+        await s.execute(
+            update(Job)
+            .where(Job.id == finished)
+            .values(status="succeeded", prompt_tokens=12, completion_tokens=30, finished_at=now)
+        )
+        old = await job(Tier.STANDARD, 55)  # admitted over a minute ago
+        await s.execute(
+            update(Job).where(Job.id == old).values(created_at=now - timedelta(seconds=90))
+        )
+        s.add(
+            Batch(
+                id=f"batch_{tenant_id}",
+                tenant_id=tenant_id,
+                endpoint="/v1/chat/completions",
+                input_file_id="file_x",
+                completion_window="24h",
+                status="in_progress",
+                expires_at=now + timedelta(hours=24),
+                reserved_tokens=640,
+                reserved_cost=Decimal("0.000321"),
+            )
+        )
+        await spend.add(s, tenant_id, "standard", 500, Decimal("0.00123"))
+        await spend.add(s, tenant_id, "interactive", 70, Decimal("0.0002"))
+    return tenant_id
+
+
+def _boundary(limit: str, figures: quota_repo.Figures, reserved: int, cost: Decimal) -> object:
+    """The tightest value of `limit` that still admits the job (one less refuses it)."""
+    return {
+        "requests_per_minute": figures.minute_requests + 1,
+        "tokens_per_minute": figures.minute_tokens + reserved,
+        "max_queued": figures.queued + 1,
+        "token_budget": figures.spent_tokens + figures.held_tokens + reserved,
+        "spend_budget": figures.spent_cost + figures.held_cost + cost,
+    }[limit]
+
+
+@pytest.mark.parametrize("scope", ["*", "standard"])
+@pytest.mark.parametrize("limit", LIMITS)
+async def test_the_quota_function_reads_and_decides_as_the_orm_path_at_every_boundary(
+    platform: Platform, limit: str, scope: str
+) -> None:
+    """For each limit, in each scope, at its boundary and one past it: the function of
+    migration 0007 reads the same figures as the ORM path (models.quotas), and admits
+    exactly when the ORM rule (models.quotas.decide) does."""
+    tenant_id = await _tenant_with_history(platform)
+    settings = platform.settings
+    model = settings.served_model_name
+    new = job_repo.NewJob(
+        tenant_id=tenant_id,
+        tier=Tier.STANDARD,
+        model=model,
+        messages=[{"role": "user", "content": "hello"}],
+        prompt=None,
+        params={"max_tokens": 64},
+        reserved_tokens=300,
+    )
+    period = {"budget_period": "total" if scope == "*" else "day"}
+    now = utcnow()
+    async with platform.db.transaction() as s:
+        price = await price_repo.current_price(s, model, Tier.STANDARD, settings.batch_discount)
+        assert price is not None
+        cost = quota_repo.reservation_cost(
+            300, 64, price.input_per_million, price.output_per_million
+        )
+        probe = await quota_repo.set_quota(
+            s,
+            tenant_id,
+            scope,
+            **{field: 10**9 for field in LIMITS if field != "spend_budget"},
+            spend_budget=Decimal(10**9),
+            **period,
+        )
+        figures = await quota_repo._figures(s, probe, now, online=True)
+    assert figures.minute_requests and figures.queued and figures.held_tokens
+    assert figures.held_cost and (figures.spent_tokens or scope == "standard")
+    edge = _boundary(limit, figures, 300, cost)
+    past = edge - (Decimal("0.000000001") if limit == "spend_budget" else 1)  # type: ignore[operator]
+    for value, admits in ((past, False), (edge, True)):
+        async with platform.db.transaction() as s:
+            limits = {field: None for field in LIMITS} | {limit: value}
+            quota = await quota_repo.set_quota(s, tenant_id, scope, **limits, **period)
+            orm = await quota_repo.check(s, quota, "standard", 300, cost, now=now)
+            orm_figures = await quota_repo._figures(s, quota, now, online=True)
+        assert (orm is None) == admits
+        outcome = await admission.admit_with_quotas(
+            platform.db.raw,  # type: ignore[arg-type]
+            f"job_{limit}_{admits}_{tenant_id[-6:]}",
+            new,
+            None,
+            now,
+            0,
+            settings.batch_discount,
+        )
+        assert (outcome.job is not None) == admits
+        assert outcome.reserved_cost == cost
+        [(read, read_figures, held)] = outcome.quotas
+        assert read == quota
+        assert held == admits
+        assert read_figures == orm_figures
+        decided = quota_repo.decide(read, read_figures, "standard", 300, cost, now)
+        assert decided == orm
