@@ -347,10 +347,20 @@ def run_client(
     return result, prompts
 
 
+def server_keys(servers: tuple[str, ...]) -> list[str]:
+    """Each run's name in the report: the server's, then `vllm#2` for its second run."""
+    keys: list[str] = []
+    for which in servers:
+        n = servers[: len(keys)].count(which) + 1
+        keys.append(which if n == 1 else f"{which}#{n}")
+    return keys
+
+
 def _run_server(
     cfg: ServeConfig,
     settings: Settings,
     which: str,
+    name: str,
     model_dir: str,
     workdir: Path,
 ) -> dict[str, dict[str, Any]]:
@@ -358,11 +368,11 @@ def _run_server(
     if which == "vllm":
         server = start_vllm(cfg)
     else:
-        server, key = start_tierq(workdir / "tierq-state")
+        server, key = start_tierq(workdir / f"{name}-state")
     figures: dict[str, dict[str, Any]] = {}
     try:
         for sc in scenarios(cfg):
-            result_file = f"{which}-{sc.name}.json"
+            result_file = f"{name}-{sc.name}.json"
             argv = client_argv(
                 cfg,
                 sc,
@@ -372,10 +382,10 @@ def _run_server(
                 workdir,
                 result_file,
             )
-            _log(f"{which}: {sc.name} ({sc.num_prompts} requests)")
+            _log(f"{name}: {sc.name} ({sc.num_prompts} requests)")
             result, prompts = run_client(argv, key, workdir / result_file)
             figures[sc.name] = summarize(result, sc.num_prompts, cfg.output_len, prompts)
-            _log(f"{which} {sc.name}: {json.dumps(figures[sc.name])}")
+            _log(f"{name} {sc.name}: {json.dumps(figures[sc.name])}")
     finally:
         server.stop()
     return figures
@@ -393,8 +403,8 @@ def run_serve(settings: Settings, cfg: ServeConfig) -> dict[str, Any]:
             workdir = cfg.keep_dir
             workdir.mkdir(parents=True, exist_ok=True)
             _log(f"result files and tierq's logs are kept in {workdir}")
-        for which in cfg.servers:
-            figures[which] = _run_server(cfg, settings, which, model_dir, workdir)
+        for which, key in zip(cfg.servers, server_keys(cfg.servers), strict=True):
+            figures[key] = _run_server(cfg, settings, which, key, model_dir, workdir)
     return report(cfg, figures)
 
 

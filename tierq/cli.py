@@ -249,8 +249,10 @@ def bench_serve(
     vllm_scheduler: str = typer.Option(
         "stock", help="vllm serve's scheduler: stock (vLLM's own) or tierq (tierq's policy)."
     ),
-    only: str | None = typer.Option(None, help="Run one server only: vllm or tierq."),
-    first: str = typer.Option("vllm", help="Which server runs first: vllm or tierq."),
+    order: str = typer.Option(
+        "vllm,tierq",
+        help="The servers, in the order they run (one, or a repeat: vllm,tierq,vllm).",
+    ),
     keep_dir: Path | None = typer.Option(
         None, help="Keep the client's result files and tierq's logs in this folder."
     ),
@@ -262,10 +264,9 @@ def bench_serve(
     setup_logging("WARNING")
     if vllm_scheduler not in ("stock", "tierq"):
         raise typer.BadParameter("stock or tierq", param_hint="--vllm-scheduler")
-    for value, hint in ((only, "--only"), (first, "--first")):
-        if value not in (None, "vllm", "tierq"):
-            raise typer.BadParameter("vllm or tierq", param_hint=hint)
-    both = ("vllm", "tierq") if first == "vllm" else ("tierq", "vllm")
+    servers = tuple(name.strip() for name in order.split(","))
+    if not servers or any(name not in ("vllm", "tierq") for name in servers):
+        raise typer.BadParameter("vllm and tierq, comma-separated", param_hint="--order")
     cfg = ServeConfig(
         rate=rate,
         n_rate=n,
@@ -274,7 +275,7 @@ def bench_serve(
         output_len=output_len,
         seed=seed,
         vllm_scheduler=vllm_scheduler,
-        servers=(only,) if only else both,
+        servers=servers,
         keep_dir=keep_dir,
     )
 

@@ -6,7 +6,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tierq.bench_serve import ServeConfig, client_argv, ratios, report, scenarios, summarize
+from tierq.bench_serve import (
+    ServeConfig,
+    client_argv,
+    ratios,
+    report,
+    scenarios,
+    server_keys,
+    summarize,
+)
 
 
 def _result(lens: list[int], errors: list[str] | None = None, **extra: Any) -> dict[str, Any]:
@@ -97,3 +105,8 @@ def test_ratios_and_the_verdicts() -> None:
     out = report(cfg, {"vllm": {paced: vllm}, "tierq": {paced: slow}})
     assert out["tpot_within_target"] is False
     assert "burst_all_complete" not in out and "burst_lost" not in out
+
+
+def test_a_server_run_twice_gets_a_second_name() -> None:
+    assert server_keys(("vllm", "tierq")) == ["vllm", "tierq"]
+    assert server_keys(("vllm", "tierq", "vllm")) == ["vllm", "tierq", "vllm#2"]
