@@ -13,6 +13,7 @@ past 32) is one rule for every field and is not repeated in each schema.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -35,7 +36,22 @@ METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 MAX_STOPS = 4
 
 # JSON Schema of what the validators below require.
-NOT_BLANK = r"\S"  # a string with something besides whitespace (str.strip() leaves some)
+# A string with something besides whitespace, where whitespace is the set JSON Schema's
+# regular expressions (ECMA-262) give `\s`, spelled out: Python's `\s` and str.strip() also
+# take U+001C..U+001F and U+0085, so a prompt of U+001E alone conformed to the document
+# and was refused as blank (found by the OpenAPI fuzz).
+_ECMA_SPACE = (
+    "\\t\\n\\u000b\\f\\r \\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000\\ufeff"
+)
+NOT_BLANK = f"[^{_ECMA_SPACE}]"
+_NOT_BLANK = re.compile(NOT_BLANK)
+
+
+def blank(text: str) -> bool:
+    """Nothing but whitespace, as the document's NOT_BLANK pattern has it."""
+    return _NOT_BLANK.search(text) is None
+
+
 # The 64-bit range as the document states it: bounds a double holds exactly (2**63 - 1 does
 # not: a client comparing in doubles would take 2**63 + 511 as within it).
 INT64_DOCUMENTED = 2**63 - 1024
@@ -173,9 +189,9 @@ class JobCreate(BaseModel):
     def _one_input(self) -> JobCreate:
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("give exactly one of 'messages' or 'prompt'")
-        if self.prompt is not None and not self.prompt.strip():
+        if self.prompt is not None and blank(self.prompt):
             raise ValueError("'prompt' must not be empty")
-        if self.messages is not None and not any(m.content.strip() for m in self.messages):
+        if self.messages is not None and all(blank(m.content) for m in self.messages):
             raise ValueError("'messages' must carry some content")
         if self.min_tokens > self.max_tokens:
             raise ValueError("'min_tokens' must not exceed 'max_tokens'")

@@ -71,3 +71,20 @@ def test_job_defaults_and_params() -> None:
 def test_invalid_job_bodies(body: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         JobCreate.model_validate(body)
+
+
+def test_blank_is_the_documents_whitespace_not_pythons() -> None:
+    """NOT_BLANK is read by JSON Schema's (ECMA-262) regular expressions, whose `\\s` is not
+    Python's: a prompt of U+001E conforms to the document, so it must be accepted; one of
+    U+FEFF does not, so it must be refused."""
+    from tierq.requests import blank
+
+    for text in ("\x1c", "\x1d", "\x1e", "\x1f", "\x85", "a"):
+        assert not blank(text)
+        assert JobCreate(prompt=text).prompt == text
+    for text in (" ", "\t\n\r\x0b\x0c", "\xa0", "\u2000\u200a", "\u3000", "\ufeff"):
+        assert blank(text)
+        with pytest.raises(ValidationError):
+            JobCreate(prompt=text)
+        with pytest.raises(ValidationError):
+            JobCreate(messages=[{"role": "user", "content": text}])
