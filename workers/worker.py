@@ -575,6 +575,13 @@ class Worker:
                 out.completion_tokens += chunk.new_tokens
                 out.finish_reason = chunk.finish_reason or out.finish_reason
                 if chunk.text:
+                    if "\x00" in chunk.text:
+                        # The model can generate NUL (a token of its vocabulary decodes to
+                        # it), which PostgreSQL's text refuses: the job could never be
+                        # stored. The same replacement goes to followers and to the result.
+                        chunk = dataclasses.replace(
+                            chunk, text=chunk.text.replace("\x00", "\ufffd")
+                        )
                     if first:
                         metrics.TTFT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
                         first = False

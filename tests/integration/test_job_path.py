@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client, read_sse, wait_for
+from workers.engine import Chunk, Engine, EngineWrapper
 from workers.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
@@ -263,3 +267,33 @@ async def test_readyz_needs_a_worker_heartbeat(platform: Platform) -> None:
         assert ready.status_code == 200 and ready.json()["workers"] == 1
         metrics = await c.get("/metrics")
         assert metrics.status_code == 200 and "tierq_jobs_submitted_total" in metrics.text
+
+
+class _NulEngine(EngineWrapper):
+    """The simulated engine, its output laced with NUL: a token of the bundled model's
+    vocabulary (190) decodes to it."""
+
+    def __init__(self, inner: Engine) -> None:
+        super().__init__(inner, "nul")
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Chunk]:
+        async for chunk in self.inner.generate(*args, **kwargs):
+            yield dataclasses.replace(chunk, text=chunk.text.replace("tok", "\x00"))
+
+
+async def test_generated_nul_is_stored_and_streamed_as_a_replacement_character(
+    platform: Platform, tenant_key: str
+) -> None:
+    """PostgreSQL's text refuses NUL: a job whose output has one is stored, billed once and
+    streamed with U+FFFD in its place, the same in the result and in the SSE deltas."""
+    platform.start_dispatcher()
+    await platform.start_worker("w1", wrap=_NulEngine)
+    async with client(platform.url, tenant_key) as c:
+        job = (await c.post("/v1/jobs", json={**CHAT, "max_tokens": 3})).json()
+        events = await read_sse(c, f"/v1/jobs/{job['id']}/events")
+        done = await wait_for(c, job["id"])
+    expected = "".join(f" \ufffd{i}" for i in range(1, 4))
+    assert done["status"] == "succeeded" and done["result"]["text"] == expected
+    assert "".join(e["data"]["text"] for e in events if e["event"] == "delta") == expected
+    async with platform.db.session() as s:
+        assert len(await job_repo.usage_for_job(s, job["id"])) == 1
