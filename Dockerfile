@@ -6,11 +6,16 @@ ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 STATE_DIR=/var/lib/tierq
 WORKDIR /app
 COPY pyproject.toml README.md alembic.ini ./
 COPY tierq tierq
-COPY api api
-COPY dispatcher dispatcher
-COPY workers workers
 COPY models models
+COPY dispatcher dispatcher
+COPY services services
 COPY migrations migrations
+COPY api api
+COPY workers workers
+COPY launch launch
+COPY client client
+COPY benchmarks benchmarks
+COPY cli cli
 RUN pip install --no-cache-dir ".[${ENGINE}]" \
  && if [ "$ENGINE" = cpu ]; then \
       pip uninstall -y torchvision torchaudio torchcodec || true; \

@@ -24,10 +24,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tierq run
 
+# ruff, mypy, and the layers: import-linter's contracts in pyproject.toml (README, Layout).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/tierq prepare-model

@@ -15,9 +15,9 @@ from api.admin.router import router as admin_router
 from api.auth import KeyCache
 from api.batches.router import router as batches_router
 from api.files.router import router as files_router
-from api.jobs.hub import EventHub
+from api.gate import TenantGate
+from api.hub import EventHub
 from api.jobs.router import router as jobs_router
-from api.jobs.service import TenantGate
 from api.limits import BodySizeLimit, HostileInput
 from api.openai.router import router as openai_router
 from api.usage import router as usage_router

@@ -17,8 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from api.auth import KeyCache
 from api.errors import APIError
-from api.jobs.hub import EventHub, Slot, TooManyStreams, slot_retry_after
-from api.jobs.service import TenantGate
+from api.gate import TenantGate
+from api.hub import EventHub, Slot, TooManyStreams, slot_retry_after
 from models import tenants
 from models.db import Database
 from models.records import TenantRecord

@@ -15,8 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from models.db import is_unavailable as db_unavailable
+from services.requests import Refused
 from tierq.redis_conn import is_unavailable as redis_unavailable
-from tierq.requests import Refused
 
 log = logging.getLogger(__name__)
 

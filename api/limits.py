@@ -1,5 +1,5 @@
 """Pure-ASGI guards at the door: request bodies over the size limit (413, streamed or not),
-and input that no route may take (400): see tierq/hostile.py."""
+and input that no route may take (400): see services/hostile.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from urllib.parse import parse_qsl
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_body
-from tierq.hostile import suspect, unstorable
+from services.hostile import suspect, unstorable
 
 
 class _TooLarge(Exception):
@@ -85,7 +85,7 @@ class BodySizeLimit:
 
 class HostileInput:
     """Refuse (400, OpenAI's error shape) a request whose path, query string or JSON body
-    holds what tierq/hostile.py names — before any route, so none can store it, whatever
+    holds what services/hostile.py names — before any route, so none can store it, whatever
     its schema. Runs inside BodySizeLimit: the body it buffers is already bounded. A body
     that could not hold such a value (the usual one) is not parsed here."""
 

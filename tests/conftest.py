@@ -24,12 +24,12 @@ from api.app import build_app
 from dispatcher.loop import Dispatcher
 from models.db import Database
 from models.tables import Base
-from tierq.bootstrap import ensure_tenant_key
+from services.bootstrap import ensure_tenant_key
 from tierq.settings import Settings
 from tierq.token_count import for_settings
-from workers.engine import Engine
-from workers.simulated_engine import CostModel, SimulatedEngine
-from workers.vllm_scheduler import Tiering
+from workers.engine.base import Engine
+from workers.engine.simulated_engine import CostModel, SimulatedEngine
+from workers.engine.vllm_scheduler import Tiering
 from workers.worker import Worker
 
 PG_ADMIN_URL = os.environ.get(

@@ -18,6 +18,10 @@ ADMIN_KEY_PLACEHOLDERS = frozenset(
 )
 
 
+# The bundled model's folder under MODEL_CACHE_DIR/models.
+BUNDLED_MODEL_FOLDER = "SmolLM2-135M-Instruct"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_file=".env", extra="ignore")
 
@@ -95,7 +99,7 @@ class Settings(BaseSettings):
     # long as its token count: a small budget (128) keeps interactive first tokens from
     # waiting behind other jobs' prefill, at a cost in throughput (README, Benchmarks).
     max_num_batched_tokens: int = 2048
-    # tierq's scheduler inside vLLM (workers/vllm_scheduler.py): each step's token budget in
+    # tierq's scheduler inside vLLM (workers/engine/vllm_scheduler.py): each step's token budget in
     # priority order, lower-tier prefill chunks deferred while better work waits for a
     # slot. False: vLLM's stock scheduler (running requests first, in admission order).
     engine_priority_steps: bool = True
@@ -111,7 +115,7 @@ class Settings(BaseSettings):
     interactive_step_tokens: int | None = None
     interactive_step_hold_s: float = 5.0
     # Failure-path tests and `tierq bench chaos` only: the fraction of requests that a
-    # fault-injecting wrapper around the engine fails (workers/faulty_engine.py), seeded.
+    # fault-injecting wrapper around the engine fails (workers/engine/faulty_engine.py), seeded.
     engine_fault_rate: float = 0.0
     engine_fault_seed: int = 0
     engine_fault_kinds: str = "request,validation,random,dead"
@@ -257,6 +261,12 @@ class Settings(BaseSettings):
     @property
     def resolved_files_dir(self) -> Path:
         return (self.files_dir or self.state_dir / "files").resolve()
+
+    @property
+    def bundled_model_dir(self) -> Path:
+        """Where the bundled model, converted once (workers/engine/bundled_model.py), is
+        cached; the tokenizer the API counts prompts with is read from there too."""
+        return self.model_cache_dir / "models" / BUNDLED_MODEL_FOLDER
 
     @property
     def resolved_worker_id(self) -> str:

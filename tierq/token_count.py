@@ -185,9 +185,7 @@ def for_settings(settings: Settings) -> PromptCounter:
     the bundled model once `tierq prepare-model` made it; never converted here), else the
     byte bound. Loaded once per process and folder; the folder is looked for again at
     most every FIND_AGAIN_S (it may be prepared after the API started)."""
-    from tierq.bundled_model import bundled_model_dir
-
-    folder = Path(settings.model_path) if settings.model_path else bundled_model_dir(settings)
+    folder = Path(settings.model_path) if settings.model_path else settings.bundled_model_dir
     now = time.monotonic()
     looked = _looked.get(folder)
     if looked is None or (looked[1] is None and now - looked[0] > FIND_AGAIN_S):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierq.hostile import unstorable
+from services.hostile import unstorable
 
 
 @dataclass

@@ -44,10 +44,11 @@ from models.batches import BatchLine
 from models.db import Database
 from models.records import BatchRecord, JobRecord
 from models.tenants import new_id
-from tierq import metrics, openai_compat, token_count
+from services import openai_compat
+from services.requests import JobCreate, Refused, check
+from tierq import metrics, token_count
 from tierq.queue import enqueue, forget_inflight
 from tierq.redis_names import RedisNames
-from tierq.requests import JobCreate, Refused, check
 from tierq.settings import Settings
 from tierq.states import JobStatus
 from tierq.tiers import Tier

@@ -22,7 +22,8 @@ import redis.asyncio as aioredis
 
 from models import jobs as job_repo
 from models.db import Database
-from tierq import metrics, tenant_policy
+from services import tenant_policy
+from tierq import metrics
 from tierq.queue import enqueue, held_by_redis, live_workers
 from tierq.redis_conn import redis_now
 from tierq.redis_names import RedisNames

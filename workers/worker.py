@@ -44,7 +44,8 @@ from models import db as db_mod
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord
-from tierq import batch_signal, metrics
+from services import batch_signal
+from tierq import metrics
 from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
 from tierq.queue import EventLog, delta_chars, enqueue, read_group, wake_dispatcher, write_heartbeat
 from tierq.redis_conn import is_unavailable as redis_unavailable
@@ -54,7 +55,7 @@ from tierq.settings import Settings
 from tierq.states import JobStatus
 from tierq.tiers import vllm_priority
 from workers.claims import Claims
-from workers.engine import Engine, EngineDead, EngineRequestError
+from workers.engine.base import Engine, EngineDead, EngineRequestError
 from workers.streaming import EventPublisher
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from models import quotas as quota_repo
 from models import tenants as tenant_repo
 from models.db import Database
 from models.records import TenantRecord
-from tierq import batch_signal, tenant_policy
+from services import batch_signal, tenant_policy
 from tierq.queue import forget_inflight
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from tierq.requests import INT64_DOCUMENTED
+from services.requests import INT64_DOCUMENTED
 from tierq.tiers import Tier
 
 # A money column holds the amount's string (models.tables.Money).

@@ -23,9 +23,10 @@ from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
 from models import tenants as tenant_repo
-from tierq import batch_signal, metrics
-from tierq.openai_compat import ENDPOINTS
-from tierq.requests import Metadata
+from services import batch_signal
+from services.openai_compat import ENDPOINTS
+from services.requests import Metadata
+from tierq import metrics
 from tierq.tiers import Tier
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=documented(400, 401, 503))

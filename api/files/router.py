@@ -18,8 +18,8 @@ from models import batches as batch_repo
 from models import files as file_repo
 from models.db import Database
 from models.tenants import lock_tenant, new_id
+from services.hostile import unstorable
 from tierq import metrics
-from tierq.hostile import unstorable
 from tierq.settings import Settings
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=documented(400, 401, 503))

@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from api.jobs.hub import RECHECK, RECHECK_S, RESYNC, EventHub, Follower, Slot, StreamClosed
+from api.hub import RECHECK, RECHECK_S, RESYNC, EventHub, Follower, Slot, StreamClosed
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobHead, JobRecord

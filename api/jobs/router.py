@@ -26,7 +26,7 @@ from api.jobs import service
 from api.jobs.events import EVENT_STREAM, job_event_stream
 from api.pages import list_page
 from models import jobs as job_repo
-from tierq.requests import JobCreate
+from services.requests import JobCreate
 from tierq.states import TERMINAL, JobStatus
 from tierq.tiers import Tier
 

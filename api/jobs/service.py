@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from decimal import Decimal
 from typing import NoReturn
@@ -19,6 +17,7 @@ import redis.asyncio as aioredis
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from api.errors import APIError, not_found
+from api.gate import TenantGate
 from models import admission
 from models import jobs as job_repo
 from models import prices as price_repo
@@ -28,12 +27,12 @@ from models.db import Database, RawPool
 from models.records import JobRecord, TenantRecord
 from models.tables import utcnow
 from models.tenants import new_id
+from services.requests import JobCreate, Refused, check
 from tierq import metrics, token_count
 from tierq.messages import JobEvent
 from tierq.queue import EventLog, enqueue, forget_inflight
 from tierq.redis_conn import with_retries
 from tierq.redis_names import RedisNames
-from tierq.requests import JobCreate, Refused, check
 from tierq.settings import Settings
 from tierq.states import JobStatus
 from tierq.tiers import Tier
@@ -42,31 +41,6 @@ log = logging.getLogger(__name__)
 
 
 QUEUE_RETRY_AFTER_S = 2
-
-
-class TenantGate:
-    """At most `limit` admissions of one tenant at a time in this process; the others
-    wait here, holding no database connection. Admissions of a tenant with quotas run one
-    at a time anyway (its row lock): without the gate a burst of them would each hold a
-    pooled connection while waiting for that lock, and other tenants would find none."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._gates: dict[str, tuple[asyncio.Semaphore, int]] = {}
-
-    @contextlib.asynccontextmanager
-    async def enter(self, tenant_id: str) -> AsyncIterator[None]:
-        gate, users = self._gates.get(tenant_id, (asyncio.Semaphore(self.limit), 0))
-        self._gates[tenant_id] = (gate, users + 1)
-        try:
-            async with gate:
-                yield
-        finally:
-            gate, users = self._gates[tenant_id]
-            if users == 1:
-                del self._gates[tenant_id]  # no state kept for idle tenants
-            else:
-                self._gates[tenant_id] = (gate, users - 1)
 
 
 class _Recent:
@@ -118,7 +92,7 @@ def request_hash(body: JobCreate) -> str:
 
 
 def validate(body: JobCreate, settings: Settings) -> str:
-    """The deployment's limits (tierq.requests.check), counted in the refusal metrics."""
+    """The deployment's limits (services.requests.check), counted in the refusal metrics."""
     try:
         return check(body, settings)
     except Refused as exc:

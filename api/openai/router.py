@@ -32,14 +32,14 @@ from api.deps import (
     stream_slot,
 )
 from api.errors import APIError, documented, error_body
+from api.gate import TenantGate
+from api.hub import EventHub, Slot, StreamClosed
 from api.jobs import service
 from api.jobs.events import EVENT_STREAM, follow_job
-from api.jobs.hub import EventHub, Slot, StreamClosed
-from api.jobs.service import TenantGate
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord, TenantRecord
-from tierq import openai_compat as oa
+from services import openai_compat as oa
 from tierq.queue import EventLog
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings

@@ -84,7 +84,7 @@ def start_platform(tmp: Path, env_extra: dict[str, str]) -> LivePlatform:
     output = tmp / "tierq-run.out"
     with open(output, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tierq.cli", "run"],
+            [sys.executable, "-m", "cli.main", "run"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -249,7 +249,9 @@ async def test_an_interactive_job_behind_a_full_engine_of_batch_work_starts_at_o
     assert [f["status"] for f in finals] == ["succeeded", "succeeded"]
     # The worker's vLLM ran tierq's scheduler throughout, and never fell back to its own.
     worker_log = (pg_platform.state_dir / "logs" / "worker.log").read_text()
-    assert "Using custom scheduler class workers.vllm_scheduler.TieredScheduler" in worker_log
+    assert (
+        "Using custom scheduler class workers.engine.vllm_scheduler.TieredScheduler" in worker_log
+    )
     assert "tierq's scheduler does not fit this vLLM" not in worker_log
 
 

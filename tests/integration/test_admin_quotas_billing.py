@@ -19,7 +19,7 @@ from api.app import build_app
 from models.tables import Job, UsageRecord
 from tests.conftest import Platform
 from tests.helpers import admin, admit_as, assert_openai_error, client, new_tenant, wait_for
-from workers.simulated_engine import CostModel
+from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 
@@ -389,7 +389,7 @@ async def test_the_batch_tier_pays_the_standard_price_less_the_discount(platform
 async def test_operators_use_the_admin_cli(platform: Platform) -> None:
     from typer.testing import CliRunner
 
-    from tierq.cli import app
+    from cli.main import app
 
     runner = CliRunner()
     args = ["--url", platform.url, "--admin-key", platform.settings.admin_api_key or ""]
@@ -438,7 +438,7 @@ async def test_a_suspension_committed_after_authentication_still_refuses_the_job
     inserts the job — not the snapshot authentication took a moment earlier."""
     from api.errors import APIError
     from models import tenants as tenant_repo
-    from tierq.requests import JobCreate
+    from services.requests import JobCreate
 
     tenant_id, key = await new_tenant(platform)
     if with_quota:

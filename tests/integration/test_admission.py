@@ -113,7 +113,7 @@ async def test_a_tenant_suspended_after_authentication_is_refused_with_nothing_w
     record's: a suspension or deletion that committed a moment before is refused (403)."""
     from api.errors import APIError
     from models import tenants as tenant_repo
-    from tierq.requests import JobCreate
+    from services.requests import JobCreate
 
     tenant_id, key = await new_tenant(platform)
     async with platform.db.session() as s:

@@ -22,7 +22,7 @@ from models.tables import Batch
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error
 from tests.integration.celery_proc import CeleryWorker
-from workers.simulated_engine import CostModel
+from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 
@@ -390,7 +390,7 @@ async def test_the_batch_cli_submits_waits_and_downloads(
 ) -> None:
     from typer.testing import CliRunner
 
-    from tierq.cli import app
+    from cli.main import app
 
     requests = tmp_path / "requests.jsonl"
     requests.write_bytes(

@@ -27,7 +27,7 @@ TIMEOUT_S = 300
 def _run_chaos(*args: str) -> dict[str, Any]:
     env = {**os.environ, "DATABASE_URL": PG_ADMIN_URL}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tierq.cli", "bench", "chaos", *args],
+        [sys.executable, "-m", "cli.main", "bench", "chaos", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -1,7 +1,7 @@
 """Every failure ends a job or hands it back, on real PostgreSQL and Redis.
 
 The engine is the simulated one wrapped in the fault-injecting engine
-(workers/faulty_engine.py), which raises each class of failure an engine raises — the
+(workers/engine/faulty_engine.py), which raises each class of failure an engine raises — the
 request refused, vLLM's own validation error, an unknown error, the engine dying. Redis
 faults are real: `CLIENT KILL` of every connection, keys deleted under running workers.
 After each: every job ends `succeeded` or `failed` with a clear code, every inbox is empty
@@ -29,10 +29,10 @@ from tests.helpers import client, read_sse, wait_for
 from tierq.queue import enqueue
 from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP
 from workers import worker as worker_mod
-from workers.engine import Engine
-from workers.faulty_engine import FaultyEngine
+from workers.engine.base import Engine
+from workers.engine.faulty_engine import FaultyEngine
+from workers.engine.simulated_engine import CostModel
 from workers.reconcile import reconcile
-from workers.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

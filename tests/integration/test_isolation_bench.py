@@ -15,9 +15,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.isolation import IsolationConfig, run_isolation
+from cli.main import app
 from tests.conftest import PG_ADMIN_URL
-from tierq.bench_isolation import IsolationConfig, run_isolation
-from tierq.cli import app
 from tierq.settings import Settings
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ import pytest
 from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client, read_sse, wait_for
-from workers.engine import Chunk, Engine, EngineWrapper
-from workers.simulated_engine import CostModel
+from workers.engine.base import Chunk, Engine, EngineWrapper
+from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

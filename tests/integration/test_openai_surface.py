@@ -19,7 +19,7 @@ from models import tenants as tenant_repo
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error
 from tierq.messages import Served
-from workers.simulated_engine import CostModel
+from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

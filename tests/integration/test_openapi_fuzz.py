@@ -33,7 +33,7 @@ from models.tables import Base
 from tests.conftest import ADMIN_KEY, REDIS_TEST_URL, Platform, _base_settings
 from tests.integration.test_fuzz_routes import error_code
 from tierq.settings import Settings
-from workers.simulated_engine import CostModel
+from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ from tests.conftest import Platform
 from tests.helpers import client, read_sse, wait_for
 from tierq.messages import Served
 from tierq.queue import enqueue
+from workers.engine.simulated_engine import CostModel
 from workers.reconcile import reconcile
-from workers.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

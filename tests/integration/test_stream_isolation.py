@@ -231,7 +231,7 @@ async def test_a_revocation_committed_after_authentication_refuses_the_job(
     inserts the job — not the snapshot authentication took."""
     from api.errors import APIError
     from models import tenants as tenant_repo
-    from tierq.requests import JobCreate
+    from services.requests import JobCreate
 
     tenant_id, key = await new_tenant(platform)
     async with platform.db.session() as s:
@@ -289,7 +289,7 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
     from api.errors import APIError
     from models import tenants as tenant_repo
     from models.tables import ApiKey, utcnow
-    from tierq.requests import JobCreate
+    from services.requests import JobCreate
 
     tenant_id, key = await new_tenant(platform)
     if path == "exact":
@@ -317,7 +317,7 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
 async def test_a_lease_renewal_never_brings_back_a_slot_let_go(platform: Platform) -> None:
     """Renewal touches only the slots still in the set (a slot released while a renewal
     was in flight stays released), and re-adds them all only if the set itself is gone."""
-    from api.jobs.hub import _RENEW
+    from api.hub import _RENEW
 
     renew = platform.r.register_script(_RENEW)
     key = platform.dispatcher.names.tenant_streams("ten_lease")

@@ -10,7 +10,7 @@ import pytest
 from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client, read_sse, wait_for
-from workers.simulated_engine import CostModel
+from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

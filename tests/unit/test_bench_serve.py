@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tierq.bench_serve import (
+from benchmarks.serve import (
     ServeConfig,
     client_argv,
     ratios,

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer.main
 import yaml
 
-from tierq.cli import app
+from cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,3 +77,17 @@ def test_the_reconciler_has_a_celery_worker_of_its_own() -> None:
     consumers = [n for n, cmd in queues.items() if route in cmd]  # type: ignore[operator]
     assert consumers == ["celery-reconciler"]
     assert route not in queues["celery-worker"]  # type: ignore[operator]
+
+
+def test_the_image_copies_every_package_the_project_installs() -> None:
+    """A layer added to pyproject.toml's packages must reach the image too."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {
+        line.split()[1]
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ") and len(line.split()) == 3
+    }
+    assert packages <= copied, packages - copied

@@ -1,10 +1,10 @@
-"""The one check of what no request may carry (tierq/hostile.py), and batch lines with it."""
+"""The one check of what no request may carry (services/hostile.py), and batch lines with it."""
 
 from __future__ import annotations
 
 import json
 
-from tierq.hostile import MAX_DEPTH, suspect, unstorable
+from services.hostile import MAX_DEPTH, suspect, unstorable
 from workers.batch_file import check_line
 
 

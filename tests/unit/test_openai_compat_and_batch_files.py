@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tierq import openai_compat as oa
+from services import openai_compat as oa
 from tierq.tiers import Tier
 from workers.batch_file import read_requests, validate_file
 

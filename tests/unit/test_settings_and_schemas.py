@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tierq.requests import JobCreate
+from services.requests import JobCreate
 from tierq.settings import Settings
 
 

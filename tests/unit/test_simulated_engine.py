@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from workers.simulated_engine import CostModel, SimulatedEngine
+from workers.engine.simulated_engine import CostModel, SimulatedEngine
 
 # Fast and budget-bound: 32 tokens a step, one slot left for the interactive request.
 COST = CostModel(

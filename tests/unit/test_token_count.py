@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierq.bundled_model import prepare_bundled_model
 from tierq.settings import Settings
 from tierq.token_count import PromptCounter
+from workers.engine.bundled_model import prepare_bundled_model
 
 ROLES = st.sampled_from(["user", "assistant", "system"])
 # Any text PostgreSQL stores (no NUL, no lone surrogate): CJK, emoji, combining marks,

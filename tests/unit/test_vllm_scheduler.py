@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from workers.vllm_scheduler import (
+from workers.engine.vllm_scheduler import (
     StepBudget,
     TieredScheduler,
     Tiering,
@@ -130,7 +130,7 @@ def test_the_vllm_internals_the_tiered_scheduler_relies_on_are_there() -> None:
     assert "if not preempted_reqs" in schedule
     assert issubclass(AsyncScheduler, Scheduler)
     # What the worker names in its engine arguments resolves to this class.
-    from workers.vllm_engine import TIERED_SCHEDULER
+    from workers.engine.vllm_args import TIERED_SCHEDULER
 
     module, _, name = TIERED_SCHEDULER.rpartition(".")
     assert getattr(__import__(module, fromlist=[name]), name) is TieredScheduler

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierq.batch_client import BatchClient
+from client.batches import BatchClient
 from tierq.settings import Settings
+from workers.engine.vllm_args import command_line, engine_environment, engine_kwargs
 
 SUBJECTS = (
     "a robot who learns to paint",
@@ -86,47 +87,18 @@ def _platform_round(client: BatchClient, input_path: Path, workdir: Path, n: int
     return {"tokens": completion_tokens(out), "seconds": elapsed}
 
 
-def _engine_args(settings: Settings) -> list[str]:
-    from tierq.bundled_model import resolve_model_path
-
-    args = [
-        "--model",
-        resolve_model_path(settings),
-        "--served-model-name",
-        settings.served_model_name,
-        "--dtype",
-        settings.dtype,
-        "--max-model-len",
-        str(settings.max_model_len),
-        "--max-num-seqs",
-        str(settings.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(settings.max_num_batched_tokens),
-        "--tensor-parallel-size",
-        str(settings.tensor_parallel_size),
-        "--gpu-memory-utilization",
-        str(settings.gpu_memory_utilization),
-    ]
-    if settings.enforce_eager:
-        args.append("--enforce-eager")
-    return args
-
-
 class RunBatchChild:
     """vLLM's run_batch in a child process: the engine starts once, then one run per round."""
 
     def __init__(self, settings: Settings, input_path: Path, output_path: Path) -> None:
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": str(settings.cpu_kvcache_space_gib),
-        }
-        argv = ["-i", str(input_path), "-o", str(output_path), *_engine_args(settings)]
+        env = {**os.environ, **engine_environment(settings)}
+        engine = command_line(engine_kwargs(settings))
+        argv = ["-i", str(input_path), "-o", str(output_path), *engine]
         self.output_path = output_path
         self.log_path = output_path.with_suffix(".log")
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierq.bench_batch", *argv],
+                [sys.executable, "-m", "benchmarks.batch", *argv],
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

@@ -11,7 +11,7 @@ burst (every request at once, `--request-rate inf`).
 
 - `vllm serve`: vLLM's OpenAI server (`vllm.entrypoints.launchers.api_server`'s
   `run_server`) in a child process, with the AsyncEngineArgs the worker builds from
-  Settings (workers.vllm_engine.engine_args), vLLM's stock scheduler by default.
+  Settings (workers.engine.vllm_args.worker_engine_args), vLLM's stock scheduler by default.
 - the platform: `tierq run` (what `make run` runs) on its embedded default (SQLite and an
   embedded Redis) in a scratch state folder, on a free port; the client uses the dev
   tenant's key. OpenAI requests without `service_tier` run in the tenant's default tier.
@@ -41,7 +41,7 @@ from typing import IO, Any
 
 import httpx
 
-from tierq.hostile import unstorable
+from services.hostile import unstorable
 from tierq.settings import Settings
 
 READY_TIMEOUT_S = 600.0
@@ -142,7 +142,7 @@ def summarize(
     """The figures of one scenario from the client's result (`--save-detailed`): times in
     ms; `all_complete` when every request succeeded with exactly output_len tokens.
     `refused_unstorable` counts the requests that did not, whose prompt carries what tierq
-    refuses by contract (tierq/hostile.py: a NUL, say — vLLM's random dataset draws control
+    refuses by contract (services/hostile.py: a NUL, say — vLLM's random dataset draws control
     characters too); `lost` the others."""
     lens = [int(n) for n in result.get("output_lens") or []]
     errors = [e for e in result.get("errors") or [] if e]
@@ -299,7 +299,7 @@ def _base_env() -> dict[str, str]:
 
 def start_vllm(cfg: ServeConfig) -> Server:
     port = free_port()
-    argv = [sys.executable, "-m", "tierq.bench_serve", "serve", "127.0.0.1", str(port)]
+    argv = [sys.executable, "-m", "benchmarks.serve", "serve", "127.0.0.1", str(port)]
     argv.append(cfg.vllm_scheduler)
     server = Server("vllm serve", argv, _base_env(), f"http://127.0.0.1:{port}")
     _ready_or_stop(server, "/health")
@@ -313,7 +313,7 @@ def start_tierq(state_dir: Path) -> tuple[Server, str]:
     for name in ("DATABASE_URL", "REDIS_URL", "STATE_DIR", "API_PORT", "API_HOST"):
         env.pop(name, None)
     env.update({"STATE_DIR": str(state_dir), "API_HOST": "127.0.0.1", "API_PORT": str(port)})
-    argv = [sys.executable, "-m", "tierq.cli", "run"]
+    argv = [sys.executable, "-m", "cli.main", "run"]
     server = Server("tierq run", argv, env, f"http://127.0.0.1:{port}")
     _ready_or_stop(server, "/readyz")
     key = (state_dir / "dev-api-key").read_text().strip()
@@ -338,7 +338,7 @@ def run_client(
         env["OPENAI_API_KEY"] = key  # the client's Authorization header
     prompts_path = result_path.with_suffix(".prompts.json")
     env[PROMPTS_ENV] = str(prompts_path)
-    cmd = [sys.executable, "-m", "tierq.bench_serve", "client", *argv]
+    cmd = [sys.executable, "-m", "benchmarks.serve", "client", *argv]
     rc = subprocess.run(cmd, env=env, stdout=sys.stderr, timeout=CLIENT_TIMEOUT_S).returncode
     if rc != 0 or not result_path.is_file():
         raise RuntimeError(f"vllm.benchmarks.serve failed (rc={rc}); see its output above")
@@ -392,7 +392,7 @@ def _run_server(
 
 
 def run_serve(settings: Settings, cfg: ServeConfig) -> dict[str, Any]:
-    from tierq.bundled_model import resolve_model_path
+    from workers.engine.bundled_model import resolve_model_path
 
     model_dir = resolve_model_path(settings)  # prepared once, before anything is timed
     figures: dict[str, dict[str, dict[str, Any]]] = {}
@@ -413,7 +413,7 @@ def run_serve(settings: Settings, cfg: ServeConfig) -> dict[str, Any]:
 
 def _serve_child(host: str, port: int, scheduler: str) -> None:
     """`vllm serve` with the worker's engine args: vLLM's own parser for the server's
-    options, then every AsyncEngineArgs field from workers.vllm_engine.engine_args."""
+    options, then every AsyncEngineArgs field from workers.engine.vllm_args.worker_engine_args."""
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -421,11 +421,11 @@ def _serve_child(host: str, port: int, scheduler: str) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from tierq.settings import get_settings
-    from workers.vllm_engine import engine_args
-    from workers.vllm_scheduler import Tiering
+    from workers.engine.vllm_args import worker_engine_args
+    from workers.engine.vllm_scheduler import Tiering
 
     settings = get_settings()
-    engine = engine_args(settings, Tiering.from_settings(settings), scheduler != "tierq")
+    engine = worker_engine_args(settings, Tiering.from_settings(settings), scheduler != "tierq")
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser())
     server_argv = ["--model", engine.model, "--host", host, "--port", str(port)]

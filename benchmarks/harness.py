@@ -3,7 +3,7 @@ platform on scratch services, supervised, and the client's small helpers.
 
 `ScratchPlatform` gives a run its own redis-server (no persistence, so that a restart
 starts it empty) and a scratch PostgreSQL database (dropped at the end), settings that
-point at them, and starts the very processes `tierq run` starts (tierq.embedded.components),
+point at them, and starts the very processes `tierq run` starts (launch.supervisor.components),
 each in its own session, under a `Supervisor` that restarts any that exits. Leaving the
 context kills every process group it started, whatever happened.
 """
@@ -35,10 +35,10 @@ import redis.asyncio as aioredis
 from sqlalchemy import select
 
 import migrations
+from benchmarks.qos import _drop_scratch_database, _scratch_database
+from launch.supervisor import Child, components
 from models.db import Database
 from models.tables import Job
-from tierq.bench_qos import _drop_scratch_database, _scratch_database
-from tierq.embedded import Child, components
 from tierq.settings import Settings
 
 log = logging.getLogger("tierq.bench")
@@ -413,7 +413,7 @@ class ScratchPlatform:
                 }
             )
             if self.engine == "vllm" and not self.settings.model_path:
-                from tierq.bundled_model import prepare_bundled_model
+                from workers.engine.bundled_model import prepare_bundled_model
 
                 await asyncio.to_thread(prepare_bundled_model, self.settings)
         except BaseException:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from models.records import JobRecord, unix
-from tierq.requests import (
+from services.requests import (
     DOCUMENTED_MAX_PROMPT_CHARS,
     DOCUMENTED_MAX_TOKENS,
     INT64,

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from workers.parent_death import die_with_parent
+from workers.engine.parent_death import die_with_parent
 
 if TYPE_CHECKING:
     from tierq.settings import Settings
@@ -78,8 +78,8 @@ class Tiering:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Tiering:
-        from tierq.engine_build import vllm_cpu_build
         from tierq.tiers import Tier, vllm_priority
+        from workers.engine.vllm_build import vllm_cpu_build
 
         step_tokens = settings.interactive_step_tokens
         if step_tokens is None:
@@ -348,7 +348,7 @@ def _vllm_scheduler(args: tuple[Any, ...], kwargs: dict[str, Any]) -> type:
 class TieredScheduler:
     """What vLLM instantiates (in its engine-core process): the tiered version of the
     scheduler vLLM would pick. Being built there, it also ties that process's life to
-    the worker's (workers/parent_death.py)."""
+    the worker's (workers/engine/parent_death.py)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         die_with_parent()

@@ -24,10 +24,10 @@ from typing import Any
 
 import httpx
 
-from tierq.bootstrap import ensure_tenant_key, write_secret
-from tierq.engine_build import vllm_cpu_build
+from services.bootstrap import ensure_tenant_key, write_secret
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
+from workers.engine.vllm_build import vllm_cpu_build
 
 log = logging.getLogger("tierq.run")
 
@@ -103,9 +103,9 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
         return Child(name, argv, log_path, pids / f"{name}.pid", cpus)
 
     return [
-        child("api", [py, "-m", "tierq.cli", "api"]),
-        child("dispatcher", [py, "-m", "tierq.cli", "dispatcher"]),
-        child("worker", [py, "-m", "tierq.cli", "worker"]),
+        child("api", [py, "-m", "cli.main", "api"]),
+        child("dispatcher", [py, "-m", "cli.main", "dispatcher"]),
+        child("worker", [py, "-m", "cli.main", "worker"]),
         child(
             "celery-worker",
             [*celery, "worker", "--pool=solo", "--loglevel=INFO", "-Q", names.celery_queue],
@@ -146,7 +146,7 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
         logs.mkdir(exist_ok=True)
 
     if settings.engine == "vllm" and not settings.model_path:
-        from tierq.bundled_model import prepare_bundled_model
+        from workers.engine.bundled_model import prepare_bundled_model
 
         log.info("preparing the bundled model (once; cached in %s)", settings.model_cache_dir)
         prepare_bundled_model(settings)

@@ -24,7 +24,7 @@ QUESTION = "What is the capital of France? Answer briefly please now. "
 
 
 async def _measure(settings: Settings, interactive: int, prompt_repeat: int) -> dict[str, Any]:
-    from workers.vllm_engine import VllmEngine
+    from workers.engine.vllm_engine import VllmEngine
 
     engine = VllmEngine(settings)
     await engine.start()

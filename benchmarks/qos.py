@@ -10,7 +10,7 @@ scaled-down workload, in real time.
 Policies:
 - `tierq`: this project's policy (minimum shares, tenant fairness, urgency) and its
   scheduler inside vLLM (preemption for priority, the step budget that follows the work,
-  each step's token budget in priority order; workers/vllm_scheduler.py), with the
+  each step's token budget in priority order; workers/engine/vllm_scheduler.py), with the
   settings' defaults;
 - `fcfs`: one queue, first come first served, no reserve, no preemption, vLLM's stock
   scheduler;
@@ -55,9 +55,9 @@ from models.db import Database
 from tierq.queue import enqueue
 from tierq.settings import Settings
 from tierq.tiers import TIER_ORDER, Tier
-from workers.engine import Chunk, Engine, EngineWrapper
-from workers.simulated_engine import CostModel, SimulatedEngine
-from workers.vllm_scheduler import Tiering
+from workers.engine.base import Chunk, Engine, EngineWrapper
+from workers.engine.simulated_engine import CostModel, SimulatedEngine
+from workers.engine.vllm_scheduler import Tiering
 from workers.worker import Worker
 
 POLICIES = ("tierq", "fcfs", "engine-priority")
@@ -479,7 +479,7 @@ async def run_qos(
                 policy = "tierq" if name == "idle" else name
                 tiered = policy == "tierq" and base.engine_priority_steps
                 if engine_kind == "vllm" and shared_tiered != tiered:
-                    from workers.vllm_engine import VllmEngine
+                    from workers.engine.vllm_engine import VllmEngine
 
                     if shared is not None:
                         await shared.shutdown()

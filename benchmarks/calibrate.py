@@ -4,20 +4,20 @@ Decode step time is measured at several batch sizes as the difference between tw
 that differ only in generated tokens (so prefill and start-up cancel out), then fitted
 by least squares to `base + per_seq * batch`. Prefill cost per token is the difference
 between a long and a short prompt generating one token. The result is a small JSON file
-in the repository (`tierq/calibration.json`) that `CostModel.load()` reads.
+in the repository (`workers/engine/calibration.json`) that `CostModel.load()` reads.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from tierq.settings import Settings
+from workers.engine.simulated_engine import CALIBRATION_FILE
+from workers.engine.vllm_args import engine_kwargs, set_engine_environment
 
-CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 BATCH_SIZES = (1, 8, 16, 32, 64)
 SHORT, LONG = 4, 12  # generated tokens of the two runs per batch size
 
@@ -41,19 +41,15 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def calibrate(settings: Settings, out: Path = CALIBRATION_FILE) -> dict[str, Any]:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
+    set_engine_environment(settings)
     from vllm import LLM
 
-    from tierq.bundled_model import resolve_model_path
-
     llm = LLM(
-        model=resolve_model_path(settings),
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=max(BATCH_SIZES),
-        enforce_eager=settings.enforce_eager,
-        enable_prefix_caching=False,  # identical prompts must not skip their prefill
+        **engine_kwargs(
+            settings,
+            max_num_seqs=max(BATCH_SIZES),
+            enable_prefix_caching=False,  # identical prompts must not skip their prefill
+        )
     )
     prompt = "Tell me about the history of the printing press."
     _timed_generate(llm, [prompt], 2)  # warm-up

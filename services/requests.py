@@ -7,7 +7,7 @@ The models' JSON Schema (the OpenAPI document) states what is accepted: a limit 
 in a validator is declared beside it (`json_schema_extra`), with the validator keeping its
 own message. Limits the deployment sets (MAX_MODEL_LEN, MAX_PROMPT_CHARS) are documented at
 their defaults; a deployment that lowers them answers 400 past them. What no request may
-carry anywhere (tierq/hostile.py: NUL, lone surrogates, integers past 64 bits, nesting
+carry anywhere (services/hostile.py: NUL, lone surrogates, integers past 64 bits, nesting
 past 32) is one rule for every field and is not repeated in each schema.
 """
 

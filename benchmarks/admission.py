@@ -2,7 +2,7 @@
 
 The real API process (`tierq api`, `--api-workers` of them behind one port) against a
 scratch PostgreSQL database and a redis-server of the bench's own
-(tierq.bench_harness.ScratchPlatform). No dispatcher, worker or engine runs: admission is
+(benchmarks.harness.ScratchPlatform). No dispatcher, worker or engine runs: admission is
 the subject, and the jobs stay queued. Tenants are made through the admin API (no
 quotas: the fast path; `--quota` gives each a quota, which takes the exact path under
 the tenant's row lock).
@@ -37,8 +37,8 @@ from typing import Any
 
 import httpx
 
-from tierq.bench_harness import ScratchPlatform
-from tierq.embedded import Child
+from benchmarks.harness import ScratchPlatform
+from launch.supervisor import Child
 from tierq.settings import Settings
 
 log = logging.getLogger("tierq.bench")
@@ -236,7 +236,7 @@ async def run_admission(base: Settings, cfg: AdmissionConfig) -> dict[str, Any]:
             # The jobs stay queued (no dispatcher): no per-tenant bound on them here.
             "DEFAULT_MAX_QUEUED": "0",
         }
-        argv = [sys.executable, "-m", "tierq.cli", "api", "--workers", str(cfg.api_workers)]
+        argv = [sys.executable, "-m", "cli.main", "api", "--workers", str(cfg.api_workers)]
         api = Child("api", argv, p.logs / "api.log", p.state / "api.pid")
         sup = p.start([api], {"api": env})
         await _wait_api(p.url, p.logs)
@@ -279,6 +279,6 @@ async def _wait_api(url: str, logs: Path, timeout_s: float = 120.0) -> None:
 
 
 def _env(p: ScratchPlatform) -> dict[str, str]:
-    from tierq.bench_harness import base_env
+    from benchmarks.harness import base_env
 
     return base_env(p.settings, p.admin_key)

@@ -13,7 +13,7 @@ prompt) while the budget lasts; then to waiting requests, admitted by priority w
 slots and budget remain. `priority_steps=False` walks the running requests in the order
 they were admitted, with the full budget every step, and never preempts (vLLM's stock
 scheduler with the KV cache never short); True runs the very decisions of tierq's scheduler
-for vLLM (`workers.vllm_scheduler`), as `tiering` sets them: preemption for priority (the
+for vLLM (`workers.engine.vllm_scheduler`), as `tiering` sets them: preemption for priority (the
 victim goes back to waiting, keeps its output and recomputes its KV — prompt and generated
 tokens — when it resumes; at most `max_preemptions` times), the step budget that follows
 the work, priority order, and worse prefill chunks deferred or capped while a better
@@ -32,8 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from tierq.token_count import PromptCounter
-from workers.engine import Chunk, EngineDead, EngineRequestError
-from workers.vllm_scheduler import StepBudget, Tiering, pick_victims, prioritise
+from workers.engine.base import Chunk, EngineDead, EngineRequestError
+from workers.engine.vllm_scheduler import StepBudget, Tiering, pick_victims, prioritise
+
+# What `tierq calibrate` (benchmarks/calibrate.py) measured on the real engine here.
+CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,6 @@ class CostModel:
     @classmethod
     def load(cls, path: Path | None = None) -> CostModel:
         """The cost model `tierq calibrate` fitted to the real engine on this machine."""
-        from tierq.calibration import CALIBRATION_FILE
-
         raw = json.loads((path or CALIBRATION_FILE).read_text())
         return cls(
             prefill_s_per_token=raw["prefill_s_per_token"],
@@ -96,7 +97,7 @@ class _Request:
     next_decode_eligible_step: int = field(default=0, compare=False)
     num_preemptions: int = field(default=0, compare=False)
 
-    # The names tierq's scheduler reads on vLLM's requests (workers/vllm_scheduler.py).
+    # The names tierq's scheduler reads on vLLM's requests (workers/engine/vllm_scheduler.py).
     @property
     def arrival_time(self) -> float:
         return self.arrival

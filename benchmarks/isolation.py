@@ -1,7 +1,7 @@
 """`tierq bench isolation`: does a noisy tenant, acting within its allowance, hurt a quiet one?
 
 The very processes `tierq run` starts, against a scratch PostgreSQL database and a
-redis-server of the bench's own (tierq.bench_harness.ScratchPlatform), with two tenants
+redis-server of the bench's own (benchmarks.harness.ScratchPlatform), with two tenants
 made through the admin API:
 - the quiet tenant sends streamed interactive chat requests (`service_tier: "priority"`)
   at a steady rate for the whole run, and its time to first token (request start to the
@@ -63,10 +63,8 @@ import psutil
 import redis.asyncio as aioredis
 from sqlalchemy import func, select, text
 
-from models.db import Database
-from models.tables import Batch, Job, UsageRecord
-from tierq.bench_chaos import TOKEN
-from tierq.bench_harness import (
+from benchmarks.chaos import TOKEN
+from benchmarks.harness import (
     TERMINAL,
     ScratchPlatform,
     as_json,
@@ -75,7 +73,9 @@ from tierq.bench_harness import (
     platform_children,
     sse_events,
 )
-from tierq.bench_qos import _p95
+from benchmarks.qos import _p95
+from models.db import Database
+from models.tables import Batch, Job, UsageRecord
 from tierq.settings import Settings
 
 REDIS_PREFIX = "tierq-isolation"

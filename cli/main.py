@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from tierq.admin_cli import admin_app
+from cli.admin import admin_app
 from tierq.logs import setup as setup_logging
-from tierq.settings import Settings, get_settings
+from tierq.settings import get_settings
 
 if TYPE_CHECKING:
-    from tierq.batch_client import BatchClient
+    from client.batches import BatchClient
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
@@ -39,7 +39,7 @@ def run(
     verbose: bool = typer.Option(False, help="Show every process's log in this terminal."),
 ) -> None:
     """Run the whole platform on this machine (embedded SQLite and Redis unless URLs are set)."""
-    from tierq.embedded import run_platform
+    from launch.supervisor import run_platform
 
     setup_logging()
     raise typer.Exit(run_platform(get_settings(), verbose=verbose))
@@ -110,6 +110,7 @@ def worker(
     ),
 ) -> None:
     """Host an engine and run the jobs the dispatcher sends to this worker's inbox."""
+    from workers.engine.factory import make_engine
     from workers.worker import Worker, run_worker
 
     setup_logging()
@@ -134,7 +135,7 @@ def worker(
     async def main() -> None:
         await run_worker(settings, make_engine, install)
 
-    from workers.engine import EngineDead
+    from workers.engine.base import EngineDead
 
     try:
         asyncio.run(main())
@@ -142,32 +143,6 @@ def worker(
         # Every job went back to its tier; the supervisor (tierq run, compose) restarts us.
         log.error("exiting: %s", exc)
         raise SystemExit(EXIT_ENGINE_DEAD) from None
-
-
-def make_engine(settings: Settings):
-    engine: Any
-    if settings.engine == "simulated":
-        from tierq.token_count import for_settings
-        from workers.simulated_engine import CostModel, SimulatedEngine
-
-        engine = SimulatedEngine(
-            CostModel(slots=settings.max_num_seqs, max_model_len=settings.max_model_len),
-            priority_steps=settings.engine_priority_steps,
-            counter=for_settings(settings),
-        )
-    else:
-        from workers.vllm_engine import VllmEngine
-
-        engine = VllmEngine(settings)
-    if settings.engine_fault_rate > 0:
-        from workers.faulty_engine import FaultyEngine
-
-        kinds = tuple(k.strip() for k in settings.engine_fault_kinds.split(",") if k.strip())
-        log.warning(
-            "injecting engine faults into %.1f%% of requests", 100 * settings.engine_fault_rate
-        )
-        engine = FaultyEngine(engine, settings.engine_fault_rate, settings.engine_fault_seed, kinds)
-    return engine
 
 
 @app.command()
@@ -190,7 +165,7 @@ def migrate(
 @app.command("prepare-model")
 def prepare_model() -> None:
     """Convert the bundled model once (cached); prints its folder."""
-    from tierq.bundled_model import prepare_bundled_model
+    from workers.engine.bundled_model import prepare_bundled_model
 
     setup_logging()
     typer.echo(prepare_bundled_model(get_settings()))
@@ -202,7 +177,7 @@ def create_tenant(
     key_file: Path | None = typer.Option(None, help="Write the key here (mode 0600)."),
 ) -> None:
     """Create a tenant with one API key (printed once), or a new key for an existing one."""
-    from tierq.bootstrap import ensure_tenant_key
+    from services.bootstrap import ensure_tenant_key
 
     key = asyncio.run(ensure_tenant_key(get_settings(), name, key_file))
     typer.echo(json.dumps({"tenant": name, "key": key}))
@@ -210,8 +185,8 @@ def create_tenant(
 
 @app.command()
 def calibrate() -> None:
-    """Fit the simulated engine's cost model to the real engine here (tierq/calibration.json)."""
-    from tierq.calibration import calibrate as run_calibration
+    """Fit the simulated engine's cost model to the real engine here (its calibration.json)."""
+    from benchmarks.calibrate import calibrate as run_calibration
 
     setup_logging("WARNING")
     typer.echo(json.dumps(run_calibration(get_settings()), indent=2))
@@ -230,7 +205,7 @@ def bench_overhead(
     ),
 ) -> None:
     """Platform vs the raw engine (LLM.chat) on the same prompts; prints one JSON line last."""
-    from tierq.bench_overhead import run_overhead
+    from benchmarks.overhead import run_overhead
 
     setup_logging("WARNING")
     key = key_file.read_text().strip()
@@ -259,7 +234,7 @@ def bench_serve(
 ) -> None:
     """vLLM's serving benchmark client against `vllm serve` (the worker's engine settings),
     then against `tierq run`; prints one JSON line last."""
-    from tierq.bench_serve import ServeConfig, run_serve
+    from benchmarks.serve import ServeConfig, run_serve
 
     setup_logging("WARNING")
     if vllm_scheduler not in ("stock", "tierq"):
@@ -299,7 +274,7 @@ def bench_qos(
     duration: float | None = typer.Option(None, help="Simulated seconds of arrivals."),
 ) -> None:
     """tierq vs fcfs vs engine-priority on one seeded workload; prints one JSON line last."""
-    from tierq.bench_qos import run_qos
+    from benchmarks.qos import run_qos
 
     setup_logging("WARNING")
     result = asyncio.run(run_qos(get_settings(), engine, speedup, seed, duration))
@@ -313,7 +288,7 @@ def bench_steps(
     prompt_repeat: int = typer.Option(60, help="Batch prompt length, in ~10-token sentences."),
 ) -> None:
     """tierq's scheduler inside vLLM vs vLLM's stock one (real engine); one JSON line last."""
-    from tierq.bench_steps import run_steps
+    from benchmarks.steps import run_steps
 
     setup_logging("WARNING")
     result = asyncio.run(run_steps(get_settings(), slots, interactive, prompt_repeat))
@@ -334,7 +309,7 @@ def bench_chaos(
 ) -> None:
     """Kill components and Redis under load; lost, double-billed, double-streamed jobs and
     recovery time (simulated engine by default); prints one JSON line last."""
-    from tierq.bench_chaos import ChaosConfig, run_chaos
+    from benchmarks.chaos import ChaosConfig, run_chaos
 
     setup_logging("INFO")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -370,7 +345,7 @@ def bench_isolation(
     """A noisy tenant within its allowance against a quiet one: interactive TTFT alone and
     under the noise, Redis peaks, server errors, unbilled tokens (simulated engine by
     default); prints one JSON line last."""
-    from tierq.bench_isolation import IsolationConfig, run_isolation
+    from benchmarks.isolation import IsolationConfig, run_isolation
 
     setup_logging("INFO")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -398,7 +373,7 @@ def bench_admission(
 ) -> None:
     """Jobs admitted per second by the real API on PostgreSQL and Redis (no engine), and
     the OpenAI chat path's admission; prints one JSON line last."""
-    from tierq.bench_admission import AdmissionConfig, run_admission
+    from benchmarks.admission import AdmissionConfig, run_admission
 
     setup_logging("INFO")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -433,7 +408,7 @@ def batch_submit(
     key: str | None = KEY_OPTION,
 ) -> None:
     """Upload FILE and start a batch; prints the batch (JSON) when it starts or ends."""
-    from tierq.batch_client import BatchClient, resolve_key
+    from client.batches import BatchClient, resolve_key
 
     client = BatchClient(url, resolve_key(key))
     try:
@@ -499,7 +474,7 @@ def batch_download(
     key: str | None = KEY_OPTION,
 ) -> None:
     """Write a finished batch's output and error files."""
-    from tierq.batch_client import BatchClient, resolve_key
+    from client.batches import BatchClient, resolve_key
 
     client = BatchClient(url, resolve_key(key))
     try:
@@ -530,8 +505,8 @@ def bench_batch(
     rounds: int = typer.Option(2, help="Alternating rounds of each; medians are compared."),
 ) -> None:
     """Platform batches vs vLLM's run_batch on the same file; prints one JSON line last."""
-    from tierq.batch_client import resolve_key
-    from tierq.bench_batch import run_bench
+    from benchmarks.batch import run_bench
+    from client.batches import resolve_key
 
     setup_logging("WARNING")
     result = run_bench(get_settings(), url, resolve_key(key), n, max_tokens, rounds)

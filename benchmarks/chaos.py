@@ -2,7 +2,7 @@
 
 A seeded chaos run against real PostgreSQL (a scratch database, dropped at the end) and a
 redis-server of the bench's own (no persistence, so that restarting it loses everything):
-the very processes `tierq run` starts (tierq.embedded.components: API, dispatcher, worker,
+the very processes `tierq run` starts (launch.supervisor.components: API, dispatcher, worker,
 Celery processes), each in its own session and supervised by this bench (restarted when
 they exit), with extra workers beside the first. A steady mixed load of native jobs
 (three tiers, small `max_tokens`, an Idempotency-Key per job, retried with the same key
@@ -10,7 +10,7 @@ after a connection error or a 5xx) runs for `duration` seconds, while a seeded s
 (one fault every `fault_every` seconds, each kind once per round of six) SIGKILLs the API,
 the dispatcher, a worker or a Celery process, cuts every Redis client connection
 (`CLIENT KILL TYPE normal`), or restarts Redis empty; the workers' engines also
-fail a fraction of requests (workers/faulty_engine.py), including dying outright. A sample
+fail a fraction of requests (workers/engine/faulty_engine.py), including dying outright. A sample
 of jobs is followed over SSE as a browser would (reconnecting with Last-Event-ID).
 
 Measured, from the client's answers and then the database:
@@ -52,9 +52,7 @@ import httpx
 import redis.asyncio as aioredis
 from sqlalchemy import func, select
 
-from models.db import Database
-from models.tables import Job, JobTransition, UsageRecord
-from tierq.bench_harness import (
+from benchmarks.harness import (
     RETRY_S,
     TERMINAL,
     Fault,
@@ -69,8 +67,10 @@ from tierq.bench_harness import (
     sse_events,
     wait_terminal,
 )
-from tierq.bootstrap import ensure_tenant_key
-from tierq.embedded import Child
+from launch.supervisor import Child
+from models.db import Database
+from models.tables import Job, JobTransition, UsageRecord
+from services.bootstrap import ensure_tenant_key
 from tierq.settings import Settings
 
 REDIS_PREFIX = "tierq-chaos"

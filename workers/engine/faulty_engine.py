@@ -16,7 +16,7 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
-from workers.engine import Chunk, Engine, EngineDead, EngineRequestError, EngineWrapper
+from workers.engine.base import Chunk, Engine, EngineDead, EngineRequestError, EngineWrapper
 
 FAULT_KINDS = ("request", "validation", "random", "dead")
 
@@ -26,7 +26,7 @@ def _validation_error(message: str) -> BaseException:
     try:
         from vllm.exceptions import VLLMValidationError
 
-        from workers.vllm_engine import translate_error
+        from workers.engine.vllm_engine import translate_error
     except ImportError:
         return EngineRequestError("context_length_exceeded", message)
     return translate_error(VLLMValidationError(message))

@@ -12,7 +12,6 @@ the same on both sides.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import statistics
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 import httpx
 
 from tierq.settings import Settings
+from workers.engine.vllm_args import engine_kwargs, set_engine_environment
 
 PROMPT = "Write a short story about a robot who learns to paint."
 SENTENCE = "Add one more detail about the colours, the brushes and the light. "
@@ -100,22 +100,10 @@ class _RawEngine:
     """vLLM's offline `LLM` in this process, with the worker's engine settings."""
 
     def __init__(self, settings: Settings) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
+        set_engine_environment(settings)
         from vllm import LLM
 
-        from tierq.bundled_model import resolve_model_path
-
-        self.llm = LLM(
-            model=resolve_model_path(settings),
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            enforce_eager=settings.enforce_eager,
-        )
+        self.llm = LLM(**engine_kwargs(settings))
 
     def run(self, jobs: list[Job]) -> dict[str, Any]:
         from vllm import SamplingParams

@@ -7,21 +7,16 @@ build with a model of the operator's choosing; every knob comes from Settings.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tierq.bundled_model import resolve_model_path
-from tierq.engine_build import vllm_cpu_build
 from tierq.settings import Settings
-from workers.engine import Chunk, EngineDead, EngineRequestError
-from workers.vllm_scheduler import Tiering
+from workers.engine.base import Chunk, EngineDead, EngineRequestError
+from workers.engine.vllm_args import worker_engine_args
+from workers.engine.vllm_build import vllm_cpu_build
+from workers.engine.vllm_scheduler import Tiering
 
 log = logging.getLogger(__name__)
-
-# Resolved by name in vLLM's engine-core process (both also arm its parent-death signal).
-TIERED_SCHEDULER = "workers.vllm_scheduler.TieredScheduler"
-STOCK_SCHEDULER = "workers.vllm_scheduler.StockScheduler"
 
 
 def translate_error(exc: BaseException) -> BaseException:
@@ -49,33 +44,6 @@ def request_error_code(message: str) -> str:
     return "context_length_exceeded" if any(k in lowered for k in too_long) else "invalid_request"
 
 
-def engine_args(settings: Settings, tiering: Tiering, stock_scheduler: bool = False) -> Any:
-    """The AsyncEngineArgs of the worker's engine (and the environment vLLM reads), from
-    Settings. `tierq bench serve` starts `vllm serve` with these too (stock_scheduler:
-    vLLM's own scheduler, without tierq's policy)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    s = settings
-    tiered = s.engine_priority_steps and not stock_scheduler
-    return AsyncEngineArgs(
-        model=resolve_model_path(s),
-        served_model_name=[s.served_model_name],
-        dtype=s.dtype,
-        max_model_len=s.max_model_len,
-        max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens,
-        tensor_parallel_size=s.tensor_parallel_size,
-        gpu_memory_utilization=s.gpu_memory_utilization,
-        enforce_eager=s.enforce_eager,
-        scheduling_policy="priority",
-        scheduler_cls=TIERED_SCHEDULER if tiered else STOCK_SCHEDULER,
-        additional_config=tiering.to_config(),
-        disable_log_stats=True,
-    )
-
-
 class VllmEngine:
     name = "vllm"
 
@@ -89,7 +57,7 @@ class VllmEngine:
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._llm = AsyncLLM.from_engine_args(engine_args(self.settings, self.tiering))
+        self._llm = AsyncLLM.from_engine_args(worker_engine_args(self.settings, self.tiering))
         self._tokenizer = self._llm.get_tokenizer()
 
     def render(self, messages: list[dict[str, Any]] | None, prompt: str | None) -> str:

@@ -1,0 +1,93 @@
+"""The one builder of vLLM's engine arguments from Settings.
+
+The worker's engine (`vllm_engine.py`), `tierq calibrate` and every benchmark that runs
+vLLM beside the platform (`bench overhead`'s offline `LLM`, `bench batch`'s `run_batch`
+child, `bench serve`'s `vllm serve`) build their engine from `engine_kwargs`, so that a
+benchmark compares against an engine configured as the worker's is. The worker's own
+additions (priority scheduling, tierq's scheduler inside vLLM) are `worker_engine_args`,
+which `bench serve` gives `vllm serve` too; what a measurement needs (calibration's batch
+sizes, no prefix cache) is passed as overrides, in the open.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from tierq.settings import Settings
+from workers.engine.bundled_model import resolve_model_path
+
+if TYPE_CHECKING:
+    from workers.engine.vllm_scheduler import Tiering
+
+# Resolved by name in vLLM's engine-core process (both also arm its parent-death signal).
+TIERED_SCHEDULER = "workers.engine.vllm_scheduler.TieredScheduler"
+STOCK_SCHEDULER = "workers.engine.vllm_scheduler.StockScheduler"
+
+
+def engine_environment(settings: Settings) -> dict[str, str]:
+    """What vLLM reads from the environment: no hub, and the CPU build's KV cache size."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(settings.cpu_kvcache_space_gib),
+    }
+
+
+def set_engine_environment(settings: Settings) -> None:
+    """`engine_environment` in this process, where the operator has not set it already."""
+    for name, value in engine_environment(settings).items():
+        os.environ.setdefault(name, value)
+
+
+def engine_kwargs(settings: Settings, **overrides: Any) -> dict[str, Any]:
+    """vLLM's `EngineArgs` fields from Settings (for `AsyncEngineArgs(**...)` or `LLM(**...)`),
+    with `overrides` on top. Resolves the model folder (preparing the bundled one once)."""
+    kwargs: dict[str, Any] = {
+        "model": resolve_model_path(settings),
+        "served_model_name": [settings.served_model_name],
+        "dtype": settings.dtype,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "enforce_eager": settings.enforce_eager,
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def worker_engine_args(settings: Settings, tiering: Tiering, stock_scheduler: bool = False) -> Any:
+    """The AsyncEngineArgs of the worker's engine (and the environment vLLM reads): priority
+    scheduling, tierq's scheduler unless ENGINE_PRIORITY_STEPS is off or `stock_scheduler`
+    (`tierq bench serve`'s default: vLLM's own scheduler, without tierq's policy)."""
+    set_engine_environment(settings)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    tiered = settings.engine_priority_steps and not stock_scheduler
+    return AsyncEngineArgs(
+        **engine_kwargs(
+            settings,
+            scheduling_policy="priority",
+            scheduler_cls=TIERED_SCHEDULER if tiered else STOCK_SCHEDULER,
+            additional_config=tiering.to_config(),
+            disable_log_stats=True,
+        )
+    )
+
+
+def command_line(kwargs: dict[str, Any]) -> list[str]:
+    """`engine_kwargs` as vLLM's command-line flags (`vllm serve`, `run_batch`): a list is
+    one flag with several values; a true boolean is a bare flag, a false one is left out
+    (every boolean the builder sets is off by default in vLLM)."""
+    argv: list[str] = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif isinstance(value, list | tuple):
+            argv += [flag, *(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
