@@ -54,13 +54,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         )
         app.state.admission_gate = TenantGate(settings.admission_concurrency_per_tenant)
         app.state.redis = await connect(settings, role="api")
-        app.state.events = EventLog(
-            app.state.redis,
-            app.state.names,
-            settings.replay_ttl_s,
-            settings.replay_done_ttl_s,
-            settings.replay_max_bytes,
-        )
+        app.state.events = EventLog.for_settings(app.state.redis, app.state.names, settings)
         app.state.hub = EventHub(app.state.redis, app.state.names, app.state.db, settings)
         app.state.hub.access_listeners.append(app.state.key_cache.forget)
         await app.state.hub.start()

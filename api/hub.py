@@ -106,8 +106,10 @@ class Follower:
         self.push(reason)
 
     async def next(self, wait_s: float) -> Any:
-        """The next live message (raw), RESYNC, RECHECK, or None after `wait_s`."""
-        if self.closed is not None:
+        """The next live message (raw), RESYNC, RECHECK, or None after `wait_s`. What
+        arrived before a close is handed out first (a cancelled job's `done` precedes the
+        suspension that closes its stream)."""
+        if self.closed is not None and self.queue.empty():
             raise self.closed
         if self.lagged:
             self.lagged = False

@@ -255,10 +255,9 @@ async def batch_jobs(
 
 async def stop_unfinished(
     s: AsyncSession, batch_id: str, code: str, message: str
-) -> tuple[list[str], list[str]]:
-    """Cancel the batch's queued and running jobs; returns (was_queued, was_running) ids."""
-    stopped = await cancel_unfinished(s, Job.batch_id == batch_id, code, message)
-    return [j for j, started in stopped if not started], [j for j, started in stopped if started]
+) -> list[JobRecord]:
+    """Cancel the batch's queued and running jobs (cancelled, expired)."""
+    return await cancel_unfinished(s, Job.batch_id == batch_id, code, message)
 
 
 async def cancel_tenant_batches(s: AsyncSession, tenant_id: str) -> list[str]:

@@ -444,9 +444,9 @@ async def usage_for_job(s: AsyncSession, job_id: str) -> list[UsageRecord]:
 
 async def cancel_unfinished(
     s: AsyncSession, where: Any, code: str, message: str
-) -> list[tuple[str, bool]]:
+) -> list[JobRecord]:
     """Cancel every queued or running job matching `where`, each with its transition;
-    returns (job id, whether it had started) for each."""
+    returns the cancelled jobs (services/cancellation.py announces them)."""
     stmt = (
         update(Job)
         .where(where, Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)))
@@ -456,22 +456,21 @@ async def cancel_unfinished(
             error_code=code,
             error_message=message,
         )
-        .returning(Job.id, Job.started_at)
+        .returning(Job)
         .execution_options(synchronize_session=False)
     )
-    stopped = [(job_id, started is not None) for job_id, started in (await s.execute(stmt)).all()]
+    stopped = [JobRecord.from_row(row) for row in (await s.execute(stmt)).scalars()]
     now = utcnow()
-    for job_id, _ in stopped:
-        s.add(JobTransition(job_id=job_id, status=JobStatus.CANCELLED.value, at=now, detail=code))
+    for job in stopped:
+        s.add(JobTransition(job_id=job.id, status=JobStatus.CANCELLED.value, at=now, detail=code))
     return stopped
 
 
-async def cancel_tenant_jobs(s: AsyncSession, tenant_id: str, code: str, message: str) -> list[str]:
-    """Cancel every queued or running job of a tenant (suspension); returns their ids."""
-    return [
-        job_id
-        for job_id, _ in await cancel_unfinished(s, Job.tenant_id == tenant_id, code, message)
-    ]
+async def cancel_tenant_jobs(
+    s: AsyncSession, tenant_id: str, code: str, message: str
+) -> list[JobRecord]:
+    """Cancel every queued or running job of a tenant (suspension, deletion)."""
+    return await cancel_unfinished(s, Job.tenant_id == tenant_id, code, message)
 
 
 async def tenant_job_counts(s: AsyncSession, tenant_id: str) -> dict[tuple[str, str], int]:

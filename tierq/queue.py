@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from tierq.messages import Heartbeat, JobEvent, JobMessage
 from tierq.redis_conn import redis_now
 from tierq.redis_names import RedisNames
+from tierq.settings import Settings
 
 # Append an event to a job's replay buffer and publish it with its sequence number, in one
 # step, so that the buffer order and the ids seen live are the same. Fenced: an event of a
@@ -147,6 +148,13 @@ class EventLog:
         self._append = r.register_script(_APPEND_EVENT)
         self._claim = r.register_script(_CLAIM_DELIVERY)
         self._restore = r.register_script(_RESTORE_EVENTS)
+
+    @classmethod
+    def for_settings(cls, r: aioredis.Redis, names: RedisNames, settings: Settings) -> EventLog:
+        """The event log with the deployment's replay limits (REPLAY_*)."""
+        return cls(
+            r, names, settings.replay_ttl_s, settings.replay_done_ttl_s, settings.replay_max_bytes
+        )
 
     def _keys(self, job_id: str) -> list[str]:
         n = self.names

@@ -44,10 +44,10 @@ from models.batches import BatchLine
 from models.db import Database
 from models.records import BatchRecord, JobRecord
 from models.tenants import new_id
-from services import openai_compat
+from services import cancellation, openai_compat
 from services.requests import JobCreate, Refused, check
 from tierq import metrics, token_count
-from tierq.queue import enqueue, forget_inflight
+from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 from tierq.states import JobStatus
@@ -74,6 +74,7 @@ class BatchRunner:
         self.db = db
         self.r = r
         self.names = RedisNames(settings.redis_prefix)
+        self.events = EventLog.for_settings(r, self.names, settings)
 
     async def tick(self) -> None:
         """Advance every active batch (beat runs this periodically)."""
@@ -316,14 +317,8 @@ class BatchRunner:
         """Stop what is unfinished, then write what finished and close the batch."""
         reason = "the batch was cancelled" if code == "batch_cancelled" else "the batch expired"
         async with self.db.transaction() as s:
-            queued, running = await batch_repo.stop_unfinished(s, batch.id, code, reason)
-        stopped = queued + running
-        if stopped:
-            await forget_inflight(self.r, self.names, stopped)
-            async with self.r.pipeline(transaction=False) as pipe:
-                for job_id in running:
-                    pipe.publish(self.names.cancel_channel, job_id)
-                await pipe.execute()
+            stopped = await batch_repo.stop_unfinished(s, batch.id, code, reason)
+        await cancellation.announce(self.r, self.names, self.events, stopped)
         return await self._finalize(batch, final)
 
     # --- finalising --------------------------------------------------------------------

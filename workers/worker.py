@@ -122,13 +122,7 @@ class Worker:
         self.worker_id = worker_id or settings.resolved_worker_id
         self.names = RedisNames(settings.redis_prefix)
         self.inbox = self.names.inbox(self.worker_id)
-        self.events = EventLog(
-            r,
-            self.names,
-            settings.replay_ttl_s,
-            settings.replay_done_ttl_s,
-            settings.replay_max_bytes,
-        )
+        self.events = EventLog.for_settings(r, self.names, settings)
         self.publisher = EventPublisher(
             self.events, self._superseded_elsewhere, settings.outage_retry_max_s
         )

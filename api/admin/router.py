@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from api.admin import metrics as admin_metrics
 from api.admin.schemas import PriceSet, QuotaSet, TenantCreate, TenantUpdate
 from api.auth import forget_in_process
-from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, require_admin
+from api.deps import DbDep, EventsDep, NamesDep, RedisDep, SettingsDep, require_admin
 from api.errors import APIError, documented, not_found
 from api.pages import list_page
 from api.usage import GroupBy, Since, Until, usage_report
@@ -30,8 +30,8 @@ from models import quotas as quota_repo
 from models import tenants as tenant_repo
 from models.db import Database
 from models.records import TenantRecord
-from services import batch_signal, tenant_policy
-from tierq.queue import forget_inflight
+from services import batch_signal, cancellation, tenant_policy
+from tierq.queue import EventLog
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
@@ -98,6 +98,7 @@ async def update_tenant(
     db: DbDep,
     r: RedisDep,
     names: NamesDep,
+    events: EventsDep,
     settings: SettingsDep,
 ) -> dict[str, Any]:
     current = await _tenant(db, tenant_id)
@@ -124,7 +125,7 @@ async def update_tenant(
     if updated is None:
         raise not_found("tenant", tenant_id)
     if status == "suspended" and updated.status != "suspended":
-        return await suspend_tenant(tenant_id, db, r, names, settings)
+        return await suspend_tenant(tenant_id, db, r, names, events, settings)
     if status == "active" and updated.status != "active":
         return await resume_tenant(tenant_id, db, r, names)
     await _policy_changed(db, r, names, tenant_id)
@@ -145,33 +146,39 @@ async def _announce(r: Any, names: RedisNames, what: str) -> None:
 
 
 async def _stop_work(
-    db: Database, r: Any, names: RedisNames, settings: Settings, tenant_id: str, why: str
+    db: Database,
+    r: Any,
+    names: RedisNames,
+    events: EventLog,
+    settings: Settings,
+    tenant_id: str,
+    why: str,
 ) -> None:
     """Cancel the tenant's queued and running jobs (running ones are aborted in their
-    engines) and its active batches."""
+    engines, every follower gets the final event) and its active batches."""
     async with db.transaction() as s:
         stopped = await job_repo.cancel_tenant_jobs(s, tenant_id, "tenant_suspended", why)
         batches = await batch_repo.cancel_tenant_batches(s, tenant_id)
-    if stopped:
-        await forget_inflight(r, names, stopped)
-        async with r.pipeline(transaction=False) as pipe:
-            for job_id in stopped:
-                pipe.publish(names.cancel_channel, job_id)
-            await pipe.execute()
+    await cancellation.announce(r, names, events, stopped)
     for batch_id in batches:
         await batch_signal.poke(settings, r, names, batch_id)
 
 
 @router.post("/tenants/{tenant_id}/suspend", responses=documented(404))
 async def suspend_tenant(
-    tenant_id: str, db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep
+    tenant_id: str,
+    db: DbDep,
+    r: RedisDep,
+    names: NamesDep,
+    events: EventsDep,
+    settings: SettingsDep,
 ) -> dict[str, Any]:
     """Its keys stop working at once; its queued and running jobs and batches are cancelled."""
     await _tenant(db, tenant_id)
     async with db.transaction() as s:
         tenant = await tenant_repo.update_tenant(s, tenant_id, status=tenant_repo.SUSPENDED)
     assert tenant is not None
-    await _stop_work(db, r, names, settings, tenant_id, "the tenant was suspended")
+    await _stop_work(db, r, names, events, settings, tenant_id, "the tenant was suspended")
     await _policy_changed(db, r, names, tenant_id)
     await _announce(r, names, f"tenant:{tenant_id}")  # its open streams close
     return tenant.to_api()
@@ -189,7 +196,12 @@ async def resume_tenant(tenant_id: str, db: DbDep, r: RedisDep, names: NamesDep)
 
 @router.delete("/tenants/{tenant_id}", responses=documented(404))
 async def delete_tenant(
-    tenant_id: str, db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep
+    tenant_id: str,
+    db: DbDep,
+    r: RedisDep,
+    names: NamesDep,
+    events: EventsDep,
+    settings: SettingsDep,
 ) -> dict[str, Any]:
     """Keys revoked, work cancelled, the tenant gone from every listing; its ledger and
     invoices stay (billing history is not deleted)."""
@@ -197,7 +209,7 @@ async def delete_tenant(
     async with db.transaction() as s:
         await tenant_repo.update_tenant(s, tenant_id, status=tenant_repo.DELETED)
         await tenant_repo.revoke_all_keys(s, tenant_id)
-    await _stop_work(db, r, names, settings, tenant_id, "the tenant was deleted")
+    await _stop_work(db, r, names, events, settings, tenant_id, "the tenant was deleted")
     await _policy_changed(db, r, names, tenant_id)
     await _announce(r, names, f"tenant:{tenant_id}")  # its open streams close
     return {"id": tenant_id, "object": "tenant", "deleted": True}

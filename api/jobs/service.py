@@ -27,10 +27,10 @@ from models.db import Database, RawPool
 from models.records import JobRecord, TenantRecord
 from models.tables import utcnow
 from models.tenants import new_id
+from services import cancellation
 from services.requests import JobCreate, Refused, check
 from tierq import metrics, token_count
-from tierq.messages import JobEvent
-from tierq.queue import EventLog, enqueue, forget_inflight
+from tierq.queue import EventLog, enqueue
 from tierq.redis_conn import with_retries
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -406,8 +406,5 @@ async def cancel(
                 f"The job is already {current.status.value} and cannot be cancelled.",
                 "job_not_cancellable",
             )
-    # Committed: tell a worker running it to abort, and close the job's event stream.
-    await r.publish(names.cancel_channel, job_id)
-    await events.append(job_id, JobEvent("done", cancelled.to_api()))
-    await forget_inflight(r, names, [job_id])
+    await cancellation.announce(r, names, events, [cancelled])
     return cancelled

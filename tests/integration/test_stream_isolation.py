@@ -410,3 +410,21 @@ async def test_a_revocation_whose_message_was_lost_holds_within_the_cache_ttl(
         assert_openai_error(await c.post("/v1/jobs", json=CHAT), 401, "invalid_api_key")
         await asyncio.sleep(1.1)
         assert_openai_error(await c.get("/v1/jobs"), 401, "invalid_api_key")
+
+
+async def test_a_follower_of_a_job_cancelled_by_a_suspension_gets_its_final_event_at_once(
+    platform: Platform,
+) -> None:
+    """The cancel path ends every cancelled job's event stream (services/cancellation.py):
+    a follower hears `done` with the job cancelled within 1 s of the suspension's answer,
+    before the suspension closes its stream, not at the hub's periodic recheck."""
+    tenant_id, key = await new_tenant(platform)
+    async with client(platform.url, key) as c:
+        job_id = await queued_job(c)
+        async with streams(c, f"/v1/jobs/{job_id}/events", 1) as (follower,):
+            async with admin(platform) as a:
+                assert (await a.post(f"/admin/tenants/{tenant_id}/suspend")).status_code == 200
+            await asyncio.wait_for(follower.task, 1)
+    assert follower.events[-1]["event"] == "done", follower.events
+    assert follower.events[-1]["data"]["status"] == "cancelled"
+    assert follower.events[-1]["data"]["error"]["code"] == "tenant_suspended"
