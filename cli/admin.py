@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from tierq.settings import get_settings
 
 admin_app = typer.Typer(no_args_is_help=True, help="Tenants, keys, quotas and usage.")
 tenant_app = typer.Typer(no_args_is_help=True, help="Create, list and suspend tenants.")
@@ -20,17 +20,17 @@ admin_app.add_typer(tenant_app, name="tenant")
 admin_app.add_typer(key_app, name="key")
 admin_app.add_typer(quota_app, name="quota")
 
-ADMIN_KEY_FILE = Path(".tierq/admin-api-key")
 URL = typer.Option("http://127.0.0.1:8000", envvar="TIERQ_URL", help="The platform.")
 ADMIN_KEY = typer.Option(
-    None, help="Admin key (default: $ADMIN_API_KEY, else .tierq/admin-api-key)."
+    None, help="Admin key (default: ADMIN_API_KEY, else STATE_DIR/admin-api-key)."
 )
 
 
 def _key(given: str | None) -> str:
-    key = given or os.environ.get("ADMIN_API_KEY")
-    if not key and ADMIN_KEY_FILE.exists():
-        key = ADMIN_KEY_FILE.read_text().strip()
+    settings = get_settings()
+    key = given or settings.admin_api_key
+    if not key and settings.admin_key_file.exists():
+        key = settings.admin_key_file.read_text().strip()
     if not key:
         raise typer.BadParameter("no admin key: pass --admin-key or set ADMIN_API_KEY")
     return key

@@ -31,7 +31,9 @@ log = logging.getLogger("tierq")
 
 EXIT_ENGINE_DEAD = 3  # `tierq worker`'s exit status when its engine died
 
-KEY_OPTION = typer.Option(None, help="API key (default: $TIERQ_API_KEY, else .tierq/dev-api-key).")
+KEY_OPTION = typer.Option(
+    None, help="API key (default: TIERQ_API_KEY, else STATE_DIR/dev-api-key)."
+)
 
 
 @app.command()
@@ -197,7 +199,9 @@ def bench_overhead(
     url: str = typer.Option("http://127.0.0.1:8000", help="The running platform."),
     n: int = typer.Option(64, help="Number of identical chat jobs."),
     max_tokens: int = typer.Option(64),
-    key_file: Path = typer.Option(Path(".tierq/dev-api-key"), help="The tenant's API key."),
+    key_file: Path | None = typer.Option(
+        None, help="The tenant's API key (default: STATE_DIR/dev-api-key)."
+    ),
     tier: str = typer.Option("standard"),
     rounds: int = typer.Option(3, help="Alternating rounds of each; medians are compared."),
     mixed: bool = typer.Option(
@@ -208,8 +212,9 @@ def bench_overhead(
     from benchmarks.overhead import run_overhead
 
     setup_logging("WARNING")
-    key = key_file.read_text().strip()
-    result = run_overhead(get_settings(), url, key, n, max_tokens, tier, rounds, mixed)
+    settings = get_settings()
+    key = (key_file or settings.dev_key_file).read_text().strip()
+    result = run_overhead(settings, url, key, n, max_tokens, tier, rounds, mixed)
     typer.echo(json.dumps(result))
 
 
@@ -410,7 +415,7 @@ def batch_submit(
     """Upload FILE and start a batch; prints the batch (JSON) when it starts or ends."""
     from client.batches import BatchClient, resolve_key
 
-    client = BatchClient(url, resolve_key(key))
+    client = BatchClient(url, resolve_key(key, get_settings()))
     try:
         uploaded = client.upload(file)
         batch = client.create(uploaded["id"], endpoint)
@@ -476,7 +481,7 @@ def batch_download(
     """Write a finished batch's output and error files."""
     from client.batches import BatchClient, resolve_key
 
-    client = BatchClient(url, resolve_key(key))
+    client = BatchClient(url, resolve_key(key, get_settings()))
     try:
         batch = client.get(batch_id)
         if batch["status"] not in ("completed", "expired", "cancelled", "failed"):
@@ -509,7 +514,7 @@ def bench_batch(
     from client.batches import resolve_key
 
     setup_logging("WARNING")
-    result = run_bench(get_settings(), url, resolve_key(key), n, max_tokens, rounds)
+    result = run_bench(get_settings(), url, resolve_key(key, get_settings()), n, max_tokens, rounds)
     typer.echo(json.dumps(result))
 
 

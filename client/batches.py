@@ -3,7 +3,6 @@ and `tierq bench batch` use it. Plain httpx; uploads and downloads are streamed.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,19 +10,20 @@ from typing import Any
 
 import httpx
 
+from tierq.settings import Settings
+
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 DEFAULT_URL = "http://127.0.0.1:8000"
-DEV_KEY_FILE = Path(".tierq/dev-api-key")
 
 
-def resolve_key(key: str | None) -> str:
-    """--key, else $TIERQ_API_KEY, else the embedded default's dev key file."""
+def resolve_key(key: str | None, settings: Settings) -> str:
+    """--key, else TIERQ_API_KEY, else the embedded default's dev key file."""
     if key:
         return key
-    if os.environ.get("TIERQ_API_KEY"):
-        return os.environ["TIERQ_API_KEY"]
-    if DEV_KEY_FILE.exists():
-        return DEV_KEY_FILE.read_text().strip()
+    if settings.tierq_api_key:
+        return settings.tierq_api_key
+    if settings.dev_key_file.exists():
+        return settings.dev_key_file.read_text().strip()
     raise SystemExit("no API key: pass --key, set TIERQ_API_KEY, or run `make run` here first")
 
 

@@ -157,7 +157,7 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
         env["EMBEDDED_DEFAULT"] = "1"
         if not settings.admin_api_key:
             # The admin API's key, made once and kept beside the dev tenant's (mode 0600).
-            admin_file = state / "admin-api-key"
+            admin_file = settings.admin_key_file
             admin_key = admin_file.read_text().strip() if admin_file.exists() else ""
             if not admin_key:
                 admin_key = secrets.token_urlsafe(32)
@@ -178,7 +178,7 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
     import migrations
 
     migrations.upgrade(child_settings.resolved_database_url)
-    key_file = state / "dev-api-key"
+    key_file = settings.dev_key_file
     key = asyncio.run(ensure_tenant_key(child_settings, "dev", key_file))
 
     children = components(settings, logs)

@@ -73,10 +73,15 @@ class Settings(BaseSettings):
     tenant_metrics_max: int = Field(default=100, ge=0)
 
     # --- admin and billing ------------------------------------------------------------
-    # The admin API's bearer key. Unset: `tierq run` makes one (.tierq/admin-api-key);
+    # The admin API's bearer key. Unset: `tierq run` makes one (STATE_DIR/admin-api-key);
     # elsewhere the admin API is closed. A placeholder value is refused outside the
     # embedded default.
     admin_api_key: str | None = None
+    # The command line's clients (`tierq batch`, `tierq bench batch`): a tenant's API key.
+    # Unset: the embedded default's dev tenant's (STATE_DIR/dev-api-key).
+    tierq_api_key: str | None = None
+    # Every process's log level (tierq/logs.py); commands that print figures use WARNING.
+    log_level: str = "INFO"
     # Set by `tierq run` for the processes it starts on the embedded default (they get
     # the URLs of its SQLite file and embedded Redis, and are still the embedded default).
     embedded_default: bool = False
@@ -261,6 +266,16 @@ class Settings(BaseSettings):
     @property
     def resolved_files_dir(self) -> Path:
         return (self.files_dir or self.state_dir / "files").resolve()
+
+    @property
+    def dev_key_file(self) -> Path:
+        """The embedded default's dev tenant's API key, written by `tierq run` (0600)."""
+        return self.state_dir / "dev-api-key"
+
+    @property
+    def admin_key_file(self) -> Path:
+        """The admin key `tierq run` makes when ADMIN_API_KEY is unset (0600)."""
+        return self.state_dir / "admin-api-key"
 
     @property
     def bundled_model_dir(self) -> Path:

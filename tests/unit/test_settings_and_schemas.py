@@ -77,7 +77,7 @@ def test_blank_is_the_documents_whitespace_not_pythons() -> None:
     """NOT_BLANK is read by JSON Schema's (ECMA-262) regular expressions, whose `\\s` is not
     Python's: a prompt of U+001E conforms to the document, so it must be accepted; one of
     U+FEFF does not, so it must be refused."""
-    from tierq.requests import blank
+    from services.requests import blank
 
     for text in ("\x1c", "\x1d", "\x1e", "\x1f", "\x85", "a"):
         assert not blank(text)
@@ -88,3 +88,16 @@ def test_blank_is_the_documents_whitespace_not_pythons() -> None:
             JobCreate(prompt=text)
         with pytest.raises(ValidationError):
             JobCreate(messages=[{"role": "user", "content": text}])
+
+
+def test_every_setting_is_in_the_readme() -> None:
+    """One spelling for each setting: every Settings field has its row in the README's
+    configuration table (the variable is the field's name in capitals)."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("## Configuration")
+    table = readme[start : readme.index("\n## ", start + 1)]
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", table))
+    missing = [f.upper() for f in Settings.model_fields if f.upper() not in documented]
+    assert not missing, missing
