@@ -20,7 +20,7 @@ from models.pages import after_anchor
 from models.quotas import reservation_cost
 from models.records import BatchRecord, JobRecord
 from models.tables import Batch, Job, JobTransition, utcnow
-from models.tenants import new_id
+from tierq.ids import new_id
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from models.records import as_utc, unix
 from models.tables import Invoice, UsageRecord, utcnow
-from models.tenants import new_id
+from tierq.ids import new_id
 
 GROUPS = ("day", "tier", "model")
 

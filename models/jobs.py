@@ -21,7 +21,7 @@ from models import spend
 from models.pages import after_anchor
 from models.records import JobHead, JobRecord
 from models.tables import Job, JobTransition, UsageRecord, utcnow
-from models.tenants import new_id
+from tierq.ids import new_id
 from tierq.states import JobStatus, sources_for
 from tierq.tiers import Tier
 

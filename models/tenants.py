@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from models.records import TenantRecord, as_utc, unix
 from models.tables import ApiKey, Tenant, utcnow
+from tierq.ids import new_id
 from tierq.tiers import TIER_ORDER, Tier
 
 KEY_PREFIX = "tq-"
@@ -20,10 +21,6 @@ ACTIVE = "active"
 SUSPENDED = "suspended"
 DELETED = "deleted"
 LAST_USED_RESOLUTION = timedelta(seconds=60)  # last_used_at is written at most this often
-
-
-def new_id(kind: str) -> str:
-    return f"{kind}_{secrets.token_hex(12)}"
 
 
 def hash_key(secret: str) -> str:

@@ -43,10 +43,10 @@ from models import tenants as tenant_repo
 from models.batches import BatchLine
 from models.db import Database
 from models.records import BatchRecord, JobRecord
-from models.tenants import new_id
 from services import cancellation, openai_compat
 from services.requests import JobCreate, Refused, check
 from tierq import metrics, token_count
+from tierq.ids import new_id
 from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings

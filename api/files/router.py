@@ -17,9 +17,10 @@ from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
 from models.db import Database
-from models.tenants import lock_tenant, new_id
+from models.tenants import lock_tenant
 from services.hostile import unstorable
 from tierq import metrics
+from tierq.ids import new_id
 from tierq.settings import Settings
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=documented(400, 401, 503))

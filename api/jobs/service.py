@@ -26,10 +26,10 @@ from models import tenants as tenant_repo
 from models.db import Database, RawPool
 from models.records import JobRecord, TenantRecord
 from models.tables import utcnow
-from models.tenants import new_id
 from services import cancellation
 from services.requests import JobCreate, Refused, check
 from tierq import metrics, token_count
+from tierq.ids import new_id
 from tierq.queue import EventLog, enqueue
 from tierq.redis_conn import with_retries
 from tierq.redis_names import RedisNames
