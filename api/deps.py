@@ -26,6 +26,7 @@ from models.tables import utcnow
 from tierq.queue import EventLog
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
+from tierq.states import TenantStatus
 
 
 async def get_settings(request: Request) -> Settings:
@@ -129,7 +130,7 @@ def refuse_unless_active(status: str | None) -> None:
     (and the request's key's) as of now, not as of authentication a moment before."""
     if status == tenants.REVOKED:
         raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
-    if status != tenants.ACTIVE:
+    if status != TenantStatus.ACTIVE:
         raise APIError(403, "The tenant is suspended.", "tenant_suspended")
 
 

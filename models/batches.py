@@ -21,20 +21,17 @@ from models.quotas import reservation_cost
 from models.records import BatchRecord, JobRecord
 from models.tables import Batch, Job, JobTransition, utcnow
 from tierq.ids import new_id
-from tierq.states import JobStatus
+from tierq.states import BatchStatus, JobStatus
 from tierq.tiers import Tier
 
-# OpenAI's batch statuses.
-VALIDATING = "validating"
-FAILED = "failed"
-IN_PROGRESS = "in_progress"
-FINALIZING = "finalizing"
-COMPLETED = "completed"
-EXPIRED = "expired"
-CANCELLING = "cancelling"
-CANCELLED = "cancelled"
-ACTIVE = (VALIDATING, IN_PROGRESS, FINALIZING, CANCELLING)
-TERMINAL = (FAILED, COMPLETED, EXPIRED, CANCELLED)
+# A batch not finished yet, and a finished one.
+ACTIVE = (
+    BatchStatus.VALIDATING,
+    BatchStatus.IN_PROGRESS,
+    BatchStatus.FINALIZING,
+    BatchStatus.CANCELLING,
+)
+TERMINAL = (BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED)
 
 
 async def create_batch(
@@ -52,7 +49,7 @@ async def create_batch(
         endpoint=endpoint,
         input_file_id=input_file_id,
         completion_window=completion_window,
-        status=VALIDATING,
+        status=BatchStatus.VALIDATING,
         metadata_=metadata,
         created_at=utcnow(),
         expires_at=expires_at,
@@ -105,7 +102,11 @@ async def active_batch_reading(s: AsyncSession, file_id: str) -> str | None:
 
 
 async def transition(
-    s: AsyncSession, batch_id: str, dst: str, sources: Sequence[str], **values: Any
+    s: AsyncSession,
+    batch_id: str,
+    dst: BatchStatus,
+    sources: Sequence[BatchStatus],
+    **values: Any,
 ) -> BatchRecord | None:
     """Move a batch to `dst` if it is in one of `sources`; None when it was not."""
     stmt = (
@@ -131,7 +132,7 @@ async def mark_expired(s: AsyncSession, batch_id: str) -> bool:
         update(Batch)
         .where(
             Batch.id == batch_id,
-            Batch.status.in_((VALIDATING, IN_PROGRESS)),
+            Batch.status.in_((BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)),
             Batch.expired_at.is_(None),
         )
         .values(expired_at=utcnow())
@@ -195,7 +196,7 @@ async def expand(
         update(Batch)
         .where(
             Batch.id == batch.id,
-            Batch.status == IN_PROGRESS,
+            Batch.status == BatchStatus.IN_PROGRESS,
             Batch.next_line == batch.next_line,
         )
         .values(
@@ -264,8 +265,11 @@ async def cancel_tenant_batches(s: AsyncSession, tenant_id: str) -> list[str]:
     """Move every validating or running batch of a tenant to cancelling (suspension)."""
     stmt = (
         update(Batch)
-        .where(Batch.tenant_id == tenant_id, Batch.status.in_((VALIDATING, IN_PROGRESS)))
-        .values(status=CANCELLING, cancelling_at=utcnow())
+        .where(
+            Batch.tenant_id == tenant_id,
+            Batch.status.in_((BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)),
+        )
+        .values(status=BatchStatus.CANCELLING, cancelling_at=utcnow())
         .returning(Batch.id)
         .execution_options(synchronize_session=False)
     )

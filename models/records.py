@@ -9,7 +9,7 @@ from typing import Any
 
 from models.tables import Batch, File, Job, Tenant
 from tierq.messages import JobMessage, estimate_tokens
-from tierq.states import JobStatus
+from tierq.states import BatchStatus, JobStatus, TenantStatus
 from tierq.tiers import Tier
 
 
@@ -29,7 +29,7 @@ def unix(value: datetime | None) -> int | None:
 class TenantRecord:
     id: str
     name: str
-    status: str
+    status: TenantStatus
     created_at: datetime
     allowed_tiers: tuple[Tier, ...] = (Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH)
     default_tier: Tier = Tier.STANDARD
@@ -40,7 +40,7 @@ class TenantRecord:
         return cls(
             row.id,
             row.name,
-            row.status,
+            TenantStatus(row.status),
             as_utc(row.created_at) or row.created_at,
             allowed_tiers=tuple(Tier(t) for t in row.allowed_tiers or ()),
             default_tier=Tier(row.default_tier),
@@ -53,7 +53,7 @@ class TenantRecord:
             "id": self.id,
             "object": "tenant",
             "name": self.name,
-            "status": self.status,
+            "status": self.status.value,
             "allowed_tiers": [t.value for t in self.allowed_tiers],
             "default_tier": self.default_tier.value,
             "weight": self.weight,
@@ -220,7 +220,7 @@ class BatchRecord:
     endpoint: str
     input_file_id: str
     completion_window: str
-    status: str
+    status: BatchStatus
     metadata: dict[str, Any] | None
     errors: list[dict[str, Any]] | None
     output_file_id: str | None
@@ -250,7 +250,7 @@ class BatchRecord:
             endpoint=row.endpoint,
             input_file_id=row.input_file_id,
             completion_window=row.completion_window,
-            status=row.status,
+            status=BatchStatus(row.status),
             metadata=row.metadata_,
             errors=row.errors,
             output_file_id=row.output_file_id,
@@ -290,7 +290,7 @@ class BatchRecord:
             "errors": None if not self.errors else {"object": "list", "data": self.errors},
             "input_file_id": self.input_file_id,
             "completion_window": self.completion_window,
-            "status": self.status,
+            "status": self.status.value,
             "output_file_id": self.output_file_id,
             "error_file_id": self.error_file_id,
             "created_at": unix(self.created_at),
@@ -300,7 +300,7 @@ class BatchRecord:
             "completed_at": unix(self.completed_at),
             "failed_at": unix(self.failed_at),
             # While it runs, a set expired_at only marks the window as passed (still winding up).
-            "expired_at": unix(self.expired_at) if self.status == "expired" else None,
+            "expired_at": unix(self.expired_at) if self.status == BatchStatus.EXPIRED else None,
             "cancelling_at": unix(self.cancelling_at),
             "cancelled_at": unix(self.cancelled_at),
             "request_counts": {

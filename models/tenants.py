@@ -14,12 +14,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from models.records import TenantRecord, as_utc, unix
 from models.tables import ApiKey, Tenant, utcnow
 from tierq.ids import new_id
+from tierq.states import TenantStatus
 from tierq.tiers import TIER_ORDER, Tier
 
 KEY_PREFIX = "tq-"
-ACTIVE = "active"
-SUSPENDED = "suspended"
-DELETED = "deleted"
 LAST_USED_RESOLUTION = timedelta(seconds=60)  # last_used_at is written at most this often
 
 
@@ -75,7 +73,7 @@ async def create_tenant(
     row = Tenant(
         id=new_id("ten"),
         name=name,
-        status=ACTIVE,
+        status=TenantStatus.ACTIVE,
         allowed_tiers=[t.value for t in (allowed_tiers or list(TIER_ORDER))],
         default_tier=default_tier.value,
         weight=weight,
@@ -89,18 +87,18 @@ async def create_tenant(
 async def get_tenant(s: AsyncSession, tenant_id: str) -> TenantRecord | None:
     """A tenant that exists (deleted ones are gone for every caller)."""
     row = await s.get(Tenant, tenant_id)
-    return None if row is None or row.status == DELETED else TenantRecord.from_row(row)
+    return None if row is None or row.status == TenantStatus.DELETED else TenantRecord.from_row(row)
 
 
 async def get_tenant_by_name(s: AsyncSession, name: str) -> TenantRecord | None:
     row = (await s.execute(select(Tenant).where(Tenant.name == name))).scalar_one_or_none()
-    return None if row is None or row.status == DELETED else TenantRecord.from_row(row)
+    return None if row is None or row.status == TenantStatus.DELETED else TenantRecord.from_row(row)
 
 
 async def list_tenants(
     s: AsyncSession, after: str | None = None, limit: int = 100
 ) -> tuple[list[TenantRecord], bool]:
-    stmt = select(Tenant).where(Tenant.status != DELETED)
+    stmt = select(Tenant).where(Tenant.status != TenantStatus.DELETED)
     if after is not None:
         stmt = stmt.where(Tenant.id > after)
     rows = list((await s.execute(stmt.order_by(Tenant.id).limit(limit + 1))).scalars())
@@ -110,7 +108,7 @@ async def list_tenants(
 async def update_tenant(s: AsyncSession, tenant_id: str, **values: Any) -> TenantRecord | None:
     """Set name, allowed_tiers, default_tier, weight or status (already validated)."""
     row = await s.get(Tenant, tenant_id, with_for_update=True)
-    if row is None or row.status == DELETED:
+    if row is None or row.status == TenantStatus.DELETED:
         return None
     for name, value in values.items():
         setattr(row, name, value)
@@ -208,7 +206,7 @@ async def owner_of_key(s: AsyncSession, secret: str) -> KeyOwner | None:
         .where(
             ApiKey.key_hash == hash_key(secret),
             ApiKey.revoked_at.is_(None),
-            Tenant.status == ACTIVE,
+            Tenant.status == TenantStatus.ACTIVE,
         )
     )
     found = (await s.execute(stmt)).one_or_none()
@@ -223,7 +221,11 @@ async def unusable_keys(s: AsyncSession, key_ids: list[str]) -> set[str]:
     stmt = (
         select(ApiKey.id)
         .join(Tenant, ApiKey.tenant_id == Tenant.id)
-        .where(ApiKey.id.in_(key_ids), ApiKey.revoked_at.is_(None), Tenant.status == ACTIVE)
+        .where(
+            ApiKey.id.in_(key_ids),
+            ApiKey.revoked_at.is_(None),
+            Tenant.status == TenantStatus.ACTIVE,
+        )
     )
     usable = set((await s.execute(stmt)).scalars())
     return set(key_ids) - usable
@@ -255,5 +257,5 @@ async def set_tiers(
 
 
 async def all_weights(s: AsyncSession) -> dict[str, float]:
-    stmt = select(Tenant.id, Tenant.weight).where(Tenant.status == ACTIVE)
+    stmt = select(Tenant.id, Tenant.weight).where(Tenant.status == TenantStatus.ACTIVE)
     return {tid: float(w) for tid, w in (await s.execute(stmt)).all()}

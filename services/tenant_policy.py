@@ -12,6 +12,7 @@ from models import quotas as quota_repo
 from models import tenants as tenant_repo
 from models.db import Database
 from tierq.redis_names import RedisNames
+from tierq.states import TenantStatus
 
 
 def _entry(weight: float, max_running: dict[str, int]) -> str:
@@ -24,7 +25,7 @@ async def publish(db: Database, r: aioredis.Redis, names: RedisNames, tenant_id:
     async with db.session() as s:
         tenant = await tenant_repo.get_tenant(s, tenant_id)
         quotas = await quota_repo.quotas_of(s, tenant_id)
-    if tenant is None or tenant.status != tenant_repo.ACTIVE:
+    if tenant is None or tenant.status != TenantStatus.ACTIVE:
         await r.hdel(names.tenant_policy, tenant_id)
     else:
         caps = {q.tier: q.max_running for q in quotas if q.max_running is not None}

@@ -50,7 +50,7 @@ from tierq.ids import new_id
 from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
-from tierq.states import JobStatus
+from tierq.states import BatchStatus, JobStatus, TenantStatus
 from tierq.tiers import Tier
 from workers.batch_file import RawLine, read_requests, validate_file
 
@@ -127,19 +127,19 @@ class BatchRunner:
             batch = await batch_repo.get_batch(s, batch_id)
         if batch is None or batch.status in batch_repo.TERMINAL:
             return False
-        if batch.status == batch_repo.VALIDATING:
+        if batch.status == BatchStatus.VALIDATING:
             return await self._validate(batch)
-        if batch.status == batch_repo.CANCELLING:
-            return await self._wind_up(batch, batch_repo.CANCELLED, "batch_cancelled")
-        if batch.status == batch_repo.FINALIZING:
-            return await self._finalize(batch, batch_repo.COMPLETED)
+        if batch.status == BatchStatus.CANCELLING:
+            return await self._wind_up(batch, BatchStatus.CANCELLED, "batch_cancelled")
+        if batch.status == BatchStatus.FINALIZING:
+            return await self._finalize(batch, BatchStatus.COMPLETED)
         # in_progress
         if batch.expired_at is None and datetime.now(UTC) >= batch.expires_at:
             async with self.db.transaction() as s:
                 await batch_repo.mark_expired(s, batch.id)
             return True
         if batch.expired_at is not None:
-            return await self._wind_up(batch, batch_repo.EXPIRED, "batch_expired")
+            return await self._wind_up(batch, BatchStatus.EXPIRED, "batch_expired")
         return await self._pump(batch)
 
     # --- validating --------------------------------------------------------------------
@@ -193,8 +193,8 @@ class BatchRunner:
                 moved = await batch_repo.transition(
                     s,
                     batch.id,
-                    batch_repo.IN_PROGRESS,
-                    (batch_repo.VALIDATING,),
+                    BatchStatus.IN_PROGRESS,
+                    (BatchStatus.VALIDATING,),
                     in_progress_at=datetime.now(UTC),
                     request_total=requests,
                     reserved_tokens=tokens,
@@ -203,7 +203,7 @@ class BatchRunner:
         if refusal is not None:  # nothing was written
             return await self._fail(batch, [_error(refusal.code, refusal.message)])
         if moved is not None:
-            metrics.BATCHES.labels(status=batch_repo.IN_PROGRESS).inc()
+            metrics.BATCHES.labels(status=BatchStatus.IN_PROGRESS).inc()
         return moved is not None
 
     async def _fail(self, batch: BatchRecord, errors: list[dict[str, Any]]) -> bool:
@@ -211,13 +211,13 @@ class BatchRunner:
             moved = await batch_repo.transition(
                 s,
                 batch.id,
-                batch_repo.FAILED,
-                (batch_repo.VALIDATING,),
+                BatchStatus.FAILED,
+                (BatchStatus.VALIDATING,),
                 failed_at=datetime.now(UTC),
                 errors=errors,
             )
         if moved is not None:
-            metrics.BATCHES.labels(status=batch_repo.FAILED).inc()
+            metrics.BATCHES.labels(status=BatchStatus.FAILED).inc()
         return moved is not None
 
     # --- in_progress -------------------------------------------------------------------
@@ -264,8 +264,8 @@ class BatchRunner:
                     moved = await batch_repo.transition(
                         s,
                         batch.id,
-                        batch_repo.FINALIZING,
-                        (batch_repo.IN_PROGRESS,),
+                        BatchStatus.FINALIZING,
+                        (BatchStatus.IN_PROGRESS,),
                         finalizing_at=datetime.now(UTC),
                     )
                 return moved is not None
@@ -313,7 +313,7 @@ class BatchRunner:
 
     # --- cancelling and expiry ---------------------------------------------------------
 
-    async def _wind_up(self, batch: BatchRecord, final: str, code: str) -> bool:
+    async def _wind_up(self, batch: BatchRecord, final: BatchStatus, code: str) -> bool:
         """Stop what is unfinished, then write what finished and close the batch."""
         reason = "the batch was cancelled" if code == "batch_cancelled" else "the batch expired"
         async with self.db.transaction() as s:
@@ -323,7 +323,7 @@ class BatchRunner:
 
     # --- finalising --------------------------------------------------------------------
 
-    async def _finalize(self, batch: BatchRecord, final: str) -> bool:
+    async def _finalize(self, batch: BatchRecord, final: BatchStatus) -> bool:
         """Write the output and error files (in input order) and close the batch."""
         files_dir = self.settings.resolved_files_dir
         files_dir.mkdir(parents=True, exist_ok=True)
@@ -340,20 +340,20 @@ class BatchRunner:
                 after = page[-1].batch_line or after
                 c, f = _write_results(page, batch.endpoint, out, err)
                 completed, failed = completed + c, failed + f
-            if final == batch_repo.EXPIRED:
+            if final == BatchStatus.EXPIRED:
                 failed += await asyncio.to_thread(_write_unexpanded, self.settings, batch, err)
         output_id = await asyncio.to_thread(_keep, self.settings, batch, out_tmp, "output")
         error_id = await asyncio.to_thread(_keep, self.settings, batch, err_tmp, "errors")
         now = datetime.now(UTC)
         stamp = {
-            batch_repo.COMPLETED: "completed_at",
-            batch_repo.CANCELLED: "cancelled_at",
-            batch_repo.EXPIRED: "expired_at",
+            BatchStatus.COMPLETED: "completed_at",
+            BatchStatus.CANCELLED: "cancelled_at",
+            BatchStatus.EXPIRED: "expired_at",
         }[final]
         sources = {
-            batch_repo.COMPLETED: (batch_repo.FINALIZING,),
-            batch_repo.CANCELLED: (batch_repo.CANCELLING,),
-            batch_repo.EXPIRED: (batch_repo.IN_PROGRESS, batch_repo.VALIDATING),
+            BatchStatus.COMPLETED: (BatchStatus.FINALIZING,),
+            BatchStatus.CANCELLED: (BatchStatus.CANCELLING,),
+            BatchStatus.EXPIRED: (BatchStatus.IN_PROGRESS, BatchStatus.VALIDATING),
         }[final]
         values: dict[str, Any] = {
             "output_file_id": output_id[0] if output_id else None,
@@ -361,7 +361,7 @@ class BatchRunner:
             "request_completed": completed,
             "request_failed": failed,
         }
-        if final != batch_repo.EXPIRED or batch.expired_at is None:
+        if final != BatchStatus.EXPIRED or batch.expired_at is None:
             values[stamp] = now
         async with self.db.transaction() as s:
             moved = await batch_repo.transition(s, batch.id, final, sources, **values)
@@ -420,7 +420,7 @@ async def _budget_refusal(
     # Locked with every other admission of the tenant (exclusive when a budget is checked):
     # a tenant suspended since the batch was created starts nothing.
     status = await tenant_repo.lock_tenant(s, tenant_id, exclusive=bool(quotas))
-    if status != tenant_repo.ACTIVE:
+    if status != TenantStatus.ACTIVE:
         return quota_repo.Refusal("tenant_suspended", "The tenant is suspended.", 0)
     for quota in quotas:
         refusal = await quota_repo.check(s, quota, Tier.BATCH.value, tokens, cost, online=False)

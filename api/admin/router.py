@@ -34,6 +34,7 @@ from services import batch_signal, cancellation, tenant_policy
 from tierq.queue import EventLog
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
+from tierq.states import TenantStatus
 
 # Every route: the door's guard (400), the admin key (401, 403), the database (503).
 router = APIRouter(
@@ -124,9 +125,9 @@ async def update_tenant(
         raise APIError(409, f"A tenant named '{body.name}' exists.", "tenant_exists") from None
     if updated is None:
         raise not_found("tenant", tenant_id)
-    if status == "suspended" and updated.status != "suspended":
+    if status == TenantStatus.SUSPENDED and updated.status != TenantStatus.SUSPENDED:
         return await suspend_tenant(tenant_id, db, r, names, events, settings)
-    if status == "active" and updated.status != "active":
+    if status == TenantStatus.ACTIVE and updated.status != TenantStatus.ACTIVE:
         return await resume_tenant(tenant_id, db, r, names)
     await _policy_changed(db, r, names, tenant_id)
     return updated.to_api()
@@ -176,7 +177,7 @@ async def suspend_tenant(
     """Its keys stop working at once; its queued and running jobs and batches are cancelled."""
     await _tenant(db, tenant_id)
     async with db.transaction() as s:
-        tenant = await tenant_repo.update_tenant(s, tenant_id, status=tenant_repo.SUSPENDED)
+        tenant = await tenant_repo.update_tenant(s, tenant_id, status=TenantStatus.SUSPENDED)
     assert tenant is not None
     await _stop_work(db, r, names, events, settings, tenant_id, "the tenant was suspended")
     await _policy_changed(db, r, names, tenant_id)
@@ -188,7 +189,7 @@ async def suspend_tenant(
 async def resume_tenant(tenant_id: str, db: DbDep, r: RedisDep, names: NamesDep) -> dict[str, Any]:
     await _tenant(db, tenant_id)
     async with db.transaction() as s:
-        tenant = await tenant_repo.update_tenant(s, tenant_id, status=tenant_repo.ACTIVE)
+        tenant = await tenant_repo.update_tenant(s, tenant_id, status=TenantStatus.ACTIVE)
     assert tenant is not None
     await _policy_changed(db, r, names, tenant_id)
     return tenant.to_api()
@@ -207,7 +208,7 @@ async def delete_tenant(
     invoices stay (billing history is not deleted)."""
     await _tenant(db, tenant_id)
     async with db.transaction() as s:
-        await tenant_repo.update_tenant(s, tenant_id, status=tenant_repo.DELETED)
+        await tenant_repo.update_tenant(s, tenant_id, status=TenantStatus.DELETED)
         await tenant_repo.revoke_all_keys(s, tenant_id)
     await _stop_work(db, r, names, events, settings, tenant_id, "the tenant was deleted")
     await _policy_changed(db, r, names, tenant_id)

@@ -27,6 +27,7 @@ from services import batch_signal
 from services.openai_compat import ENDPOINTS
 from services.requests import Metadata
 from tierq import metrics
+from tierq.states import BatchStatus
 from tierq.tiers import Tier
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=documented(400, 401, 503))
@@ -98,7 +99,7 @@ async def create_batch(
             body.metadata,
             datetime.now(UTC) + timedelta(seconds=settings.batch_window_s),
         )
-    metrics.BATCHES.labels(status=batch_repo.VALIDATING).inc()
+    metrics.BATCHES.labels(status=BatchStatus.VALIDATING).inc()
     await batch_signal.poke(settings, r, names, batch.id)
     return batch.to_api()
 
@@ -140,13 +141,13 @@ async def cancel_batch(
         batch = await batch_repo.get_batch(s, batch_id, tenant.id)
         if batch is None:
             raise not_found("batch", batch_id)
-        if batch.status in (batch_repo.CANCELLING, batch_repo.CANCELLED):
+        if batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
             return batch.to_api(await batch_repo.live_counts(s, batch))  # harmless twice
         moved = await batch_repo.transition(
             s,
             batch_id,
-            batch_repo.CANCELLING,
-            (batch_repo.VALIDATING, batch_repo.IN_PROGRESS),
+            BatchStatus.CANCELLING,
+            (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
             cancelling_at=datetime.now(UTC),
         )
         if moved is None:
@@ -156,6 +157,6 @@ async def cancel_batch(
                 "batch_not_cancellable",
             )
         result = moved.to_api(await batch_repo.live_counts(s, moved))
-    metrics.BATCHES.labels(status=batch_repo.CANCELLING).inc()
+    metrics.BATCHES.labels(status=BatchStatus.CANCELLING).inc()
     await batch_signal.poke(settings, r, names, batch_id)
     return result

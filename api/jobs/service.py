@@ -34,7 +34,7 @@ from tierq.queue import EventLog, enqueue
 from tierq.redis_conn import with_retries
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
-from tierq.states import JobStatus
+from tierq.states import JobStatus, TenantStatus
 from tierq.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ def _refuse_unless_active(status: str | None, tenant: TenantRecord, tier: Tier) 
     """The tenant's status (or REVOKED for the request's key) as read under its lock."""
     if status == tenant_repo.REVOKED:
         raise _refuse(401, "Incorrect API key provided.", "invalid_api_key")
-    if status != tenant_repo.ACTIVE:
+    if status != TenantStatus.ACTIVE:
         raise _refuse(403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=tier)
 
 

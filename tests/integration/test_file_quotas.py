@@ -23,6 +23,7 @@ from tests.helpers import assert_openai_error, client
 from tests.integration.celery_proc import CeleryWorker
 from tests.integration.test_batches import finished, jsonl, line, lines_of, submit
 from tierq.settings import Settings
+from tierq.states import BatchStatus
 from workers.files_expiry import remove_expired_files
 
 pytestmark = pytest.mark.integration
@@ -239,7 +240,7 @@ async def test_expired_files_are_gone_at_once_and_removed_except_a_running_batch
         batch = await batch_repo.create_batch(
             s, owner, "/v1/chat/completions", read, "24h", None, utcnow() + timedelta(days=1)
         )
-        await batch_repo.transition(s, batch.id, batch_repo.IN_PROGRESS, [batch_repo.VALIDATING])
+        await batch_repo.transition(s, batch.id, BatchStatus.IN_PROGRESS, [BatchStatus.VALIDATING])
     await expire(platform, plain, read, gone, theirs)
     (platform.settings.resolved_files_dir / gone).unlink()  # its bytes already gone
 
@@ -268,7 +269,7 @@ async def test_expired_files_are_gone_at_once_and_removed_except_a_running_batch
 
     # Once the batch has ended, its input goes too.
     async with platform.db.transaction() as s:
-        await batch_repo.transition(s, batch.id, batch_repo.CANCELLED, [batch_repo.IN_PROGRESS])
+        await batch_repo.transition(s, batch.id, BatchStatus.CANCELLED, [BatchStatus.IN_PROGRESS])
     assert await remove_expired_files(platform.settings, platform.db) == [read]
     assert set(await rows(platform)) == {fresh} and on_disk(platform.settings) == [fresh]
 

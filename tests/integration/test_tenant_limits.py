@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import Platform
 from tests.helpers import admin, assert_openai_error, client, new_tenant, read_sse, wait_for
 from tests.integration.test_batches import jsonl, line, sdk
+from tierq.states import BatchStatus
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +80,7 @@ async def test_a_tenant_may_have_only_so_many_batches_unfinished(platform: Platf
             from models import batches as batch_repo
 
             await batch_repo.transition(
-                s, listed[0]["id"], batch_repo.CANCELLED, (batch_repo.CANCELLING,)
+                s, listed[0]["id"], BatchStatus.CANCELLED, (BatchStatus.CANCELLING,)
             )
         again = await create()
         assert again.status_code == 200, again.text
@@ -158,7 +159,7 @@ async def test_a_batch_line_leaves_only_its_final_event_in_redis(running: Platfo
             datetime.now(UTC) + timedelta(hours=1),
         )
         started = await batch_repo.transition(
-            s, batch.id, batch_repo.IN_PROGRESS, (batch_repo.VALIDATING,)
+            s, batch.id, BatchStatus.IN_PROGRESS, (BatchStatus.VALIDATING,)
         )
         assert started is not None
         line = batch_repo.BatchLine(
