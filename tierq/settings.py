@@ -283,6 +283,10 @@ class Settings(BaseSettings):
         cached; the tokenizer the API counts prompts with is read from there too."""
         return self.model_cache_dir / "models" / BUNDLED_MODEL_FOLDER
 
+    def file_path(self, file_id: str) -> Path:
+        """Where a file's bytes are (uploads and batch outputs alike)."""
+        return self.resolved_files_dir / file_id
+
     @property
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{os.uname().nodename}-{os.getpid()}"

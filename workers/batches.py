@@ -13,7 +13,7 @@ something changed.
   `batch_max_outstanding` of the batch queued or running. A line whose body is refused
   (unknown model, too long) becomes a failed job: it answers in the error file.
 - finalising: output and error files are written from the jobs in input order (streamed,
-  a page at a time) and the batch completes.
+  a page at a time; their format is workers/batch_output.py) and the batch completes.
 - cancelling: queued jobs are dropped, running ones aborted; finished results are kept.
 - expiry: when the completion window passes, unfinished work is stopped and every request
   that did not finish gets a `batch_expired` line in the error file.
@@ -22,14 +22,11 @@ something changed.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
-from collections.abc import Iterable
 from datetime import UTC, datetime
 from decimal import Decimal
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -42,16 +39,16 @@ from models import quotas as quota_repo
 from models import tenants as tenant_repo
 from models.batches import BatchLine
 from models.db import Database
-from models.records import BatchRecord, JobRecord
+from models.records import BatchRecord
 from services import cancellation, openai_compat
 from services.requests import JobCreate, Refused, check
 from tierq import metrics, token_count
-from tierq.ids import new_id
 from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 from tierq.states import BatchStatus, JobStatus, TenantStatus
 from tierq.tiers import Tier
+from workers import batch_output
 from workers.batch_file import RawLine, read_requests, validate_file
 
 log = logging.getLogger(__name__)
@@ -62,10 +59,6 @@ FINALIZE_PAGE = 1000  # jobs read per query while writing the output
 # mid-step holds the batch up for at most this long.
 LOCK_MS = 15_000
 MAX_STEPS = 20  # status changes in one advance (validating -> in_progress -> ... -> done)
-
-
-def file_path(settings: Settings, file_id: str) -> Path:
-    return settings.resolved_files_dir / file_id
 
 
 class BatchRunner:
@@ -149,7 +142,7 @@ class BatchRunner:
             source = await file_repo.get_file(
                 s, batch.input_file_id, batch.tenant_id, include_expired=True
             )
-        if source is None or not file_path(self.settings, source.id).exists():
+        if source is None or not self.settings.file_path(source.id).exists():
             return await self._fail(
                 batch, [_error("file_not_found", "The input file no longer exists.")]
             )
@@ -166,7 +159,7 @@ class BatchRunner:
             )
         result = await asyncio.to_thread(
             validate_file,
-            file_path(self.settings, source.id),
+            self.settings.file_path(source.id),
             batch.endpoint,
             max_requests=self.settings.batch_max_requests,
             max_errors=self.settings.batch_error_limit,
@@ -233,7 +226,7 @@ class BatchRunner:
             room = min(EXPAND_CHUNK, self.settings.batch_max_outstanding - outstanding)
             raw, offset, line = await asyncio.to_thread(
                 read_requests,
-                file_path(self.settings, batch.input_file_id),
+                self.settings.file_path(batch.input_file_id),
                 batch.next_offset,
                 batch.next_line,
                 room,
@@ -338,12 +331,18 @@ class BatchRunner:
                 if not page:
                     break
                 after = page[-1].batch_line or after
-                c, f = _write_results(page, batch.endpoint, out, err)
+                c, f = batch_output.write_results(page, batch.endpoint, out, err)
                 completed, failed = completed + c, failed + f
             if final == BatchStatus.EXPIRED:
-                failed += await asyncio.to_thread(_write_unexpanded, self.settings, batch, err)
-        output_id = await asyncio.to_thread(_keep, self.settings, batch, out_tmp, "output")
-        error_id = await asyncio.to_thread(_keep, self.settings, batch, err_tmp, "errors")
+                failed += await asyncio.to_thread(
+                    batch_output.write_unexpanded, self.settings, batch, err
+                )
+        output_id = await asyncio.to_thread(
+            batch_output.keep, self.settings, batch, out_tmp, "output"
+        )
+        error_id = await asyncio.to_thread(
+            batch_output.keep, self.settings, batch, err_tmp, "errors"
+        )
         now = datetime.now(UTC)
         stamp = {
             BatchStatus.COMPLETED: "completed_at",
@@ -380,24 +379,11 @@ class BatchRunner:
         if moved is None:  # someone else closed it meanwhile: our copies are not needed
             for kept in (output_id, error_id):
                 if kept is not None:
-                    file_path(self.settings, kept[0]).unlink(missing_ok=True)
+                    self.settings.file_path(kept[0]).unlink(missing_ok=True)
             return False
         metrics.BATCHES.labels(status=final).inc()
         log.info("batch %s %s: %d completed, %d failed", batch.id, final, completed, failed)
         return True
-
-
-def _keep(
-    settings: Settings, batch: BatchRecord, tmp: Path, kind: str
-) -> tuple[str, str, int] | None:
-    """Give a written .part file a file id: (id, filename, bytes); None (and removed) if empty."""
-    size = tmp.stat().st_size
-    if size == 0:
-        tmp.unlink(missing_ok=True)
-        return None
-    file_id = new_id("file")
-    tmp.rename(file_path(settings, file_id))
-    return file_id, f"{batch.id}_{kind}.jsonl", size
 
 
 def _reservation(settings: Settings, job: JobCreate) -> int:
@@ -451,7 +437,7 @@ def _file_reservation(
     reserves once it is a job (a line refused here fails on its own, costing nothing)."""
     tokens, cost = 0, Decimal(0)
     offset, line = 0, 0
-    path = file_path(settings, batch.input_file_id)
+    path = settings.file_path(batch.input_file_id)
     while True:
         raw, offset, line = read_requests(path, offset, line, FINALIZE_PAGE, batch.endpoint)
         if not raw:
@@ -482,93 +468,3 @@ def _refused_line(item: RawLine, body: dict[str, Any], code: str, message: str) 
         error_code=code,
         error_message=message,
     )
-
-
-def _dump(line: dict[str, Any]) -> str:
-    return json.dumps(line, separators=(",", ":"), ensure_ascii=False) + "\n"
-
-
-def _write_results(
-    jobs: Iterable[JobRecord], endpoint: str, out: IO[str], err: IO[str]
-) -> tuple[int, int]:
-    """Output lines for succeeded jobs, error lines for failed and expired ones."""
-    chat = endpoint == openai_compat.CHAT_ENDPOINT
-    completed = failed = 0
-    for job in jobs:
-        request_id = "batch_req_" + job.id.removeprefix("job_")
-        if job.status == JobStatus.SUCCEEDED:
-            completed += 1
-            response = {
-                "status_code": 200,
-                "request_id": job.id,
-                "body": openai_compat.completion_body(job, chat),
-            }
-            out.write(
-                _dump(
-                    {
-                        "id": request_id,
-                        "custom_id": job.custom_id,
-                        "response": response,
-                        "error": None,
-                    }
-                )
-            )
-        elif job.status == JobStatus.FAILED or job.error_code == "batch_expired":
-            failed += 1
-            code = job.error_code or "server_error"
-            message = job.error_message or "The request failed."
-            response = None
-            if job.status == JobStatus.FAILED:
-                status = openai_compat.failure_status(job)
-                response = {
-                    "status_code": status,
-                    "request_id": job.id,
-                    "body": {
-                        "error": {
-                            "message": message,
-                            "type": "invalid_request_error" if status < 500 else "server_error",
-                            "code": code,
-                            "param": None,
-                        }
-                    },
-                }
-            err.write(
-                _dump(
-                    {
-                        "id": request_id,
-                        "custom_id": job.custom_id,
-                        "response": response,
-                        "error": {"code": code, "message": message},
-                    }
-                )
-            )
-        # cancelled with the batch: neither output nor error (OpenAI keeps only results)
-    return completed, failed
-
-
-def _write_unexpanded(settings: Settings, batch: BatchRecord, err: IO[str]) -> int:
-    """Error lines for the requests an expired batch never got to (past its cursor)."""
-    source = file_path(settings, batch.input_file_id)
-    if not source.exists():
-        return 0
-    written = 0
-    offset, line = batch.next_offset, batch.next_line
-    while True:
-        raw, offset, line = read_requests(source, offset, line, FINALIZE_PAGE, batch.endpoint)
-        if not raw:
-            return written
-        for item in raw:
-            written += 1
-            err.write(
-                _dump(
-                    {
-                        "id": f"batch_req_{batch.id.removeprefix('batch_')}_{item.number}",
-                        "custom_id": item.custom_id,
-                        "response": None,
-                        "error": {
-                            "code": "batch_expired",
-                            "message": "The batch expired before this request was run.",
-                        },
-                    }
-                )
-            )

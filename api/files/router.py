@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -108,7 +107,7 @@ async def create_file(
                 s, file_id, tenant.id, purpose, filename, size, expires_after_s=expires_after_s
             )
     except BaseException:
-        _path(settings, file_id).unlink(missing_ok=True)
+        settings.file_path(file_id).unlink(missing_ok=True)
         raise
     metrics.FILES_UPLOADED_BYTES.inc(size)
     return record.to_api()
@@ -213,7 +212,7 @@ async def _refuse_early(request: Request, tenant_id: str, db: Database, settings
 
 
 async def _store(upload: UploadFile, settings: Settings, file_id: str) -> int:
-    target = _path(settings, file_id)
+    target = settings.file_path(file_id)
     target.parent.mkdir(parents=True, exist_ok=True)
     part = target.with_name(target.name + ".part")
     size = 0
@@ -227,10 +226,6 @@ async def _store(upload: UploadFile, settings: Settings, file_id: str) -> int:
         part.unlink(missing_ok=True)
         raise
     return size
-
-
-def _path(settings: Settings, file_id: str) -> Path:
-    return settings.resolved_files_dir / file_id
 
 
 @router.get("")
@@ -275,7 +270,7 @@ async def file_content(
 ) -> FileResponse:
     async with db.session() as s:
         record = await file_repo.get_file(s, file_id, tenant.id)
-    path = _path(settings, file_id)
+    path = settings.file_path(file_id)
     if record is None or not path.exists():
         raise not_found("file", file_id)
     return FileResponse(path, media_type="application/octet-stream", filename=record.filename)
@@ -296,5 +291,5 @@ async def delete_file(
                 "file_in_use",
             )
         await file_repo.delete_file(s, file_id, tenant.id)
-    _path(settings, file_id).unlink(missing_ok=True)
+    settings.file_path(file_id).unlink(missing_ok=True)
     return {"id": file_id, "object": "file", "deleted": True}
