@@ -40,6 +40,7 @@ from models import jobs
 from models import quotas as quota_repo
 from models.db import RawPool
 from models.jobs import NewJob
+from models.prices import MILLION
 from models.records import JobRecord, as_utc
 from models.spend import period_keys
 from tierq.states import JobStatus
@@ -263,7 +264,7 @@ async def admit_with_quotas(
             minute_oldest=None if oldest is None else as_utc(datetime.fromisoformat(oldest)),
             queued=int(f["queued"]),
             held_tokens=int(f["held_tokens"]),
-            held_cost=Decimal(f["held_micro"]) / quota_repo.MILLION,
+            held_cost=Decimal(f["held_micro"]) / MILLION,
             spent_tokens=int(f["spent_tokens"]),
             spent_cost=Decimal(f["spent_cost"]),
         )
@@ -282,5 +283,5 @@ async def admit_with_quotas(
         key_ok=True,
         queued=found["queued"],
         quotas=checked,
-        reserved_cost=Decimal(found["cost_micro"]) / quota_repo.MILLION,
+        reserved_cost=Decimal(found["cost_micro"]) / MILLION,
     )

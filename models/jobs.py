@@ -19,20 +19,12 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from models import spend
 from models.pages import after_anchor
+from models.prices import cost_of
 from models.records import JobHead, JobRecord
 from models.tables import Job, JobTransition, UsageRecord, utcnow
 from tierq.ids import new_id
 from tierq.states import JobStatus, sources_for
 from tierq.tiers import Tier
-
-MILLION = Decimal(1_000_000)
-
-
-def cost_of(
-    prompt_tokens: int, completion_tokens: int, price_in: Decimal, price_out: Decimal
-) -> Decimal:
-    """Exact: prices are per million tokens, and Decimal keeps every digit."""
-    return (Decimal(prompt_tokens) * price_in + Decimal(completion_tokens) * price_out) / MILLION
 
 
 class IdempotencyConflict(Exception):

@@ -15,6 +15,16 @@ from models.records import as_utc, unix
 from models.tables import Price, utcnow
 from tierq.tiers import Tier
 
+# Prices are per million tokens.
+MILLION = Decimal(1_000_000)
+
+
+def cost_of(
+    prompt_tokens: int, completion_tokens: int, price_in: Decimal, price_out: Decimal
+) -> Decimal:
+    """Exact: prices are per million tokens, and Decimal keeps every digit."""
+    return (Decimal(prompt_tokens) * price_in + Decimal(completion_tokens) * price_out) / MILLION
+
 
 @dataclass(frozen=True)
 class PriceRecord:

@@ -32,6 +32,7 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from models import spend
+from models.prices import cost_of
 from models.records import as_utc
 from models.tables import Batch, Job, Quota, utcnow
 from tierq.states import JobStatus
@@ -50,7 +51,6 @@ LIMIT_FIELDS = (
 # What admission checks (max_running is the dispatcher's): a tenant whose quotas for a
 # tier set none of these is admitted without them (models/admission.py).
 ADMISSION_FIELDS = tuple(f for f in LIMIT_FIELDS if f != "max_running")
-MILLION = Decimal(1_000_000)
 # Batch states in which a batch may still turn lines into jobs (so holds a reservation).
 EXPANDING = ("validating", "in_progress")
 # A job cancelled while it ran holds its reservation until its worker bills what it
@@ -390,6 +390,4 @@ def reservation_cost(
     """The most a job can cost: its estimated prompt at the input price, max_tokens at the
     output price."""
     prompt = max(0, reserved_tokens - max_tokens)
-    return (
-        Decimal(prompt) * (price_in or Decimal(0)) + Decimal(max_tokens) * (price_out or Decimal(0))
-    ) / MILLION
+    return cost_of(prompt, max_tokens, price_in or Decimal(0), price_out or Decimal(0))
