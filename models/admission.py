@@ -43,6 +43,7 @@ from models.jobs import NewJob
 from models.prices import MILLION
 from models.records import JobRecord, as_utc
 from models.spend import period_keys
+from models.tenants import REVOKED
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 
@@ -128,6 +129,24 @@ class Outcome:
     quotas: bool
     queued: int
 
+    @property
+    def status(self) -> str | None:
+        return _status(self.tenant_status, self.key_ok)
+
+
+def _admitted(
+    new: NewJob, job_id: str, input_price: str, output_price: str, created_at: datetime
+) -> JobRecord:
+    """The record of the job either way in inserted, at the prices it found (as text)."""
+    priced = replace(new, input_price=Decimal(input_price), output_price=Decimal(output_price))
+    return JobRecord.from_row(jobs.new_row(priced, job_id, created_at))
+
+
+def _status(tenant_status: str | None, key_ok: bool) -> str | None:
+    """The tenant's status as read under its lock, or REVOKED for the request's key (as
+    models.tenants.lock_tenant answers on the ORM path); None: no such tenant."""
+    return REVOKED if tenant_status is not None and not key_ok else tenant_status
+
 
 def _json(value: Any) -> str:
     # None as JSON null, as the ORM stores it (JSON columns evaluate None).
@@ -177,17 +196,7 @@ async def admit(
     )
     job = None
     if row["id"] is not None:
-        job = JobRecord.from_row(
-            jobs.new_row(
-                replace(
-                    new,
-                    input_price=Decimal(row["input_price"]),
-                    output_price=Decimal(row["output_price"]),
-                ),
-                row["id"],
-                created_at,
-            )
-        )
+        job = _admitted(new, row["id"], row["input_price"], row["output_price"], created_at)
     return Outcome(
         job=job,
         tenant_status=row["tenant_status"],
@@ -211,6 +220,10 @@ class QuotaOutcome:
     queued: int | None
     quotas: list[tuple[quota_repo.QuotaRecord, quota_repo.Figures, bool]]
     reserved_cost: Decimal
+
+    @property
+    def status(self) -> str | None:
+        return _status(self.tenant_status, self.key_ok)
 
 
 ADMIT_WITH_QUOTAS = (
@@ -271,12 +284,7 @@ async def admit_with_quotas(
         checked.append((quota, figures, bool(f["ok"])))
     job = None
     if found["id"] is not None:
-        priced = replace(
-            new,
-            input_price=Decimal(found["input_price"]),
-            output_price=Decimal(found["output_price"]),
-        )
-        job = JobRecord.from_row(jobs.new_row(priced, found["id"], now))
+        job = _admitted(new, found["id"], found["input_price"], found["output_price"], now)
     return QuotaOutcome(
         job=job,
         tenant_status=status,

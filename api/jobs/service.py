@@ -238,10 +238,7 @@ async def _admit_fast(
     if new.idempotency_key is not None:
         # The exact path answers a replay first (as the job it made), then checks.
         return None, outcome.quotas
-    revoked = outcome.tenant_status is not None and not outcome.key_ok
-    _refuse_unless_active(
-        tenant_repo.REVOKED if revoked else outcome.tenant_status, tenant, new.tier
-    )
+    _refuse_unless_active(outcome.status, tenant, new.tier)
     if outcome.quotas:
         return None, True
     if settings.default_max_queued and outcome.queued >= settings.default_max_queued:
@@ -284,10 +281,7 @@ async def _admit_with_quotas(
     )
     if outcome.job is not None or new.idempotency_key is not None:
         return outcome.job
-    revoked = outcome.tenant_status is not None and not outcome.key_ok
-    _refuse_unless_active(
-        tenant_repo.REVOKED if revoked else outcome.tenant_status, tenant, new.tier
-    )
+    _refuse_unless_active(outcome.status, tenant, new.tier)
     if outcome.queued is not None and outcome.queued >= settings.default_max_queued > 0:
         _refuse_queue_bound(settings, tenant, new.tier)
     for quota, figures, _held in outcome.quotas:
