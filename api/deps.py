@@ -26,7 +26,6 @@ from models.tables import utcnow
 from tierq.queue import EventLog
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
-from tierq.states import TenantStatus
 
 
 async def get_settings(request: Request) -> Settings:
@@ -123,15 +122,6 @@ def api_key_id(request: Request) -> str | None:
     """The id of the key the request was authenticated with (set by get_tenant)."""
     key_id: str | None = getattr(request.state, "api_key_id", None)
     return key_id
-
-
-def refuse_unless_active(status: str | None) -> None:
-    """After `models.tenants.lock_tenant` in a request's transaction: the tenant's state
-    (and the request's key's) as of now, not as of authentication a moment before."""
-    if status == tenants.REVOKED:
-        raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
-    if status != TenantStatus.ACTIVE:
-        raise APIError(403, "The tenant is suspended.", "tenant_suspended")
 
 
 async def stream_slot(hub: EventHub, settings: Settings, tenant: TenantRecord) -> Slot:

@@ -73,26 +73,9 @@ def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorBody, "description": _DOCUMENTED[status]} for status in statuses}
 
 
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        code: str,
-        *,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-        retry_after_s: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        if retry_after_s is not None:
-            # 429 and 503 carry Retry-After: the OpenAI SDKs wait that long before retrying.
-            headers = {**(headers or {}), "Retry-After": str(retry_after_s)}
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = headers
+# The HTTP layer's refusals (an unknown path, a bad key...) are the domain's: one type, one
+# handler, whichever layer refuses.
+APIError = Refused
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
@@ -128,13 +111,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers)
-
     @app.exception_handler(Refused)
     async def _refused(_: Request, exc: Refused) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.code, exc.param)
+        headers = dict(exc.headers or {})
+        if exc.retry_after_s is not None:
+            # 429 and 503 carry Retry-After: the OpenAI SDKs wait that long before retrying.
+            headers["Retry-After"] = str(exc.retry_after_s)
+        return error_response(exc.status, exc.message, exc.code, exc.param, headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

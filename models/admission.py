@@ -2,7 +2,7 @@
 
 Most admissions are of a tenant without quotas for the job's tier. For them one
 statement, in its own implicit transaction on a raw connection (models.db.RawPool), does
-what the exact path (api/jobs/service.py: a session, the ORM, nine round trips) does:
+what the exact path (services/admission.py: a session, the ORM, nine round trips) does:
 
 - takes the tenant's row lock (shared, as the exact path does for a tenant without
   quotas), then the request's key's, and reads both: in READ COMMITTED a row locked is

@@ -1,7 +1,8 @@
-"""Cancelling jobs, the Redis half — once, for every path that cancels: a tenant cancelling
-its job (api/jobs/service.py), a tenant suspended or deleted (api/admin/router.py), a batch
-cancelled or expired (workers/batches.py). The database half is the repository's
-(`models.jobs.cancel_job`, `cancel_unfinished`); this runs once that has committed.
+"""Cancelling jobs. The Redis half (`announce`) once, for every path that cancels: a tenant
+cancelling its job (`cancel_job`, the native and OpenAI routes), a tenant suspended or
+deleted (the admin API), a batch cancelled or expired (workers/batches.py). The database
+half is the repository's (`models.jobs.cancel_job`, `cancel_unfinished`,
+`models.batches.stop_unfinished`); `announce` runs once that has committed.
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
+from models import jobs as job_repo
+from models.db import Database
 from models.records import JobRecord
+from services.requests import Refused
 from tierq.messages import JobEvent
 from tierq.queue import EventLog, forget_inflight
 from tierq.redis_names import RedisNames
+from tierq.states import JobStatus
 
 CHUNK = 500  # jobs per Redis round trip (a cancelled batch may hold 50,000)
 
@@ -34,3 +39,32 @@ async def announce(
             [(job.id, JobEvent("done", job.to_api()), None, None) for job in chunk]
         )
         await forget_inflight(r, names, [job.id for job in chunk])
+
+
+async def cancel_job(
+    db: Database,
+    r: aioredis.Redis,
+    names: RedisNames,
+    events: EventLog,
+    tenant_id: str,
+    job_id: str,
+) -> JobRecord:
+    """A tenant cancelling one of its jobs: 404 when it has no such job, 409 when the job
+    already finished; cancelling twice is harmless."""
+    async with db.transaction() as s:
+        job = await job_repo.get_job(s, job_id, tenant_id)
+        if job is None:
+            raise Refused(404, f"No job found with id '{job_id}'.", "job_not_found")
+        cancelled = await job_repo.cancel_job(s, job_id)
+        if cancelled is None:
+            current = await job_repo.get_job(s, job_id, tenant_id)
+            assert current is not None
+            if current.status == JobStatus.CANCELLED:
+                return current
+            raise Refused(
+                409,
+                f"The job is already {current.status.value} and cannot be cancelled.",
+                "job_not_cancellable",
+            )
+    await announce(r, names, events, [cancelled])
+    return cancelled

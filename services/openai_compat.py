@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from models.records import JobRecord, unix
 from services.requests import (
@@ -232,6 +232,24 @@ def parse(endpoint: str, body: dict[str, Any]) -> ChatCompletionRequest | Comple
     if endpoint == CHAT_ENDPOINT:
         return ChatCompletionRequest.model_validate(body)
     return CompletionRequest.model_validate(body)
+
+
+class BatchCreate(BaseModel):
+    """The body of `POST /v1/batches`: an uploaded JSONL file of requests to one endpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: str = Field(json_schema_extra={"enum": list(ENDPOINTS)})
+    completion_window: Literal["24h"]
+    metadata: Metadata = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if v not in ENDPOINTS:
+            raise ValueError(f"must be one of {', '.join(ENDPOINTS)}")
+        return v
 
 
 # --- responses ----------------------------------------------------------------------------

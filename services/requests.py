@@ -115,12 +115,23 @@ def some_content(content: dict[str, Any]) -> dict[str, Any]:
 class Refused(Exception):
     """A request the platform will not take: an HTTP status and an OpenAI error code."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        *,
+        retry_after_s: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.retry_after_s = retry_after_s  # the Retry-After of a 429 or 503
+        self.headers = headers  # what else its HTTP answer carries
 
 
 class ChatMessage(BaseModel):

@@ -36,10 +36,10 @@ async def new_tenant(platform: Any, **body: Any) -> tuple[str, str]:
 async def admit_as(platform: Any, tenant: Any, body: Any, key_id: str | None = None) -> Any:
     """Admission as a route runs it, for a tenant (and key) authenticated a moment earlier:
     what a request already past authentication meets inside the admission transaction."""
-    from api.jobs import service
+    from services import admission
 
     names = platform.dispatcher.names
-    return await service.submit(
+    return await admission.submit(
         platform.db, platform.r, names, platform.settings, tenant, body, None, key_id=key_id
     )
 

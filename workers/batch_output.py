@@ -13,10 +13,10 @@ from typing import IO, Any
 
 from models.records import BatchRecord, JobRecord
 from services import openai_compat
+from services.batch_input import read_requests
 from tierq.ids import new_id
 from tierq.settings import Settings
 from tierq.states import JobStatus
-from workers.batch_file import read_requests
 
 READ_PAGE = 1000  # input lines read at a time
 

@@ -1,16 +1,19 @@
 """The life of a batch, driven by Celery: validate, expand, finalise, cancel, expire.
 
 `BatchRunner.advance(batch_id)` looks at the batch in the database and does the next
-thing its status calls for. Every step is idempotent and keeps its progress in the
+thing its status calls for, under the batch's lease (workers/batch_lease.py). Every step is idempotent and keeps its progress in the
 database (the status, the expansion cursor, the jobs keyed by (batch, line)), so a Celery
 worker killed at any point leaves nothing that the next advance cannot pick up: beat's
 tick advances every active batch, and workers and the API ask for an advance when
 something changed.
 
-- validating: the input file is read once, line by line; structural problems fail the
-  batch with `errors` naming the lines (OpenAI's contract).
+- validating: the input file is read once, line by line (services/batch_input.py);
+  structural problems fail the batch with `errors` naming the lines (OpenAI's contract).
+  Then what the whole file can cost is reserved against the tenant's budgets, or the batch
+  fails `budget_exceeded` (services/admission.py, the rules of every admission).
 - in_progress: lines become batch-tier jobs a chunk at a time, keeping at most
-  `batch_max_outstanding` of the batch queued or running. A line whose body is refused
+  `batch_max_outstanding` of the batch queued or running; each line is parsed, checked and
+  reserved as an online request is (services/admission.py). A line whose body is refused
   (unknown model, too long) becomes a failed job: it answers in the error file.
 - finalising: output and error files are written from the jobs in input order (streamed,
   a page at a time; their format is workers/batch_output.py) and the batch completes.
@@ -23,41 +26,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from datetime import UTC, datetime
-from decimal import Decimal
 from typing import Any
 
 import redis.asyncio as aioredis
-from pydantic import ValidationError
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from models import batches as batch_repo
 from models import files as file_repo
-from models import prices as price_repo
-from models import quotas as quota_repo
-from models import tenants as tenant_repo
 from models.batches import BatchLine
 from models.db import Database
 from models.records import BatchRecord
-from services import cancellation, openai_compat
-from services.requests import JobCreate, Refused, check
-from tierq import metrics, token_count
+from services import admission, cancellation
+from services.batch_input import RawLine, read_requests, validate_file
+from tierq import metrics
 from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
-from tierq.states import BatchStatus, JobStatus, TenantStatus
-from tierq.tiers import Tier
-from workers import batch_output
-from workers.batch_file import RawLine, read_requests, validate_file
+from tierq.states import BatchStatus, JobStatus
+from workers import batch_lease, batch_output
 
 log = logging.getLogger(__name__)
 
 EXPAND_CHUNK = 500  # lines per transaction
 FINALIZE_PAGE = 1000  # jobs read per query while writing the output
-# The advancing worker's lease on a batch: renewed while it works, so a worker killed
-# mid-step holds the batch up for at most this long.
-LOCK_MS = 15_000
 MAX_STEPS = 20  # status changes in one advance (validating -> in_progress -> ... -> done)
 
 
@@ -81,38 +72,12 @@ class BatchRunner:
 
     async def advance(self, batch_id: str) -> None:
         await self.r.delete(self.names.batch_poke(batch_id))  # later requests start anew
-        token = secrets.token_hex(8)
-        lock = self.names.batch_lock(batch_id)
-        if not await self.r.set(lock, token, nx=True, px=LOCK_MS):
-            return  # another Celery worker is on it; it loops until nothing changes
-        renewer = asyncio.create_task(self._renew(lock, token))
-        try:
+        async with batch_lease.lease(self.r, self.names.batch_lock(batch_id)) as held:
+            if not held:
+                return  # another Celery worker is on it; it loops until nothing changes
             for _ in range(MAX_STEPS):
                 if not await self._step(batch_id):
                     break
-        finally:
-            renewer.cancel()
-            # Release only our own lock (it may have expired and been taken meanwhile).
-            await self.r.eval(
-                "if redis.call('GET', KEYS[1]) == ARGV[1] then "
-                "return redis.call('DEL', KEYS[1]) end return 0",
-                1,
-                lock,
-                token,
-            )
-
-    async def _renew(self, lock: str, token: str) -> None:
-        """Keep the lease while this advance runs (validation of a large file takes long)."""
-        while True:
-            await asyncio.sleep(LOCK_MS / 3000)
-            await self.r.eval(
-                "if redis.call('GET', KEYS[1]) == ARGV[1] then "
-                "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0",
-                1,
-                lock,
-                token,
-                LOCK_MS,
-            )
 
     async def _step(self, batch_id: str) -> bool:
         """Do what the batch's status calls for; True when its status changed."""
@@ -174,13 +139,13 @@ class BatchRunner:
         transaction under the tenant's lock, like an online admission's: batches and
         online jobs started together are counted against the budget together."""
         async with self.db.session() as s:
-            price_in, price_out = await self._prices(s, batch)
+            price_in, price_out = await admission.batch_prices(s, self.settings, batch.created_at)
         # Always reserved (a budget set while the batch runs counts what it will cost).
         tokens, cost = await asyncio.to_thread(
-            _file_reservation, self.settings, batch, price_in, price_out
+            admission.file_reservation, self.settings, batch, price_in, price_out
         )
         async with self.db.transaction() as s:
-            refusal = await _budget_refusal(s, batch.tenant_id, tokens, cost)
+            refusal = await admission.batch_refusal(s, batch.tenant_id, tokens, cost)
             moved = None
             if refusal is None:
                 moved = await batch_repo.transition(
@@ -236,7 +201,7 @@ class BatchRunner:
             # loop keeps renewing the batch's lock meanwhile.
             lines = await asyncio.to_thread(self._lines, batch, raw)
             async with self.db.transaction() as s:
-                prices = await self._prices(s, batch)
+                prices = await admission.batch_prices(s, self.settings, batch.created_at)
                 queued = await batch_repo.expand(s, batch, lines, line, offset, prices)
                 if queued is None:
                     await s.rollback()
@@ -264,45 +229,8 @@ class BatchRunner:
                 return moved is not None
         return False
 
-    async def _prices(self, s: AsyncSession, batch: BatchRecord) -> tuple[Decimal, Decimal]:
-        """The batch tier's price when the batch was created: its jobs keep it."""
-        price = await price_repo.current_price(
-            s,
-            self.settings.served_model_name,
-            Tier.BATCH,
-            self.settings.batch_discount,
-            as_of=batch.created_at,
-        )
-        if price is None:
-            return Decimal(0), Decimal(0)
-        return price.input_per_million, price.output_per_million
-
     def _lines(self, batch: BatchRecord, raw: list[RawLine]) -> list[BatchLine]:
-        return [self._line(batch, item) for item in raw]
-
-    def _line(self, batch: BatchRecord, item: RawLine) -> BatchLine:
-        """A line's job, or the refusal that its error line will carry."""
-        body = _runnable_body(item)
-        try:
-            job, model = _line_job(self.settings, batch.endpoint, body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            message = f"Invalid value for '{where}': {first['msg']}." if where else first["msg"]
-            return _refused_line(item, body, "invalid_request", message)
-        except Refused as exc:
-            return _refused_line(item, body, exc.code, exc.message)
-        return BatchLine(
-            line=item.number,
-            custom_id=item.custom_id,
-            model=model,
-            messages=[m.model_dump(exclude_none=True) for m in job.messages]
-            if job.messages
-            else None,
-            prompt=job.prompt,
-            params=job.params(),
-            reserved_tokens=_reservation(self.settings, job),
-        )
+        return [admission.batch_line(self.settings, batch.endpoint, item) for item in raw]
 
     # --- cancelling and expiry ---------------------------------------------------------
 
@@ -386,85 +314,5 @@ class BatchRunner:
         return True
 
 
-def _reservation(settings: Settings, job: JobCreate) -> int:
-    """What the line's job reserves: as an online job's (never below what it will bill)."""
-    messages = [m.model_dump(exclude_none=True) for m in job.messages] if job.messages else None
-    return token_count.for_settings(settings).reserve(messages, job.prompt, job.max_tokens)
-
-
-async def _budget_refusal(
-    s: AsyncSession, tenant_id: str, tokens: int, cost: Decimal
-) -> quota_repo.Refusal | None:
-    """Why the batch may not start: its tenant is not active, or the first of its budgets
-    that reserving `tokens` and `cost` would pass (checked under the tenant's lock)."""
-    quotas = [
-        q
-        for q in await quota_repo.quotas_of(s, tenant_id)
-        if q.tier in (quota_repo.ALL_TIERS, Tier.BATCH.value)
-        and (q.token_budget is not None or q.spend_budget is not None)
-    ]
-    # Locked with every other admission of the tenant (exclusive when a budget is checked):
-    # a tenant suspended since the batch was created starts nothing.
-    status = await tenant_repo.lock_tenant(s, tenant_id, exclusive=bool(quotas))
-    if status != TenantStatus.ACTIVE:
-        return quota_repo.Refusal("tenant_suspended", "The tenant is suspended.", 0)
-    for quota in quotas:
-        refusal = await quota_repo.check(s, quota, Tier.BATCH.value, tokens, cost, online=False)
-        if refusal is not None:
-            return refusal
-    return None
-
-
-def _runnable_body(item: RawLine) -> dict[str, Any]:
-    """A line's body as it runs: streaming fields dropped, and the tier is the batch's."""
-    body = {k: v for k, v in item.body.items() if k not in ("stream", "stream_options")}
-    body.pop("service_tier", None)
-    return body
-
-
-def _line_job(settings: Settings, endpoint: str, body: dict[str, Any]) -> tuple[JobCreate, str]:
-    """The job a line runs as, and its model; ValidationError or Refused when it cannot run.
-    The one parse of a line: what is reserved for it is what runs (no field can make a
-    line reserve nothing and still run)."""
-    job = openai_compat.parse(endpoint, body).to_job()
-    return job, check(job, settings)
-
-
-def _file_reservation(
-    settings: Settings, batch: BatchRecord, price_in: Decimal, price_out: Decimal
-) -> tuple[int, Decimal]:
-    """Tokens and the most money the whole file can take: what each line that will run
-    reserves once it is a job (a line refused here fails on its own, costing nothing)."""
-    tokens, cost = 0, Decimal(0)
-    offset, line = 0, 0
-    path = settings.file_path(batch.input_file_id)
-    while True:
-        raw, offset, line = read_requests(path, offset, line, FINALIZE_PAGE, batch.endpoint)
-        if not raw:
-            return tokens, cost
-        for item in raw:
-            try:
-                job, _model = _line_job(settings, batch.endpoint, _runnable_body(item))
-            except (ValidationError, Refused):
-                continue
-            reserved = _reservation(settings, job)
-            tokens += reserved
-            cost += quota_repo.reservation_cost(reserved, job.max_tokens, price_in, price_out)
-
-
 def _error(code: str, message: str, line: int | None = None) -> dict[str, Any]:
     return {"code": code, "message": message, "param": None, "line": line}
-
-
-def _refused_line(item: RawLine, body: dict[str, Any], code: str, message: str) -> BatchLine:
-    model = body.get("model")
-    return BatchLine(
-        line=item.number,
-        custom_id=item.custom_id,
-        model=str(model)[:200] if model is not None else "",
-        messages=None,
-        prompt=None,
-        params={},
-        error_code=code,
-        error_message=message,
-    )

@@ -4,10 +4,9 @@ create, show, list and cancel batches, and ask Celery to advance one when it cha
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.deps import (
     DbDep,
@@ -16,7 +15,6 @@ from api.deps import (
     SettingsDep,
     TenantDep,
     api_key_id,
-    refuse_unless_active,
 )
 from api.errors import APIError, documented, not_found
 from api.pages import list_page
@@ -24,29 +22,13 @@ from models import batches as batch_repo
 from models import files as file_repo
 from models import tenants as tenant_repo
 from services import batch_signal
-from services.openai_compat import ENDPOINTS
-from services.requests import Metadata
+from services.admission import refuse_unless_active
+from services.openai_compat import BatchCreate
 from tierq import metrics
 from tierq.states import BatchStatus
 from tierq.tiers import Tier
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=documented(400, 401, 503))
-
-
-class BatchCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    input_file_id: str
-    endpoint: str = Field(json_schema_extra={"enum": list(ENDPOINTS)})
-    completion_window: Literal["24h"]
-    metadata: Metadata = None
-
-    @field_validator("endpoint")
-    @classmethod
-    def _endpoint(cls, v: str) -> str:
-        if v not in ENDPOINTS:
-            raise ValueError(f"must be one of {', '.join(ENDPOINTS)}")
-        return v
 
 
 @router.post("", responses=documented(403, 404, 413, 429))

@@ -10,13 +10,14 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from starlette.datastructures import FormData, UploadFile
 
-from api.deps import DbDep, SettingsDep, TenantDep, api_key_id, refuse_unless_active
+from api.deps import DbDep, SettingsDep, TenantDep, api_key_id
 from api.errors import APIError, documented, not_found
 from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
 from models.db import Database
 from models.tenants import lock_tenant
+from services.admission import refuse_unless_active
 from services.hostile import unstorable
 from tierq import metrics
 from tierq.ids import new_id

@@ -22,10 +22,10 @@ from api.deps import (
     stream_slot,
 )
 from api.errors import APIError, documented, not_found
-from api.jobs import service
 from api.jobs.events import EVENT_STREAM, job_event_stream
 from api.pages import list_page
 from models import jobs as job_repo
+from services import admission, cancellation
 from services.requests import JobCreate
 from tierq.states import TERMINAL, JobStatus
 from tierq.tiers import Tier
@@ -54,7 +54,7 @@ async def create_job(
         Header(alias="Idempotency-Key", json_schema_extra={"minLength": 1, "maxLength": 255}),
     ] = None,
 ) -> JSONResponse:
-    job, _created = await service.submit(
+    job, _created = await admission.submit(
         db,
         r,
         names,
@@ -63,7 +63,7 @@ async def create_job(
         body,
         idempotency_key,
         key_id=api_key_id(request),
-        gate=gate,
+        gate=gate.enter,
     )
     return JSONResponse(job.to_api(), status_code=202)
 
@@ -100,7 +100,7 @@ async def get_job(job_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]:
 async def cancel_job(
     job_id: str, tenant: TenantDep, db: DbDep, r: RedisDep, names: NamesDep, events: EventsDep
 ) -> dict[str, Any]:
-    job = await service.cancel(db, r, names, events, tenant, job_id)
+    job = await cancellation.cancel_job(db, r, names, events, tenant.id, job_id)
     return job.to_api()
 
 

@@ -34,12 +34,13 @@ from api.deps import (
 from api.errors import APIError, documented, error_body
 from api.gate import TenantGate
 from api.hub import EventHub, Slot, StreamClosed
-from api.jobs import service
 from api.jobs.events import EVENT_STREAM, follow_job
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord, TenantRecord
+from services import admission, cancellation
 from services import openai_compat as oa
+from services.requests import Refused
 from tierq.queue import EventLog
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -109,8 +110,10 @@ class _Context:
 
         async def cancel() -> None:
             try:
-                await service.cancel(self.db, self.r, self.names, self.events, self.tenant, job_id)
-            except APIError:
+                await cancellation.cancel_job(
+                    self.db, self.r, self.names, self.events, self.tenant.id, job_id
+                )
+            except Refused:
                 pass  # it finished meanwhile
             except Exception:
                 log.exception("could not cancel %s after its client left", job_id)
@@ -169,7 +172,7 @@ async def _complete(
     # A slot before the job: a refused request (429 too_many_streams) leaves nothing to run.
     slot = await stream_slot(ctx.hub, settings, ctx.tenant)
     try:
-        job, _ = await service.submit(
+        job, _ = await admission.submit(
             ctx.db,
             ctx.r,
             ctx.names,
@@ -179,7 +182,7 @@ async def _complete(
             None,
             online=True,
             key_id=ctx.key_id,
-            gate=ctx.gate,
+            gate=ctx.gate.enter,
         )
     except BaseException:
         slot.release()

@@ -5,7 +5,7 @@ Revision ID: 0007
 Revises: 0006
 Create Date: 2026-11-30 13:20:00.000000
 
-What the exact path (api/jobs/service.py `_admit_exact`) does in a session of about ten
+What the exact path (services/admission.py `_admit_exact`) does in a session of about ten
 statements, as one PL/pgSQL function. It must be a function, not one statement: a
 statement reads every table in the snapshot it took when it began, so one that waited for
 the tenant's lock would count the jobs of the admission it waited for as not there, and

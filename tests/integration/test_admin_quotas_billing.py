@@ -436,7 +436,7 @@ async def test_a_suspension_committed_after_authentication_still_refuses_the_job
 ) -> None:
     """Admission reads the tenant's status under a lock on its row, in the transaction that
     inserts the job — not the snapshot authentication took a moment earlier."""
-    from api.errors import APIError
+    from services.requests import Refused
     from models import tenants as tenant_repo
     from services.requests import JobCreate
 
@@ -450,7 +450,7 @@ async def test_a_suspension_committed_after_authentication_still_refuses_the_job
     async with admin(platform) as a:
         assert (await a.post(f"/admin/tenants/{tenant_id}/suspend")).status_code == 200
     body = JobCreate(messages=[{"role": "user", "content": "hi"}], max_tokens=8)  # type: ignore[list-item]
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(Refused) as refused:
         await admit_as(platform, owner.tenant, body)
     assert refused.value.status == 403 and refused.value.code == "tenant_suspended"
     assert await jobs_of(platform, tenant_id) == []

@@ -1,6 +1,6 @@
 """Admission's one-round-trip paths on PostgreSQL (models/admission.py: one statement for
 a tenant without quotas, the function of migration 0007 for one with quotas) against the
-exact path (api/jobs/service.py `_admit_exact`, the ORM): the same jobs, prices, figures,
+exact path (services/admission.py `_admit_exact`, the ORM): the same jobs, prices, figures,
 refusals and idempotency, on real PostgreSQL and Redis."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ async def test_a_tenant_suspended_after_authentication_is_refused_with_nothing_w
 ) -> None:
     """The fast path reads the tenant's status under its lock, not the authenticated
     record's: a suspension or deletion that committed a moment before is refused (403)."""
-    from api.errors import APIError
+    from services.requests import Refused
     from models import tenants as tenant_repo
     from services.requests import JobCreate
 
@@ -123,7 +123,7 @@ async def test_a_tenant_suspended_after_authentication_is_refused_with_nothing_w
         await tenant_repo.update_tenant(s, tenant_id, status=status)
     before = _statements("fast")
     body = JobCreate.model_validate(CHAT)
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(Refused) as refused:
         await admit_as(platform, owner.tenant, body, key_id=owner.key_id)
     assert (refused.value.status, refused.value.code) == (403, "tenant_suspended")
     assert _statements("fast") == before + 1

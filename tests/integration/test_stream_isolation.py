@@ -229,7 +229,7 @@ async def test_a_revocation_committed_after_authentication_refuses_the_job(
 ) -> None:
     """Admission reads the key's state under the tenant's lock, in the transaction that
     inserts the job — not the snapshot authentication took."""
-    from api.errors import APIError
+    from services.requests import Refused
     from models import tenants as tenant_repo
     from services.requests import JobCreate
 
@@ -240,7 +240,7 @@ async def test_a_revocation_committed_after_authentication_refuses_the_job(
     async with admin(platform) as a:
         assert (await a.delete(f"/admin/keys/{owner.key_id}")).status_code == 200
     body = JobCreate(messages=[{"role": "user", "content": "hi"}], max_tokens=8)  # type: ignore[list-item]
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(Refused) as refused:
         await admit_as(platform, owner.tenant, body, key_id=owner.key_id)
     assert refused.value.status == 401 and refused.value.code == "invalid_api_key"
     async with platform.db.session() as s:
@@ -286,7 +286,7 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
     """An admission waiting on the tenant's row lock sees a revocation that committed
     while it waited (PostgreSQL re-reads only the locked row: the key is read after it),
     on the exact path (a quota) and on the one-statement fast path (none) alike."""
-    from api.errors import APIError
+    from services.requests import Refused
     from models import tenants as tenant_repo
     from models.tables import ApiKey, utcnow
     from services.requests import JobCreate
@@ -307,7 +307,7 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
         row = await s.get(ApiKey, owner.key_id)
         assert row is not None
         row.revoked_at = utcnow()
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(Refused) as refused:
         await admission
     assert refused.value.status == 401 and refused.value.code == "invalid_api_key"
     async with platform.db.session() as s:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from services.batch_input import check_line
 from services.hostile import MAX_DEPTH, suspect, unstorable
-from workers.batch_file import check_line
 
 
 def test_storable_values_pass() -> None:

@@ -9,8 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from services import openai_compat as oa
+from services.batch_input import read_requests, validate_file
 from tierq.tiers import Tier
-from workers.batch_file import read_requests, validate_file
 
 CHAT = "/v1/chat/completions"
 

@@ -1,4 +1,22 @@
-"""Admission and cancellation: the rules between a request and the queue."""
+"""Admission: the rules between a request and the queue — once, for an online request
+(the native job API and OpenAI's surface) and for a batch line alike.
+
+The path, for either:
+
+- **parse and check** (`prepare`): the request normalised to a `JobCreate` (a batch line
+  through OpenAI's protocol shapes, as an online OpenAI request is), the deployment's
+  limits (`services.requests.check`), the tier the tenant may use, and the prompt's
+  reservation (`reservation`, never below what the engine will bill);
+- **price**: the price in force for the model and tier (a batch's lines keep the price of
+  when the batch was created: `batch_prices`);
+- **quota and budget**, under the tenant's row lock, by one rule (`models.quotas.decide`):
+  an online job is checked as it is admitted (`submit`); a batch reserves what its whole
+  file can cost before its first line runs (`batch_refusal`), so that the lines then
+  expand without a check of their own and a batch is never half run.
+
+A refusal is `services.requests.Refused` (an HTTP status and an OpenAI error code): the
+API answers it in OpenAI's error shape, and a batch writes it to its error file.
+"""
 
 from __future__ import annotations
 
@@ -8,33 +26,36 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from datetime import datetime
 from decimal import Decimal
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import redis
 import redis.asyncio as aioredis
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from api.errors import APIError, not_found
-from api.gate import TenantGate
 from models import admission
 from models import jobs as job_repo
 from models import prices as price_repo
 from models import quotas as quota_repo
 from models import tenants as tenant_repo
+from models.batches import BatchLine
 from models.db import Database, RawPool
-from models.records import JobRecord, TenantRecord
+from models.records import BatchRecord, JobRecord, TenantRecord
 from models.tables import utcnow
-from services import cancellation
+from services import openai_compat
+from services.batch_input import RawLine, read_requests
 from services.requests import JobCreate, Refused, check
 from tierq import metrics, token_count
 from tierq.ids import new_id
-from tierq.queue import EventLog, enqueue
+from tierq.queue import enqueue
 from tierq.redis_conn import with_retries
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
-from tierq.states import JobStatus, TenantStatus
+from tierq.states import TenantStatus
 from tierq.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -76,14 +97,33 @@ def _refuse(
     tenant: TenantRecord | None = None,
     tier: Tier | None = None,
     retry_after_s: int | None = None,
-) -> APIError:
+) -> Refused:
+    """An online request refused, counted (per tenant too when `tenant` is given)."""
     metrics.JOBS_REFUSED.labels(code=code).inc()
     if tenant is not None:
         label = metrics.tenant_label(tenant.id)
         metrics.TENANT_REFUSED.labels(label, tier.value if tier else "", code).inc()
     if retry_after_s is None and status in (429, 503):
         retry_after_s = QUEUE_RETRY_AFTER_S
-    return APIError(status, message, code, param=param, retry_after_s=retry_after_s)
+    return Refused(status, message, code, param, retry_after_s=retry_after_s)
+
+
+def tenant_refusal(status: str | None) -> Refused | None:
+    """Why a request may not go on, given the tenant's status as read under its lock in the
+    request's transaction (`models.tenants.lock_tenant`: REVOKED for the request's revoked
+    key): its state as of now, not as of authentication a moment before."""
+    if status == tenant_repo.REVOKED:
+        return Refused(401, "Incorrect API key provided.", "invalid_api_key")
+    if status != TenantStatus.ACTIVE:
+        return Refused(403, "The tenant is suspended.", "tenant_suspended")
+    return None
+
+
+def refuse_unless_active(status: str | None) -> None:
+    """`tenant_refusal`, raised (the Files and Batches routes' check)."""
+    refusal = tenant_refusal(status)
+    if refusal is not None:
+        raise refusal
 
 
 def request_hash(body: JobCreate) -> str:
@@ -97,6 +137,18 @@ def validate(body: JobCreate, settings: Settings) -> str:
         return check(body, settings)
     except Refused as exc:
         raise _refuse(exc.status, exc.message, exc.code, exc.param) from None
+
+
+def reservation(settings: Settings, body: JobCreate) -> int:
+    """The tokens a job reserves, as the served model's tokenizer counts its prompt, plus
+    its max_tokens: never below what the engine will bill; what quotas and budgets are
+    checked against."""
+    counter = token_count.for_settings(settings)
+    return counter.reserve(_messages(body), body.prompt, body.max_tokens)
+
+
+def _messages(body: JobCreate) -> list[dict[str, Any]] | None:
+    return [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None
 
 
 def resolve_tier(tenant: TenantRecord, requested: Tier | None) -> Tier:
@@ -125,12 +177,14 @@ async def submit(
     *,
     online: bool = False,
     key_id: str | None = None,
-    gate: TenantGate | None = None,
+    gate: Callable[[str], AbstractAsyncContextManager[None]] | None = None,
 ) -> tuple[JobRecord, bool]:
     """Write the job row (the source of truth), then put it on its tier's stream.
 
     When Redis refuses the XADD, an asynchronous job stays accepted (the reconciler enqueues
     it); an `online` one — a client waiting on the line — is cancelled and refused with 503.
+    `gate` (a tenant's id -> the context admitting it) bounds admissions of one tenant in
+    this process (api/gate.py).
     """
     model = validate(body, settings)
     tier = resolve_tier(tenant, body.tier)
@@ -138,7 +192,7 @@ async def submit(
         raise _refuse(
             400, "Idempotency-Key must be 1 to 255 characters.", "invalid_idempotency_key"
         )
-    messages = [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None
+    messages = _messages(body)
     # A reservation is never below what the engine will bill. The fast path admits only
     # where no quota applies, so nothing is checked against it: it reserves the byte bound
     # (no tokenizer run); the exact path counts with the served model's tokenizer.
@@ -194,16 +248,26 @@ async def submit(
     return job, created
 
 
-def _gated(gate: TenantGate | None, tenant_id: str) -> AbstractAsyncContextManager[None]:
-    return gate.enter(tenant_id) if gate is not None else contextlib.nullcontext()
+def _gated(
+    gate: Callable[[str], AbstractAsyncContextManager[None]] | None, tenant_id: str
+) -> AbstractAsyncContextManager[None]:
+    return gate(tenant_id) if gate is not None else contextlib.nullcontext()
 
 
 def _refuse_unless_active(status: str | None, tenant: TenantRecord, tier: Tier) -> None:
-    """The tenant's status (or REVOKED for the request's key) as read under its lock."""
-    if status == tenant_repo.REVOKED:
-        raise _refuse(401, "Incorrect API key provided.", "invalid_api_key")
-    if status != TenantStatus.ACTIVE:
-        raise _refuse(403, "The tenant is suspended.", "tenant_suspended", tenant=tenant, tier=tier)
+    """`tenant_refusal`, counted: a suspension per tenant, a revoked key not (it is not
+    the tenant's doing)."""
+    refusal = tenant_refusal(status)
+    if refusal is None:
+        return
+    scoped = refusal.code == "tenant_suspended"
+    raise _refuse(
+        refusal.status,
+        refusal.message,
+        refusal.code,
+        tenant=tenant if scoped else None,
+        tier=tier if scoped else None,
+    )
 
 
 async def _counted(
@@ -377,28 +441,119 @@ async def _admit(
             _refuse_quota(refusal, tenant, tier)
 
 
-async def cancel(
-    db: Database,
-    r: aioredis.Redis,
-    names: RedisNames,
-    events: EventLog,
-    tenant: TenantRecord,
-    job_id: str,
-) -> JobRecord:
-    async with db.transaction() as s:
-        job = await job_repo.get_job(s, job_id, tenant.id)
-        if job is None:
-            raise not_found("job", job_id)
-        cancelled = await job_repo.cancel_job(s, job_id)
-        if cancelled is None:
-            current = await job_repo.get_job(s, job_id, tenant.id)
-            assert current is not None
-            if current.status == JobStatus.CANCELLED:
-                return current  # cancelling twice is harmless
-            raise APIError(
-                409,
-                f"The job is already {current.status.value} and cannot be cancelled.",
-                "job_not_cancellable",
-            )
-    await cancellation.announce(r, names, events, [cancelled])
-    return cancelled
+# --- batch lines ---------------------------------------------------------------------------
+
+
+def runnable_body(item: RawLine) -> dict[str, Any]:
+    """A line's body as it runs: streaming fields dropped, and the tier is the batch's."""
+    body = {k: v for k, v in item.body.items() if k not in ("stream", "stream_options")}
+    body.pop("service_tier", None)
+    return body
+
+
+def prepare_line(settings: Settings, endpoint: str, item: RawLine) -> tuple[JobCreate, str]:
+    """The job a line runs as, and its model: the line parsed as OpenAI's request for its
+    endpoint (as an online request to that endpoint is) and checked as an online job is;
+    ValidationError or Refused when it cannot run. The one parse of a line: what is
+    reserved for it is what runs (no field can make a line reserve nothing and still run)."""
+    job = openai_compat.parse(endpoint, runnable_body(item)).to_job()
+    return job, check(job, settings)
+
+
+def batch_line(settings: Settings, endpoint: str, item: RawLine) -> BatchLine:
+    """A line's job, or the refusal that its error line will carry."""
+    try:
+        job, model = prepare_line(settings, endpoint, item)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        message = f"Invalid value for '{where}': {first['msg']}." if where else first["msg"]
+        return _refused_line(item, "invalid_request", message)
+    except Refused as exc:
+        return _refused_line(item, exc.code, exc.message)
+    return BatchLine(
+        line=item.number,
+        custom_id=item.custom_id,
+        model=model,
+        messages=_messages(job),
+        prompt=job.prompt,
+        params=job.params(),
+        reserved_tokens=reservation(settings, job),
+    )
+
+
+def _refused_line(item: RawLine, code: str, message: str) -> BatchLine:
+    model = runnable_body(item).get("model")
+    return BatchLine(
+        line=item.number,
+        custom_id=item.custom_id,
+        model=str(model)[:200] if model is not None else "",
+        messages=None,
+        prompt=None,
+        params={},
+        error_code=code,
+        error_message=message,
+    )
+
+
+async def batch_prices(
+    s: AsyncSession, settings: Settings, created_at: datetime
+) -> tuple[Decimal, Decimal]:
+    """The batch tier's price when the batch was created: its lines keep it."""
+    price = await price_repo.current_price(
+        s, settings.served_model_name, Tier.BATCH, settings.batch_discount, as_of=created_at
+    )
+    if price is None:
+        return Decimal(0), Decimal(0)
+    return price.input_per_million, price.output_per_million
+
+
+FILE_PAGE = 1000  # lines read at a time while a file's reservation is summed
+
+
+def file_reservation(
+    settings: Settings, batch: BatchRecord, price_in: Decimal, price_out: Decimal
+) -> tuple[int, Decimal]:
+    """Tokens and the most money the whole file can take: what each line that will run
+    reserves once it is a job (a line refused here fails on its own, costing nothing).
+    Plain file I/O and tokenizing: callers run it in a thread."""
+    tokens, cost = 0, Decimal(0)
+    offset, line = 0, 0
+    path = settings.file_path(batch.input_file_id)
+    while True:
+        raw, offset, line = read_requests(path, offset, line, FILE_PAGE, batch.endpoint)
+        if not raw:
+            return tokens, cost
+        for item in raw:
+            try:
+                job, _model = prepare_line(settings, batch.endpoint, item)
+            except (ValidationError, Refused):
+                continue
+            reserved = reservation(settings, job)
+            tokens += reserved
+            cost += quota_repo.reservation_cost(reserved, job.max_tokens, price_in, price_out)
+
+
+async def batch_refusal(
+    s: AsyncSession, tenant_id: str, tokens: int, cost: Decimal
+) -> quota_repo.Refusal | None:
+    """Why a batch may not start: its tenant is not active, or the first of its budgets
+    that reserving `tokens` and `cost` (its file's reservation) would pass. Checked under
+    the tenant's lock in the transaction that starts the batch, with every other admission
+    of the tenant (exclusive when a budget is checked): batches and online jobs started
+    together are counted against the budget together, and a tenant suspended since the
+    batch was created starts nothing."""
+    quotas = [
+        q
+        for q in await quota_repo.quotas_of(s, tenant_id)
+        if q.tier in (quota_repo.ALL_TIERS, Tier.BATCH.value)
+        and (q.token_budget is not None or q.spend_budget is not None)
+    ]
+    status = await tenant_repo.lock_tenant(s, tenant_id, exclusive=bool(quotas))
+    if status != TenantStatus.ACTIVE:
+        return quota_repo.Refusal("tenant_suspended", "The tenant is suspended.", 0)
+    for quota in quotas:
+        refusal = await quota_repo.check(s, quota, Tier.BATCH.value, tokens, cost, online=False)
+        if refusal is not None:
+            return refusal
+    return None
