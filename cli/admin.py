@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cli.options import URL_OPTION, platform_url
 from tierq.settings import get_settings
 
 admin_app = typer.Typer(no_args_is_help=True, help="Tenants, keys, quotas and usage.")
@@ -20,7 +21,6 @@ admin_app.add_typer(tenant_app, name="tenant")
 admin_app.add_typer(key_app, name="key")
 admin_app.add_typer(quota_app, name="quota")
 
-URL = typer.Option("http://127.0.0.1:8000", envvar="TIERQ_URL", help="The platform.")
 ADMIN_KEY = typer.Option(
     None, help="Admin key (default: ADMIN_API_KEY, else STATE_DIR/admin-api-key)."
 )
@@ -36,10 +36,10 @@ def _key(given: str | None) -> str:
     return key
 
 
-def _call(url: str, key: str | None, method: str, path: str, **kwargs: Any) -> Any:
+def _call(url: str | None, key: str | None, method: str, path: str, **kwargs: Any) -> Any:
     resp = httpx.request(
         method,
-        url.rstrip("/") + path,
+        platform_url(url).rstrip("/") + path,
         headers={"Authorization": f"Bearer {_key(key)}"},
         timeout=60,
         **kwargs,
@@ -65,7 +65,7 @@ def tenant_create(
     default_tier: str = typer.Option("standard"),
     weight: float = typer.Option(1.0, help="Share within a tier relative to other tenants."),
     with_key: bool = typer.Option(True, help="Also issue an API key (printed once)."),
-    url: str = URL,
+    url: str | None = URL_OPTION,
     admin_key: str | None = ADMIN_KEY,
 ) -> None:
     """Create a tenant (and, by default, its first API key)."""
@@ -82,7 +82,7 @@ def tenant_create(
 
 
 @tenant_app.command("list")
-def tenant_list(url: str = URL, admin_key: str | None = ADMIN_KEY) -> None:
+def tenant_list(url: str | None = URL_OPTION, admin_key: str | None = ADMIN_KEY) -> None:
     table = Table("id", "name", "status", "tiers", "default", "weight")
     after: str | None = None
     while True:
@@ -105,24 +105,32 @@ def tenant_list(url: str = URL, admin_key: str | None = ADMIN_KEY) -> None:
 
 
 @tenant_app.command("suspend")
-def tenant_suspend(tenant_id: str, url: str = URL, admin_key: str | None = ADMIN_KEY) -> None:
+def tenant_suspend(
+    tenant_id: str, url: str | None = URL_OPTION, admin_key: str | None = ADMIN_KEY
+) -> None:
     """Its keys stop working at once; its queued and running work is cancelled."""
     _print(_call(url, admin_key, "POST", f"/admin/tenants/{tenant_id}/suspend"))
 
 
 @tenant_app.command("resume")
-def tenant_resume(tenant_id: str, url: str = URL, admin_key: str | None = ADMIN_KEY) -> None:
+def tenant_resume(
+    tenant_id: str, url: str | None = URL_OPTION, admin_key: str | None = ADMIN_KEY
+) -> None:
     _print(_call(url, admin_key, "POST", f"/admin/tenants/{tenant_id}/resume"))
 
 
 @key_app.command("create")
-def key_create(tenant_id: str, url: str = URL, admin_key: str | None = ADMIN_KEY) -> None:
+def key_create(
+    tenant_id: str, url: str | None = URL_OPTION, admin_key: str | None = ADMIN_KEY
+) -> None:
     """Issue a key; the secret is shown this once."""
     _print(_call(url, admin_key, "POST", f"/admin/tenants/{tenant_id}/keys"))
 
 
 @key_app.command("revoke")
-def key_revoke(key_id: str, url: str = URL, admin_key: str | None = ADMIN_KEY) -> None:
+def key_revoke(
+    key_id: str, url: str | None = URL_OPTION, admin_key: str | None = ADMIN_KEY
+) -> None:
     _print(_call(url, admin_key, "DELETE", f"/admin/keys/{key_id}"))
 
 
@@ -137,7 +145,7 @@ def quota_set(
     token_budget: int | None = typer.Option(None),
     spend_budget: str | None = typer.Option(None, help="A decimal amount, e.g. 25.00"),
     period: str = typer.Option("month", help="day, month or total"),
-    url: str = URL,
+    url: str | None = URL_OPTION,
     admin_key: str | None = ADMIN_KEY,
 ) -> None:
     """Replace the quota (all tiers, or --tier's): a limit not given is no limit."""
@@ -160,7 +168,7 @@ def usage(
     start: str | None = typer.Option(None, "--from", help="ISO date or Unix seconds."),
     end: str | None = typer.Option(None, "--to"),
     group_by: str = typer.Option("day", help="day, tier, model (comma-separated)"),
-    url: str = URL,
+    url: str | None = URL_OPTION,
     admin_key: str | None = ADMIN_KEY,
 ) -> None:
     """A tenant's tokens and cost, as a table."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from cli.admin import admin_app
+from cli.options import URL_OPTION, platform_url
 from tierq.logs import setup as setup_logging
 from tierq.settings import get_settings
 
@@ -26,7 +27,6 @@ batch_app = typer.Typer(no_args_is_help=True, help="OpenAI-style batches of JSON
 app.add_typer(batch_app, name="batch")
 app.add_typer(admin_app, name="admin")
 
-URL_OPTION = typer.Option("http://127.0.0.1:8000", envvar="TIERQ_URL", help="The platform.")
 log = logging.getLogger("tierq")
 
 EXIT_ENGINE_DEAD = 3  # `tierq worker`'s exit status when its engine died
@@ -196,7 +196,7 @@ def calibrate() -> None:
 
 @bench_app.command("overhead")
 def bench_overhead(
-    url: str = typer.Option("http://127.0.0.1:8000", help="The running platform."),
+    url: str | None = URL_OPTION,
     n: int = typer.Option(64, help="Number of identical chat jobs."),
     max_tokens: int = typer.Option(64),
     key_file: Path | None = typer.Option(
@@ -214,7 +214,7 @@ def bench_overhead(
     setup_logging("WARNING")
     settings = get_settings()
     key = (key_file or settings.dev_key_file).read_text().strip()
-    result = run_overhead(settings, url, key, n, max_tokens, tier, rounds, mixed)
+    result = run_overhead(settings, platform_url(url), key, n, max_tokens, tier, rounds, mixed)
     typer.echo(json.dumps(result))
 
 
@@ -409,13 +409,13 @@ def batch_submit(
     file: Path = typer.Argument(..., exists=True, dir_okay=False, help="The JSONL requests."),
     endpoint: str = typer.Option("/v1/chat/completions", help="Every line's url."),
     wait: bool = typer.Option(False, "--wait", help="Follow it to the end with a progress bar."),
-    url: str = URL_OPTION,
+    url: str | None = URL_OPTION,
     key: str | None = KEY_OPTION,
 ) -> None:
     """Upload FILE and start a batch; prints the batch (JSON) when it starts or ends."""
     from client.batches import BatchClient, resolve_key
 
-    client = BatchClient(url, resolve_key(key, get_settings()))
+    client = BatchClient(platform_url(url), resolve_key(key, get_settings()))
     try:
         uploaded = client.upload(file)
         batch = client.create(uploaded["id"], endpoint)
@@ -475,13 +475,13 @@ def _follow(client: BatchClient, batch_id: str) -> dict[str, Any]:
 def batch_download(
     batch_id: str,
     out: Path = typer.Option(Path("."), help="Folder for <batch>_output.jsonl and _errors.jsonl."),
-    url: str = URL_OPTION,
+    url: str | None = URL_OPTION,
     key: str | None = KEY_OPTION,
 ) -> None:
     """Write a finished batch's output and error files."""
     from client.batches import BatchClient, resolve_key
 
-    client = BatchClient(url, resolve_key(key, get_settings()))
+    client = BatchClient(platform_url(url), resolve_key(key, get_settings()))
     try:
         batch = client.get(batch_id)
         if batch["status"] not in ("completed", "expired", "cancelled", "failed"):
@@ -503,7 +503,7 @@ def batch_download(
 
 @bench_app.command("batch")
 def bench_batch(
-    url: str = URL_OPTION,
+    url: str | None = URL_OPTION,
     key: str | None = KEY_OPTION,
     n: int = typer.Option(96, help="Chat requests in the JSONL file."),
     max_tokens: int = typer.Option(32),
@@ -514,7 +514,9 @@ def bench_batch(
     from client.batches import resolve_key
 
     setup_logging("WARNING")
-    result = run_bench(get_settings(), url, resolve_key(key, get_settings()), n, max_tokens, rounds)
+    result = run_bench(
+        get_settings(), platform_url(url), resolve_key(key, get_settings()), n, max_tokens, rounds
+    )
     typer.echo(json.dumps(result))
 
 

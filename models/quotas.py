@@ -253,7 +253,7 @@ async def check(
     now = now or datetime.now(UTC)
     return decide(
         quota,
-        await _figures(s, quota, now, online=online),
+        await read_figures(s, quota, now, online=online),
         tier,
         reserved_tokens,
         reserved_cost,
@@ -262,7 +262,9 @@ async def check(
     )
 
 
-async def _figures(s: AsyncSession, quota: QuotaRecord, now: datetime, *, online: bool) -> Figures:
+async def read_figures(
+    s: AsyncSession, quota: QuotaRecord, now: datetime, *, online: bool
+) -> Figures:
     """The figures `quota`'s limits need, and only those."""
     tenant, tier = quota.tenant_id, quota.tier
     minute: tuple[int, int, datetime | None] = (0, 0, None)
@@ -277,7 +279,7 @@ async def _figures(s: AsyncSession, quota: QuotaRecord, now: datetime, *, online
         # Reserved work first, spend after: on PostgreSQL each statement sees its own
         # snapshot, and work moves batch -> job -> ledger; read in that order, a move that
         # commits between two reads is counted twice (erring safe), never not at all.
-        held = await _reserved(s, tenant, tier, now)
+        held = await held_reservations(s, tenant, tier, now)
         used = await spent(s, tenant, tier, quota.budget_period, now)
     return Figures(*minute, queued, *held, *used)
 
@@ -344,7 +346,7 @@ async def _minute_window(
     return int(count), int(used), as_utc(oldest)
 
 
-async def _reserved(
+async def held_reservations(
     s: AsyncSession, tenant_id: str, tier: str, now: datetime
 ) -> tuple[int, Decimal]:
     """What the tenant's unfinished work holds against its budget: for every batch still

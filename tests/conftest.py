@@ -45,7 +45,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _admin(sql: str) -> None:
+async def pg_admin_sql(sql: str) -> None:
     engine = create_async_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
         async with engine.connect() as conn:
@@ -58,23 +58,23 @@ async def _admin(sql: str) -> None:
 def pg_database() -> Iterator[str]:
     """A fresh PostgreSQL database for this test run, migrated to head."""
     name = f"tierq_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    asyncio.run(pg_admin_sql(f'CREATE DATABASE "{name}"'))
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     migrations.upgrade(url)
     yield url
-    asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    asyncio.run(pg_admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture
 def settings(pg_database: str, tmp_path: object, request: pytest.FixtureRequest) -> Settings:
     """The test's settings; a test changes some with `@pytest.mark.with_settings(name=value)`."""
     marker = request.node.get_closest_marker("with_settings")
-    return _base_settings(pg_database, tmp_path).model_copy(
+    return base_settings(pg_database, tmp_path).model_copy(
         update=marker.kwargs if marker is not None else {}
     )
 
 
-def _base_settings(pg_database: str, tmp_path: object) -> Settings:
+def base_settings(pg_database: str, tmp_path: object) -> Settings:
     return Settings(
         database_url=pg_database,
         redis_url=REDIS_TEST_URL,

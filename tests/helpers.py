@@ -92,3 +92,21 @@ def assert_openai_error(resp: httpx.Response, status: int, code: str | None = No
     assert "code" in err
     if code is not None:
         assert err["code"] == code, err
+
+
+def error_code(resp: Any) -> str | None:
+    """The OpenAI-shaped error code of a response, if it has one."""
+    try:
+        return str(resp.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+async def jobs_of(platform: Any, tenant_id: str) -> list[Any]:
+    """Every job row of a tenant (models.tables.Job), as the database has them."""
+    from sqlalchemy import select
+
+    from models.tables import Job
+
+    async with platform.db.session() as s:
+        return list((await s.execute(select(Job).where(Job.tenant_id == tenant_id))).scalars())

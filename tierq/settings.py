@@ -80,6 +80,8 @@ class Settings(BaseSettings):
     # The command line's clients (`tierq batch`, `tierq bench batch`): a tenant's API key.
     # Unset: the embedded default's dev tenant's (STATE_DIR/dev-api-key).
     tierq_api_key: str | None = None
+    # The platform those clients (and `tierq admin ...`) talk to, unless --url says.
+    tierq_url: str = "http://127.0.0.1:8000"
     # Every process's log level (tierq/logs.py); commands that print figures use WARNING.
     log_level: str = "INFO"
     # Set by `tierq run` for the processes it starts on the embedded default (they get

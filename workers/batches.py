@@ -1,11 +1,11 @@
 """The life of a batch, driven by Celery: validate, expand, finalise, cancel, expire.
 
 `BatchRunner.advance(batch_id)` looks at the batch in the database and does the next
-thing its status calls for, under the batch's lease (workers/batch_lease.py). Every step is idempotent and keeps its progress in the
-database (the status, the expansion cursor, the jobs keyed by (batch, line)), so a Celery
-worker killed at any point leaves nothing that the next advance cannot pick up: beat's
-tick advances every active batch, and workers and the API ask for an advance when
-something changed.
+thing its status calls for, under the batch's lease (workers/batch_lease.py). Every step
+is idempotent and keeps its progress in the database (the status, the expansion cursor,
+the jobs keyed by (batch, line)), so a Celery worker killed at any point leaves nothing
+that the next advance cannot pick up: beat's tick advances every active batch, and
+workers and the API ask for an advance when something changed.
 
 - validating: the input file is read once, line by line (services/batch_input.py);
   structural problems fail the batch with `errors` naming the lines (OpenAI's contract).

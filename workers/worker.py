@@ -536,14 +536,26 @@ class Worker:
         return None, "skipped"  # finished, cancelled or dead-lettered meanwhile
 
     async def _execute(self, msg: JobMessage) -> Outcome:
+        """Claim the job, then generate it: the outcome of this run (settled by `_settle`)."""
+        claimed = await self._claim(msg)
+        if isinstance(claimed, str):
+            return Outcome(claimed)
+        job, already = claimed
+        metrics.QUEUE_WAIT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
+        return await self._generate(job, msg, already)
+
+    async def _claim(self, msg: JobMessage) -> tuple[JobRecord, int] | str:
+        """This run's claim on the job (the database's, then the event stream's delivery
+        fence) and how many characters earlier deliveries streamed; or why it does not run
+        (superseded, skipped)."""
         job, why_not = await self._retrying("start job", lambda: self._start(msg))
         if job is None:
-            return Outcome(why_not)
+            return why_not
         self._jobs[job.id] = job
         if not await self._retrying(
             "claim delivery", lambda: self.events.claim_delivery(job.id, job.deliveries)
         ):
-            return Outcome("superseded")
+            return "superseded"
         # What earlier deliveries streamed (read after the claim: they can add no more).
         earlier = (
             await self._retrying("replay", lambda: self.events.since(job.id, 0))
@@ -551,12 +563,14 @@ class Worker:
             else []
         )
         self.publisher.fence(job.id, job.deliveries, [event for _, event in earlier])
-        already = sum(delta_chars(e) for _, e in earlier if e.kind == "delta")
+        return job, sum(delta_chars(e) for _, e in earlier if e.kind == "delta")
+
+    async def _generate(self, job: JobRecord, msg: JobMessage, already: int) -> Outcome:
+        """Run the job in the engine, streaming what goes beyond the `already` characters
+        that followers have; the outcome says how it ended."""
         params: dict[str, Any] = dict(job.params)
         if params.get("seed") is None:
             params["seed"] = replay_seed(job.id)
-        metrics.QUEUE_WAIT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
-
         out = Outcome("succeeded")
         text_parts: list[str] = []
         emitted = already
@@ -569,26 +583,25 @@ class Worker:
                 out.prompt_tokens = chunk.prompt_tokens
                 out.completion_tokens += chunk.new_tokens
                 out.finish_reason = chunk.finish_reason or out.finish_reason
-                if chunk.text:
-                    if "\x00" in chunk.text:
-                        # The model can generate NUL (a token of its vocabulary decodes to
-                        # it), which PostgreSQL's text refuses: the job could never be
-                        # stored. The same replacement goes to followers and to the result.
-                        chunk = dataclasses.replace(
-                            chunk, text=chunk.text.replace("\x00", "\ufffd")
-                        )
-                    if first:
-                        metrics.TTFT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
-                        first = False
-                    text_parts.append(chunk.text)
-                    start, produced = produced, produced + len(chunk.text)
-                    if produced > emitted:  # beyond what a previous delivery streamed
-                        # A batch's lines are read from its output file, not followed live:
-                        # no deltas (the final event carries the whole result), so 50,000
-                        # lines leave next to nothing in Redis.
-                        if job.batch_id is None:
-                            self.publisher.delta(job.id, chunk.text[max(0, emitted - start) :])
-                        emitted = produced
+                if not chunk.text:
+                    continue
+                if "\x00" in chunk.text:
+                    # The model can generate NUL (a token of its vocabulary decodes to it),
+                    # which PostgreSQL's text refuses: the job could never be stored. The
+                    # same replacement goes to followers and to the result.
+                    chunk = dataclasses.replace(chunk, text=chunk.text.replace("\x00", "\ufffd"))
+                if first:
+                    metrics.TTFT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
+                    first = False
+                text_parts.append(chunk.text)
+                start, produced = produced, produced + len(chunk.text)
+                if produced > emitted:  # beyond what a previous delivery streamed
+                    # A batch's lines are read from its output file, not followed live: no
+                    # deltas (the final event carries the whole result), so 50,000 lines
+                    # leave next to nothing in Redis.
+                    if job.batch_id is None:
+                        self.publisher.delta(job.id, chunk.text[max(0, emitted - start) :])
+                    emitted = produced
         except EngineRequestError as exc:
             return dataclasses.replace(out, kind="failed", code=exc.code, message=str(exc))
         except EngineDead:
@@ -620,7 +633,8 @@ class Worker:
     async def _settle(
         self, msg: JobMessage, out: Outcome, job: JobRecord | None, entry_id: str | None
     ) -> None:
-        """The one place a run of a job ends: database, final event, inbox and slot."""
+        """The one place a run of a job ends, whatever its outcome: the database, the final
+        event, the bill of a cancelled run, the inbox entry and the slot."""
         delivery = job.deliveries if job is not None else None
         kind = out.kind
         if kind in ("succeeded", "retry", "failed"):
@@ -634,69 +648,74 @@ class Worker:
                 log.warning("job %s goes back for another delivery: %s", msg.job_id, out.message)
             else:
                 kind = "failed"
-        if kind == "succeeded":
-
-            async def finish() -> JobRecord | None:
-                async with self.db.transaction() as s:
-                    return await job_repo.finish_job(
-                        s,
-                        msg.job_id,
-                        status=JobStatus.SUCCEEDED,
-                        text=out.text,
-                        finish_reason=out.finish_reason,
-                        prompt_tokens=out.prompt_tokens,
-                        completion_tokens=out.completion_tokens,
-                        delivery=delivery,
-                    )
-
-            finished = await self._retrying("finish job", finish)
-            if finished is not None:
-                self._count_success(finished, out)
-                await self._retrying(
-                    "done event",
-                    lambda: self.publisher.send(msg.job_id, JobEvent("done", finished.to_api())),
-                )
-            else:
-                kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
-        elif kind == "failed":
-            code = out.code or "engine_error"
-            message = out.message or "the engine failed"
-
-            async def fail() -> JobRecord | None:
-                async with self.db.transaction() as s:
-                    return await job_repo.fail_job(s, msg.job_id, code, message, delivery=delivery)
-
-            failed = await self._retrying("fail job", fail)
-            if failed is not None:
-                metrics.JOBS_FINISHED.labels(msg.tier.value, "failed").inc()
-                await self._retrying(
-                    "error event",
-                    lambda: self.publisher.send(msg.job_id, JobEvent("error", failed.to_api())),
-                )
-            else:
-                kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
-        elif kind in ("handed_back", "preempted"):
-            preempted = kind == "preempted"
-
-            async def hand_back() -> bool:
-                async with self.db.transaction() as s:
-                    why = out.message or ("preempted" if preempted else "worker handed it back")
-                    back = await job_repo.requeue_job(
-                        s, msg.job_id, why, delivery=delivery, preempted=preempted
-                    )
-                return back is not None
-
-            if await self._retrying("requeue job", hand_back):
-                again = dataclasses.replace(msg, preemptions=msg.preemptions + preempted)
-                await self._retrying(
-                    "enqueue", lambda: enqueue(self.r, self.names, again, head_of_tier=preempted)
-                )
-            else:
-                kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
+        settled = {
+            "succeeded": self._ended,
+            "failed": self._ended,
+            "handed_back": self._handed_back_to_queue,
+            "preempted": self._handed_back_to_queue,
+        }.get(kind)
+        # True when the job's row took this run's outcome; else another ending got there
+        # first (a cancel, a later delivery), and the kind says which.
+        if settled is not None and not await settled(msg, out, kind, delivery):
+            kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
         if kind == "cancelled" and job is not None and out.served > 0:
             await self._retrying("bill cancelled", lambda: self._bill_cancelled(msg, out))
         if entry_id is not None:
             await self._retrying("release", lambda: self._release(entry_id, msg, kind, out.served))
+
+    async def _ended(self, msg: JobMessage, out: Outcome, kind: str, delivery: int | None) -> bool:
+        """Succeeded or failed: the job's row takes the outcome, then its final event."""
+        code = out.code or "engine_error"
+        message = out.message or "the engine failed"
+
+        async def write() -> JobRecord | None:
+            async with self.db.transaction() as s:
+                if kind == "failed":
+                    return await job_repo.fail_job(s, msg.job_id, code, message, delivery=delivery)
+                return await job_repo.finish_job(
+                    s,
+                    msg.job_id,
+                    status=JobStatus.SUCCEEDED,
+                    text=out.text,
+                    finish_reason=out.finish_reason,
+                    prompt_tokens=out.prompt_tokens,
+                    completion_tokens=out.completion_tokens,
+                    delivery=delivery,
+                )
+
+        ended = await self._retrying("fail job" if kind == "failed" else "finish job", write)
+        if ended is None:
+            return False
+        if kind == "failed":
+            metrics.JOBS_FINISHED.labels(msg.tier.value, "failed").inc()
+        else:
+            self._count_success(ended, out)
+        await self._retrying(
+            "final event", lambda: self.publisher.send(msg.job_id, _final_event(ended))
+        )
+        return True
+
+    async def _handed_back_to_queue(
+        self, msg: JobMessage, out: Outcome, kind: str, delivery: int | None
+    ) -> bool:
+        """Back to its tier's queue for another delivery (at the head when preempted)."""
+        preempted = kind == "preempted"
+
+        async def hand_back() -> bool:
+            async with self.db.transaction() as s:
+                why = out.message or ("preempted" if preempted else "worker handed it back")
+                back = await job_repo.requeue_job(
+                    s, msg.job_id, why, delivery=delivery, preempted=preempted
+                )
+            return back is not None
+
+        if not await self._retrying("requeue job", hand_back):
+            return False
+        again = dataclasses.replace(msg, preemptions=msg.preemptions + preempted)
+        await self._retrying(
+            "enqueue", lambda: enqueue(self.r, self.names, again, head_of_tier=preempted)
+        )
+        return True
 
     async def _bill_cancelled(self, msg: JobMessage, out: Outcome) -> None:
         """The engine did the work up to the cancellation: the tenant pays for it."""

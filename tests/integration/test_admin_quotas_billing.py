@@ -16,9 +16,17 @@ import pytest
 from sqlalchemy import select
 
 from api.app import build_app
-from models.tables import Job, UsageRecord
+from models.tables import UsageRecord
 from tests.conftest import Platform
-from tests.helpers import admin, admit_as, assert_openai_error, client, new_tenant, wait_for
+from tests.helpers import (
+    admin,
+    admit_as,
+    assert_openai_error,
+    client,
+    jobs_of,
+    new_tenant,
+    wait_for,
+)
 from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
@@ -33,11 +41,6 @@ def reserved(settings: Any) -> int:
     from tierq.token_count import for_settings
 
     return for_settings(settings).reserve(None, JOB["prompt"], JOB["max_tokens"])  # type: ignore[arg-type]
-
-
-async def jobs_of(platform: Platform, tenant_id: str) -> list[Job]:
-    async with platform.db.session() as s:
-        return list((await s.execute(select(Job).where(Job.tenant_id == tenant_id))).scalars())
 
 
 async def test_the_admin_api_takes_only_the_admin_key(platform: Platform, tenant_key: str) -> None:
@@ -436,9 +439,8 @@ async def test_a_suspension_committed_after_authentication_still_refuses_the_job
 ) -> None:
     """Admission reads the tenant's status under a lock on its row, in the transaction that
     inserts the job — not the snapshot authentication took a moment earlier."""
-    from services.requests import Refused
     from models import tenants as tenant_repo
-    from services.requests import JobCreate
+    from services.requests import JobCreate, Refused
 
     tenant_id, key = await new_tenant(platform)
     if with_quota:

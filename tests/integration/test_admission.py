@@ -111,9 +111,8 @@ async def test_a_tenant_suspended_after_authentication_is_refused_with_nothing_w
 ) -> None:
     """The fast path reads the tenant's status under its lock, not the authenticated
     record's: a suspension or deletion that committed a moment before is refused (403)."""
-    from services.requests import Refused
     from models import tenants as tenant_repo
-    from services.requests import JobCreate
+    from services.requests import JobCreate, Refused
 
     tenant_id, key = await new_tenant(platform)
     async with platform.db.session() as s:
@@ -303,7 +302,7 @@ async def test_the_quota_function_reads_and_decides_as_the_orm_path_at_every_bou
             spend_budget=Decimal(10**9),
             **period,
         )
-        figures = await quota_repo._figures(s, probe, now, online=True)
+        figures = await quota_repo.read_figures(s, probe, now, online=True)
     assert figures.minute_requests and figures.queued and figures.held_tokens
     assert figures.held_cost and (figures.spent_tokens or scope == "standard")
     edge = _boundary(limit, figures, 300, cost)
@@ -313,7 +312,7 @@ async def test_the_quota_function_reads_and_decides_as_the_orm_path_at_every_bou
             limits = {field: None for field in LIMITS} | {limit: value}
             quota = await quota_repo.set_quota(s, tenant_id, scope, **limits, **period)
             orm = await quota_repo.check(s, quota, "standard", 300, cost, now=now)
-            orm_figures = await quota_repo._figures(s, quota, now, online=True)
+            orm_figures = await quota_repo.read_figures(s, quota, now, online=True)
         assert (orm is None) == admits
         outcome = await admission.admit_with_quotas(
             platform.db.raw,  # type: ignore[arg-type]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openai import AsyncOpenAI
 from sqlalchemy import update
 
 from api.app import build_app
@@ -21,66 +19,11 @@ from models import batches as batch_repo
 from models.tables import Batch
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error
+from tests.integration.batch_helpers import CHAT, finished, jsonl, line, lines_of, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
 from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
-
-CHAT = "/v1/chat/completions"
-
-
-def sdk(platform: Platform, key: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=key, max_retries=0)
-
-
-def line(custom_id: str, content: str = "Say hello.", **body: Any) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": CHAT,
-        "body": {
-            "model": "SmolLM2-135M-Instruct",
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": 8,
-            **body,
-        },
-    }
-
-
-def jsonl(items: list[Any]) -> bytes:
-    return b"".join(
-        (item if isinstance(item, bytes) else json.dumps(item).encode()) + b"\n" for item in items
-    )
-
-
-async def submit(client: AsyncOpenAI, data: bytes, endpoint: str = CHAT) -> Any:
-    file = await client.files.create(file=("input.jsonl", data), purpose="batch")
-    return await client.batches.create(
-        input_file_id=file.id,
-        endpoint=endpoint,  # type: ignore[arg-type]
-        completion_window="24h",
-        metadata={"run": "test"},
-    )
-
-
-async def finished(
-    client: AsyncOpenAI, batch_id: str, celery: CeleryWorker, timeout: float = 90
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = await client.batches.retrieve(batch_id)
-        if batch.status in ("completed", "failed", "expired", "cancelled"):
-            return batch
-        assert celery.proc is not None and celery.proc.poll() is None, celery.output()
-        assert time.monotonic() < deadline, f"batch still {batch.status}:\n{celery.output()}"
-        await asyncio.sleep(0.2)
-
-
-async def lines_of(client: AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    if file_id is None:
-        return []
-    content = await client.files.content(file_id)
-    return [json.loads(x) for x in content.text.splitlines() if x.strip()]
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from models import spend
 from models.tables import Batch, Job, SpendCounter, UsageRecord
 from tests.conftest import ADMIN_KEY, Platform
 from tests.helpers import client
+from tests.integration.batch_helpers import finished, jsonl, line, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
-from tests.integration.test_batches import finished, jsonl, line, sdk, submit
 
 pytestmark = pytest.mark.integration
 
@@ -207,7 +207,7 @@ async def test_a_job_cancelled_while_it_ran_holds_its_reservation_until_billed(
 
     async def held() -> int:
         async with platform.db.session() as s:
-            tokens, _cost = await quota_repo._reserved(s, tenant_id, "*", now)
+            tokens, _cost = await quota_repo.held_reservations(s, tenant_id, "*", now)
         return tokens
 
     reserved = await held()
@@ -218,7 +218,7 @@ async def test_a_job_cancelled_while_it_ran_holds_its_reservation_until_billed(
     # ...and not for ever: a worker that died with it bills nothing
     async with platform.db.session() as s:
         later = now + quota_repo.BILLING_GRACE + timedelta(seconds=1)
-        assert (await quota_repo._reserved(s, tenant_id, "*", later))[0] == 0
+        assert (await quota_repo.held_reservations(s, tenant_id, "*", later))[0] == 0
     async with platform.db.transaction() as s:
         await job_repo.bill_cancelled(s, job_id, 20, 300)
     assert await held() == 0  # billed: the ledger holds it now

@@ -25,7 +25,7 @@ from sqlalchemy import exc as sa_exc
 from dispatcher.loop import Dispatcher
 from models import jobs as job_repo
 from tests.conftest import REDIS_TEST_URL, Platform
-from tests.helpers import client, read_sse, wait_for
+from tests.helpers import client, jobs_of, read_sse, wait_for
 from tierq.queue import enqueue
 from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP
 from workers import worker as worker_mod
@@ -470,7 +470,6 @@ async def _tenant_of(platform: Platform, job_id: str) -> str:
 
 async def test_max_running_holds_across_a_dispatcher_restart(platform: Platform) -> None:
     from tests.helpers import admin, new_tenant
-    from tests.integration.test_admin_quotas_billing import jobs_of
 
     capped_id, capped_key = await new_tenant(platform)
     async with admin(platform) as a:

@@ -20,8 +20,8 @@ from models import batches as batch_repo
 from models.tables import File, utcnow
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error, client
+from tests.integration.batch_helpers import finished, jsonl, line, lines_of, submit
 from tests.integration.celery_proc import CeleryWorker
-from tests.integration.test_batches import finished, jsonl, line, lines_of, submit
 from tierq.settings import Settings
 from tierq.states import BatchStatus
 from workers.files_expiry import remove_expired_files

@@ -35,9 +35,9 @@ from redis.backoff import ExponentialBackoff
 from sqlalchemy import text
 
 from tests.conftest import ADMIN_KEY, REDIS_TEST_URL, Platform
-from tests.helpers import assert_openai_error, client, new_tenant, wait_for
+from tests.helpers import assert_openai_error, client, error_code, new_tenant, wait_for
+from tests.integration.batch_helpers import finished, jsonl, line, lines_of, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
-from tests.integration.test_batches import finished, jsonl, line, lines_of, sdk, submit
 from tierq.redis_names import RedisNames
 from tierq.tiers import Tier
 
@@ -348,13 +348,6 @@ class Fuzzed:
         await self.tenant.aclose()
         await self.admin.aclose()
         await self.r.aclose()
-
-
-def error_code(resp: Any) -> str | None:
-    try:
-        return str(resp.json()["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 # What a refused request must leave as it was (a worker changes none of it, but the count

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection
 import migrations
 from models.db import make_engine
 from models.tables import Base
-from tests.conftest import PG_ADMIN_URL, _admin
+from tests.conftest import PG_ADMIN_URL, pg_admin_sql
 
 pytestmark = pytest.mark.integration
 
@@ -62,11 +62,11 @@ def test_round_trip_on_sqlite(tmp_path: Path) -> None:
 
 def _on_a_new_postgresql_database(check: Callable[[str], None]) -> None:
     name = f"tierq_migrate_{uuid.uuid4().hex[:8]}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    asyncio.run(pg_admin_sql(f'CREATE DATABASE "{name}"'))
     try:
         check(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}")
     finally:
-        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        asyncio.run(pg_admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def test_round_trip_on_postgresql() -> None:

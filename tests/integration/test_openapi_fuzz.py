@@ -30,8 +30,8 @@ from sqlalchemy import text
 from api.app import build_app
 from models.db import Database
 from models.tables import Base
-from tests.conftest import ADMIN_KEY, REDIS_TEST_URL, Platform, _base_settings
-from tests.integration.test_fuzz_routes import error_code
+from tests.conftest import ADMIN_KEY, REDIS_TEST_URL, Platform, base_settings
+from tests.helpers import error_code
 from tierq.settings import Settings
 from workers.engine.simulated_engine import CostModel
 
@@ -71,7 +71,7 @@ class BackgroundPlatform:
     """tests.conftest.Platform (API, dispatcher, one simulated worker) on its own loop."""
 
     def __init__(self, pg_database: str, state_dir: Path) -> None:
-        self.settings = _base_settings(pg_database, state_dir)
+        self.settings = base_settings(pg_database, state_dir)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.platform: Platform | None = None

@@ -229,9 +229,8 @@ async def test_a_revocation_committed_after_authentication_refuses_the_job(
 ) -> None:
     """Admission reads the key's state under the tenant's lock, in the transaction that
     inserts the job — not the snapshot authentication took."""
-    from services.requests import Refused
     from models import tenants as tenant_repo
-    from services.requests import JobCreate
+    from services.requests import JobCreate, Refused
 
     tenant_id, key = await new_tenant(platform)
     async with platform.db.session() as s:
@@ -286,10 +285,9 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
     """An admission waiting on the tenant's row lock sees a revocation that committed
     while it waited (PostgreSQL re-reads only the locked row: the key is read after it),
     on the exact path (a quota) and on the one-statement fast path (none) alike."""
-    from services.requests import Refused
     from models import tenants as tenant_repo
     from models.tables import ApiKey, utcnow
-    from services.requests import JobCreate
+    from services.requests import JobCreate, Refused
 
     tenant_id, key = await new_tenant(platform)
     if path == "exact":

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import Platform
 from tests.helpers import admin, assert_openai_error, client, new_tenant, read_sse, wait_for
-from tests.integration.test_batches import jsonl, line, sdk
+from tests.integration.batch_helpers import jsonl, line, sdk
 from tierq.states import BatchStatus
 
 pytestmark = pytest.mark.integration
