@@ -30,6 +30,7 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any, NoReturn
 
 import redis
@@ -44,7 +45,7 @@ from models import quotas as quota_repo
 from models import tenants as tenant_repo
 from models.batches import BatchLine
 from models.db import Database, RawPool
-from models.records import BatchRecord, JobRecord, TenantRecord
+from models.records import JobRecord, TenantRecord
 from models.tables import utcnow
 from services import openai_compat
 from services.batch_input import RawLine, read_requests
@@ -512,21 +513,20 @@ FILE_PAGE = 1000  # lines read at a time while a file's reservation is summed
 
 
 def file_reservation(
-    settings: Settings, batch: BatchRecord, price_in: Decimal, price_out: Decimal
+    settings: Settings, path: Path, endpoint: str, price_in: Decimal, price_out: Decimal
 ) -> tuple[int, Decimal]:
-    """Tokens and the most money the whole file can take: what each line that will run
-    reserves once it is a job (a line refused here fails on its own, costing nothing).
-    Plain file I/O and tokenizing: callers run it in a thread."""
+    """Tokens and the most money a batch's whole input file can take: what each line that
+    will run reserves once it is a job (a line refused here fails on its own, costing
+    nothing). Plain file I/O and tokenizing: callers run it in a thread."""
     tokens, cost = 0, Decimal(0)
     offset, line = 0, 0
-    path = settings.file_path(batch.input_file_id)
     while True:
-        raw, offset, line = read_requests(path, offset, line, FILE_PAGE, batch.endpoint)
+        raw, offset, line = read_requests(path, offset, line, FILE_PAGE, endpoint)
         if not raw:
             return tokens, cost
         for item in raw:
             try:
-                job, _model = prepare_line(settings, batch.endpoint, item)
+                job, _model = prepare_line(settings, endpoint, item)
             except (ValidationError, Refused):
                 continue
             reserved = reservation(settings, job)

@@ -142,7 +142,12 @@ class BatchRunner:
             price_in, price_out = await admission.batch_prices(s, self.settings, batch.created_at)
         # Always reserved (a budget set while the batch runs counts what it will cost).
         tokens, cost = await asyncio.to_thread(
-            admission.file_reservation, self.settings, batch, price_in, price_out
+            admission.file_reservation,
+            self.settings,
+            self.settings.file_path(batch.input_file_id),
+            batch.endpoint,
+            price_in,
+            price_out,
         )
         async with self.db.transaction() as s:
             refusal = await admission.batch_refusal(s, batch.tenant_id, tokens, cost)

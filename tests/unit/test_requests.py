@@ -1,41 +1,11 @@
-"""Settings normalisation and request validation (no services needed)."""
+"""The normalised request (services/requests.py): defaults, parameters and refusals."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from services.requests import JobCreate
-from tierq.settings import Settings
-
-
-def make(**kw: object) -> Settings:
-    return Settings(_env_file=None, **kw)  # type: ignore[call-arg, arg-type]
-
-
-def test_embedded_default_uses_sqlite_and_a_unix_socket(tmp_path: Path) -> None:
-    s = make(state_dir=tmp_path, database_url="", redis_url=None)
-    assert s.embedded
-    assert s.resolved_database_url == f"sqlite+aiosqlite:///{tmp_path / 'tierq.db'}"
-    assert s.resolved_redis_url == f"unix://{tmp_path / 'redis.sock'}"
-    assert s.celery_broker_url == f"redis+socket://{tmp_path / 'redis.sock'}"
-
-
-@pytest.mark.parametrize(
-    ("given", "expected"),
-    [
-        ("postgres://u@h/db", "postgresql+asyncpg://u@h/db"),
-        ("postgresql://u@h/db", "postgresql+asyncpg://u@h/db"),
-        ("postgresql+asyncpg://u@h/db", "postgresql+asyncpg://u@h/db"),
-        ("sqlite:////tmp/x.db", "sqlite+aiosqlite:////tmp/x.db"),
-    ],
-)
-def test_database_urls_get_async_drivers(given: str, expected: str) -> None:
-    s = make(database_url=given, redis_url="redis://h:6379/0")
-    assert s.resolved_database_url == expected and not s.embedded
-    assert s.celery_broker_url == "redis://h:6379/0"
 
 
 def test_job_defaults_and_params() -> None:
@@ -88,16 +58,3 @@ def test_blank_is_the_documents_whitespace_not_pythons() -> None:
             JobCreate(prompt=text)
         with pytest.raises(ValidationError):
             JobCreate(messages=[{"role": "user", "content": text}])
-
-
-def test_every_setting_is_in_the_readme() -> None:
-    """One spelling for each setting: every Settings field has its row in the README's
-    configuration table (the variable is the field's name in capitals)."""
-    import re
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = readme.index("## Configuration")
-    table = readme[start : readme.index("\n## ", start + 1)]
-    documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", table))
-    missing = [f.upper() for f in Settings.model_fields if f.upper() not in documented]
-    assert not missing, missing
