@@ -36,6 +36,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from dispatcher.leadership import Leadership, LeaseLost
 from dispatcher.policy import (
     Assignment,
     EnginePriorityPolicy,
@@ -58,6 +59,7 @@ from tierq.tiers import TIER_ORDER, Tier
 log = logging.getLogger(__name__)
 
 TENANT_POLICY_REFRESH_S = 1.0
+STATE_SAVE_S = 1.0  # how often the leader saves its policy's accounting for a successor
 
 
 def policy_from_settings(settings: Settings) -> Policy:
@@ -124,6 +126,8 @@ class Dispatcher:
         self.max_running: dict[str, dict[str, int]] = {}  # tenant -> scope -> cap
         self._policy_read_at = 0.0
         self._stop = asyncio.Event()
+        self.leadership = Leadership(r, self.names, settings.dispatch_lease_s)
+        self._state_saved_at = 0.0
         self.decision_seconds: list[float] = []  # for benchmarks; bounded below
 
     def request_stop(self) -> None:
@@ -166,7 +170,7 @@ class Dispatcher:
         }
         if not want:
             return
-        got = await read_group(self.r, DISPATCH_GROUP, self.consumer, want, count=ahead)
+        got = await self.leadership.read_group(DISPATCH_GROUP, self.consumer, want, ahead)
         seen = {stream: entries for stream, entries in got}
         for stream, start in want.items():
             if start == ">":
@@ -288,6 +292,38 @@ class Dispatcher:
 
     # --- the loop -----------------------------------------------------------------------
     async def run(self) -> None:
+        """Stand by until this dispatcher holds the lease, dispatch while it holds it, and
+        give it up when stopped (a standby takes over at once)."""
+        keeper = asyncio.create_task(self._keep_lease())
+        try:
+            await self._run()
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(Exception):  # Redis gone: the lease runs out alone
+                await self.leadership.release()
+
+    async def _keep_lease(self) -> None:
+        """Renew the lease every third of its time while it is held, in a task of its own
+        (the loop may wait on its wake list meanwhile). A process that is paused or hung
+        renews nothing, and loses the lease."""
+        while True:
+            await asyncio.sleep(self.settings.dispatch_lease_s / 3)
+            if not self.leadership.held:
+                continue
+            try:
+                if not await self.leadership.renew():
+                    log.warning("another dispatcher took the lease; standing by")
+            except Exception:
+                if _being_cancelled():
+                    raise
+                log.warning("could not renew the lease", exc_info=True)
+
+    async def _stand_by(self) -> None:
+        """Wait a third of the lease time (or for a stop) before trying for it again."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), self.settings.dispatch_lease_s / 3)
+
+    async def _run(self) -> None:
         last_reclaim = 0.0
         recovered = False
         delay = 0.1
@@ -302,6 +338,12 @@ class Dispatcher:
                 self._connected_at = tick
             last_tick = tick
             try:
+                if not self.leadership.held:
+                    recovered = False
+                    if not await self.leadership.acquire():
+                        await self._stand_by()
+                        continue
+                    log.info("this dispatcher leads (epoch %d)", self.leadership.epoch)
                 if not recovered:
                     await self._recover()
                     recovered = True
@@ -318,12 +360,18 @@ class Dispatcher:
                     last_reclaim = now
                 await self._take_served_reports()
                 await self._refresh_tenant_policy(now)
+                await self._save_state(now)
                 moved = await self.step(alive)
                 delay = 0.1
                 if moved == 0:
                     await self.r.blpop(
                         [self.names.dispatch_wake], timeout=self.settings.dispatch_idle_wait_s
                     )
+            except LeaseLost:
+                # Another dispatcher leads: what this one read stays pending for it.
+                log.warning("this dispatcher lost the lease; standing by")
+                self._forget_buffers()
+                recovered = False
             except Exception as exc:
                 if _being_cancelled():  # redis-py may turn a cancelled read into this
                     raise
@@ -358,7 +406,19 @@ class Dispatcher:
                     )
         self.running = running
         self.preempting &= set(running)
+        # The policy's accounting as the last leader saved it: shares and fairness carry on.
+        saved = await self.r.get(self.names.dispatch_state)
+        if saved:
+            self.policy.restore(json.loads(saved))
         log.info("dispatcher recovered: %d jobs running on %d workers", len(running), len(alive))
+
+    async def _save_state(self, now: float) -> None:
+        """The policy's accounting, for the next leader (fenced: only the leader's counts)."""
+        if now - self._state_saved_at < STATE_SAVE_S:
+            return
+        self._state_saved_at = now
+        snapshot = json.dumps(self.policy.snapshot(), separators=(",", ":"))
+        await self.leadership.save(self.names.dispatch_state, snapshot)
 
     async def _take_served_reports(self) -> None:
         got: Any = await self.r.xread({self.names.served: self._served_cursor}, count=1000)
@@ -391,12 +451,14 @@ class Dispatcher:
             handed = [
                 (d, self.buffers[d.job.tier][d.job.tenant_id][d.job.entry_id]) for d in decisions
             ]
-            async with self.r.pipeline(transaction=True) as pipe:
-                for d, b in handed:
-                    pipe.xadd(self.names.inbox(d.worker_id), b.msg.encode())  # type: ignore[arg-type]
-                    pipe.xack(b.stream, DISPATCH_GROUP, d.job.entry_id)
-                    pipe.xdel(b.stream, d.job.entry_id)
-                await pipe.execute()
+            # One script, fenced by the lease: all of them or, another leading, none.
+            await self.leadership.hand_off(
+                DISPATCH_GROUP,
+                [
+                    (self.names.inbox(d.worker_id), b.stream, d.job.entry_id, b.msg.encode())
+                    for d, b in handed
+                ],
+            )
             # Committed: only now do the entries leave the read-ahead (a failed hand-off
             # leaves them pending, and they are read again after the reconnect).
             for d, b in handed:
@@ -421,9 +483,13 @@ class Dispatcher:
             after,
             len(self.preempting),
         )
+        if not victims:
+            return
+        await self.leadership.publish(
+            [(self.names.preempt_channel(v.worker_id), v.job_id) for v in victims]
+        )
         for victim in victims:
             self.preempting.add(victim.job_id)
-            await self.r.publish(self.names.preempt_channel(victim.worker_id), victim.job_id)
             log.info("preempting %s on %s", victim.job_id, victim.worker_id)
 
     # --- dead workers -------------------------------------------------------------------

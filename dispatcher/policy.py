@@ -40,6 +40,7 @@ import heapq
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierq.tiers import TIER_ORDER, Tier
 
@@ -111,6 +112,20 @@ class ServedWindow:
             _, tier, tokens = self._events.popleft()
             self.totals[tier] -= tokens
 
+    def snapshot(self) -> list[list[Any]]:
+        """The window's events summed per second and tier: [[second, tier, tokens], ...]."""
+        summed: dict[tuple[int, str], float] = {}
+        for at, tier, tokens in self._events:
+            key = (int(at), tier.value)
+            summed[key] = summed.get(key, 0.0) + tokens
+        return [[at, tier, tokens] for (at, tier), tokens in summed.items()]
+
+    def restore(self, events: list[list[Any]]) -> None:
+        self._events.clear()
+        self.totals = dict.fromkeys(TIER_ORDER, 0.0)
+        for at, tier, tokens in sorted(events, key=lambda e: float(e[0])):
+            self.add(float(at), Tier(tier), float(tokens))
+
     def shares(self) -> dict[Tier, float]:
         total = sum(max(0.0, v) for v in self.totals.values())
         if total <= 0:
@@ -136,6 +151,24 @@ class TierqPolicy:
         weight = self.config.tenant_weights.get(tenant_id, 1.0)
         counters = self.counters[tier]
         counters[tenant_id] = counters.get(tenant_id, 0.0) + tokens / weight
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a failover must keep: served tokens per tier over the window (the minimum
+        shares) and each tier's tenants' virtual counters (fairness), as plain JSON."""
+        return {
+            "window": self.window.snapshot(),
+            "counters": {t.value: dict(c) for t, c in self.counters.items()},
+            "backlogged": {t.value: sorted(b) for t, b in self._backlogged.items()},
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Carry on from a `snapshot` (the previous leader's)."""
+        self.window.restore(list(state.get("window", [])))
+        counters = state.get("counters", {})
+        backlogged = state.get("backlogged", {})
+        for tier in TIER_ORDER:
+            self.counters[tier] = {k: float(v) for k, v in counters.get(tier.value, {}).items()}
+            self._backlogged[tier] = set(backlogged.get(tier.value, []))
 
     # --- decisions ----------------------------------------------------------------------
     def assign(
@@ -323,6 +356,12 @@ class FcfsPolicy:
 
     def charge(self, tier: Tier, tenant_id: str, tokens: float, now: float) -> None:
         """FCFS keeps no accounting."""
+
+    def snapshot(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Nothing to carry on from."""
 
     def assign(
         self,

@@ -29,6 +29,16 @@ JOBS_FINISHED = Counter(
 TOKENS_SERVED = Counter("tierq_tokens_served_total", "Tokens served", ["tier", "kind"])
 JOBS_DISPATCHED = Counter("tierq_jobs_dispatched_total", "Jobs handed to workers", ["tier"])
 JOBS_RECLAIMED = Counter("tierq_jobs_reclaimed_total", "Jobs taken back from dead workers")
+DISPATCHER_LEADER = Gauge(
+    "tierq_dispatcher_leader", "1 while this dispatcher holds the lease and dispatches, else 0"
+)
+DISPATCHER_LEADERSHIPS = Counter(
+    "tierq_dispatcher_leaderships_total", "Times this dispatcher took the lease (failovers)"
+)
+DISPATCHER_FENCED = Counter(
+    "tierq_dispatcher_fenced_total",
+    "Writes of this dispatcher refused because another had taken its lease",
+)
 JOBS_REENQUEUED = Counter("tierq_jobs_reenqueued_total", "Jobs re-enqueued by the reconciler")
 WORKER_RUNNING = Gauge("tierq_worker_running_jobs", "Jobs running in this worker's engine")
 QUEUE_WAIT = Histogram(

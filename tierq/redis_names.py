@@ -54,6 +54,23 @@ class RedisNames:
         return f"{self.prefix}:dispatch:wake"
 
     @property
+    def dispatch_leader(self) -> str:
+        """String "<epoch>:<holder>": the dispatchers' lease (dispatcher/leadership.py),
+        expiring after DISPATCH_LEASE_S unless its holder renews it."""
+        return f"{self.prefix}:dispatch:leader"
+
+    @property
+    def dispatch_epoch(self) -> str:
+        """Counter: one more each time a dispatcher takes the lease (its fencing token)."""
+        return f"{self.prefix}:dispatch:epoch"
+
+    @property
+    def dispatch_state(self) -> str:
+        """JSON of the leading dispatcher's policy accounting (served tokens per tier and
+        tenant), for the next leader to carry on from."""
+        return f"{self.prefix}:dispatch:state"
+
+    @property
     def inflight(self) -> str:
         """Set of job ids that some stream or inbox holds (the reconciler's view of Redis)."""
         return f"{self.prefix}:inflight"

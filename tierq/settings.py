@@ -148,6 +148,9 @@ class Settings(BaseSettings):
     dispatch_policy: Literal["tierq", "fcfs", "engine-priority"] = "tierq"
     dispatch_read_ahead: int = 32  # entries held per tenant shard of a tier
     dispatch_idle_wait_s: float = 0.2
+    # Any number of dispatchers may run; one holds this lease in Redis and dispatches. A
+    # leader that stops renewing it (killed, hung, cut off) is replaced within this time.
+    dispatch_lease_s: float = Field(default=5.0, gt=0)
     min_share_standard: float = 0.20  # of tokens served over the window, while backlogged
     min_share_batch: float = 0.10
     share_window_s: float = 60.0

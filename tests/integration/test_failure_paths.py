@@ -446,6 +446,7 @@ async def test_a_restarted_dispatcher_delivers_every_pending_entry_of_a_shard(
     async with client(platform.url, tenant_key) as c:
         ids = await submit(c, 100, {**CHAT, "max_tokens": 2})
         first = Dispatcher(platform.settings, platform.r)
+        assert await first.leadership.acquire()  # it led, and dies holding the lease
         await first._recover()
         for _ in range(10):  # read the whole shard into its read-ahead (pending now)
             first._buffered.clear()
@@ -454,7 +455,8 @@ async def test_a_restarted_dispatcher_delivers_every_pending_entry_of_a_shard(
         stream = platform.dispatcher.names.tier_stream("standard", tenant)
         pending: Any = await platform.r.xpending(stream, DISPATCH_GROUP)
         assert pending["pending"] == 100
-        platform.start_dispatcher()  # same consumer name, as a restarted process has
+        # Same consumer name, as every dispatcher has; it leads once the lease runs out.
+        platform.start_dispatcher()
         await platform.start_worker("w1")
         finals = [await wait_for(c, i, timeout=60) for i in ids]
     assert {f["status"] for f in finals} == {"succeeded"}

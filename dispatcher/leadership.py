@@ -1,0 +1,202 @@
+"""Leadership among dispatchers: any number run, one leads (reads the tier streams and hands
+out jobs), the others stand by.
+
+The leader holds a lease in Redis, `dispatch:leader` = "<epoch>:<holder>", set only when
+absent and expiring after DISPATCH_LEASE_S; it renews it every third of that. A leader
+that stops renewing — killed, hung, paused, cut off — loses it within the lease time, and
+a standby takes it with the next epoch (one more than any before: the fencing token).
+
+Every write a dispatcher makes as leader is fenced by the lease: the read of the streams
+(which takes entries into the group's pending list), the hand-off to worker inboxes, the
+preemption notices and the policy's saved accounting each run as one Lua script that
+first checks the lease still holds this dispatcher's value, and does nothing when it does
+not (LeaseLost). A leader that wakes after losing its lease cannot dispatch; what it had
+read stays pending under the one consumer name all dispatchers share, and the new leader
+re-reads every pending entry when it takes over (dispatcher/loop.py `_recover`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tierq import metrics
+from tierq.redis_names import RedisNames
+
+
+class LeaseLost(Exception):
+    """This dispatcher no longer holds the lease: another leads, or none yet."""
+
+
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local epoch = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], epoch .. ':' .. ARGV[1], 'PX', ARGV[2])
+return epoch
+"""
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+# KEYS: lease, then the streams. ARGV: value, group, consumer, count, then an id a stream.
+_READ = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local n = #KEYS - 1
+local args = {'XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4], 'STREAMS'}
+for i = 2, #KEYS do args[#args + 1] = KEYS[i] end
+for i = 1, n do args[#args + 1] = ARGV[4 + i] end
+local got = redis.call(unpack(args))
+if not got then return {} end
+return got
+"""
+# KEYS: lease. ARGV: value, group, then for each job: inbox, stream, entry id, n, and n
+# field/value strings. Each job: XADD to the inbox, XACK and XDEL its source entry.
+_HAND_OFF = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local group = ARGV[2]
+local i = 3
+local moved = 0
+while i <= #ARGV do
+  local inbox, stream, id, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
+  local fields = {'XADD', inbox, '*'}
+  for j = 1, n do fields[#fields + 1] = ARGV[i + 3 + j] end
+  redis.call(unpack(fields))
+  redis.call('XACK', stream, group, id)
+  redis.call('XDEL', stream, id)
+  moved = moved + 1
+  i = i + 4 + n
+end
+return moved
+"""
+# KEYS: lease. ARGV: value, then channel/message pairs.
+_PUBLISH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+for i = 2, #ARGV, 2 do redis.call('PUBLISH', ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+# KEYS: lease, key. ARGV: value, what to store.
+_SAVE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+
+StreamEntry = tuple[str, dict[str, str]]
+
+
+class Leadership:
+    """This dispatcher's part in the election, and its fenced writes."""
+
+    def __init__(self, r: aioredis.Redis, names: RedisNames, lease_s: float) -> None:
+        self.r = r
+        self.names = names
+        self.lease_ms = max(1, int(lease_s * 1000))
+        self.holder = secrets.token_hex(8)
+        self.value: str | None = None  # "<epoch>:<holder>" while held
+        self.epoch = 0
+        self._acquire = r.register_script(_ACQUIRE)
+        self._renew = r.register_script(_RENEW)
+        self._release = r.register_script(_RELEASE)
+        self._read = r.register_script(_READ)
+        self._hand_off = r.register_script(_HAND_OFF)
+        self._publish = r.register_script(_PUBLISH)
+        self._save = r.register_script(_SAVE)
+
+    @property
+    def held(self) -> bool:
+        return self.value is not None
+
+    async def acquire(self) -> bool:
+        """Take the lease if nobody holds it; True when this dispatcher now leads."""
+        keys = [self.names.dispatch_leader, self.names.dispatch_epoch]
+        epoch = int(await self._acquire(keys=keys, args=[self.holder, self.lease_ms]))
+        if epoch:
+            self.epoch = epoch
+            self.value = f"{epoch}:{self.holder}"
+            metrics.DISPATCHER_LEADERSHIPS.inc()
+            metrics.DISPATCHER_LEADER.set(1)
+        return bool(epoch)
+
+    async def renew(self) -> bool:
+        """Extend the lease; False (and no longer held) when it was lost meanwhile."""
+        if self.value is None:
+            return False
+        kept = int(
+            await self._renew(keys=[self.names.dispatch_leader], args=[self.value, self.lease_ms])
+        )
+        if not kept:
+            self.lost()
+        return bool(kept)
+
+    async def release(self) -> None:
+        """Give the lease up (a clean stop): a standby takes over at once, not after it
+        expires."""
+        if self.value is not None:
+            await self._release(keys=[self.names.dispatch_leader], args=[self.value])
+        self.lost(fenced=False)
+
+    def lost(self, *, fenced: bool = True) -> None:
+        if self.value is not None and fenced:
+            metrics.DISPATCHER_FENCED.inc()
+        self.value = None
+        metrics.DISPATCHER_LEADER.set(0)
+
+    def _checked(self, result: Any) -> Any:
+        if result == -1:
+            self.lost()
+            raise LeaseLost
+        return result
+
+    def _fence(self) -> str:
+        if self.value is None:
+            raise LeaseLost
+        return self.value
+
+    async def read_group(
+        self, group: str, consumer: str, streams: dict[str, str], count: int
+    ) -> list[tuple[str, list[StreamEntry]]]:
+        """XREADGROUP of `streams` (stream -> id: ">" new, else pending after it), as the
+        leader only. Fields are {} for entries deleted meanwhile."""
+        keys = [self.names.dispatch_leader, *streams]
+        args: list[Any] = [self._fence(), group, consumer, count, *streams.values()]
+        got = self._checked(await self._read(keys=keys, args=args))
+        return [
+            (str(stream), [(str(eid), _pairs(fields)) for eid, fields in entries])
+            for stream, entries in got or []
+        ]
+
+    async def hand_off(
+        self, group: str, moves: Sequence[tuple[str, str, str, dict[str, str]]]
+    ) -> None:
+        """Each (inbox, stream, entry id, fields): the job into the worker's inbox and its
+        source entry acknowledged and deleted — all of them or, fenced, none."""
+        args: list[Any] = [self._fence(), group]
+        for inbox, stream, entry_id, fields in moves:
+            args += [inbox, stream, entry_id, 2 * len(fields)]
+            for name, value in fields.items():
+                args += [name, value]
+        self._checked(await self._hand_off(keys=[self.names.dispatch_leader], args=args))
+
+    async def publish(self, messages: Sequence[tuple[str, str]]) -> None:
+        args: list[Any] = [self._fence()]
+        for channel, message in messages:
+            args += [channel, message]
+        self._checked(await self._publish(keys=[self.names.dispatch_leader], args=args))
+
+    async def save(self, key: str, value: str) -> None:
+        keys = [self.names.dispatch_leader, key]
+        self._checked(await self._save(keys=keys, args=[self._fence(), value]))
+
+
+def _pairs(fields: Any) -> dict[str, str]:
+    if not fields:
+        return {}
+    return {str(fields[i]): str(fields[i + 1]) for i in range(0, len(fields), 2)}
