@@ -1,5 +1,5 @@
 """Cancelling jobs, the Redis half — once, for every path that cancels: a tenant cancelling
-its job (api/jobs/service.py), a tenant suspended or deleted (api/admin/router.py), a batch
+its job (api/jobs/service.py), a tenant suspended or deleted (api/admin/tenants.py), a batch
 cancelled or expired (workers/batches.py). The database half is the repository's
 (`models.jobs.cancel_job`, `cancel_unfinished`); this runs once that has committed.
 """
