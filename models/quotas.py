@@ -32,6 +32,7 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from models import spend
+from models.jobs import tenant_job_counts
 from models.prices import cost_of
 from models.records import as_utc
 from models.tables import Batch, Job, Quota, utcnow
@@ -325,6 +326,63 @@ async def last_minute(s: AsyncSession, tenant_id: str, tier: str, now: datetime)
     """(requests, tokens) of the tenant's online jobs admitted over the last 60 s."""
     count, used, _oldest = await _minute_window(s, tenant_id, tier, now)
     return count, used
+
+
+@dataclass(frozen=True)
+class QuotaUsage:
+    """Where a tenant stands against one quota's limits now: its online requests and tokens
+    over the last 60 s, its running and queued jobs and what the budget period has spent,
+    each in the quota's scope (a tier, or every tier)."""
+
+    requests_last_minute: int
+    tokens_last_minute: int
+    running: int
+    queued: int
+    period_start: datetime | None  # None for a "total" budget period
+    tokens_this_period: int
+    spend_this_period: Decimal
+
+    def to_api(self) -> dict[str, Any]:
+        start = self.period_start
+        return {
+            "requests_last_minute": self.requests_last_minute,
+            "tokens_last_minute": self.tokens_last_minute,
+            "running": self.running,
+            "queued": self.queued,
+            "period_start": int(start.timestamp()) if start else None,
+            "tokens_this_period": self.tokens_this_period,
+            "spend_this_period": str(self.spend_this_period),
+        }
+
+
+def in_scope(counts: dict[tuple[str, str], int], tier: str, status: str) -> int:
+    """Jobs of `status` among `counts` ((tier, status) -> jobs, as models.jobs'
+    tenant_job_counts reads them) that a quota of `tier` ("*": every tier) covers."""
+    return sum(n for (t, st), n in counts.items() if st == status and tier in (ALL_TIERS, t))
+
+
+async def usage_report(
+    s: AsyncSession, tenant_id: str, now: datetime
+) -> list[tuple[QuotaRecord, QuotaUsage]]:
+    """Every quota of the tenant (as `quotas_of` orders them) with its usage at `now`."""
+    quotas = await quotas_of(s, tenant_id)
+    counts = await tenant_job_counts(s, tenant_id)
+    report = []
+    for q in quotas:
+        requests, tokens = await last_minute(s, tenant_id, q.tier, now)
+        start, _end = period_bounds(q.budget_period, now)
+        period_tokens, period_cost = await spent(s, tenant_id, q.tier, q.budget_period, now)
+        usage = QuotaUsage(
+            requests_last_minute=requests,
+            tokens_last_minute=tokens,
+            running=in_scope(counts, q.tier, JobStatus.RUNNING.value),
+            queued=in_scope(counts, q.tier, JobStatus.QUEUED.value),
+            period_start=start,
+            tokens_this_period=period_tokens,
+            spend_this_period=period_cost,
+        )
+        report.append((q, usage))
+    return report
 
 
 async def _minute_window(

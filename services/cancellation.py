@@ -1,6 +1,6 @@
 """Cancelling jobs. The Redis half (`announce`) once, for every path that cancels: a tenant
 cancelling its job (`cancel_job`, the native and OpenAI routes), a tenant suspended or
-deleted (the admin API), a batch cancelled or expired (workers/batches.py). The database
+deleted (api/admin/tenants.py), a batch cancelled or expired (workers/batches.py). The database
 half is the repository's (`models.jobs.cancel_job`, `cancel_unfinished`,
 `models.batches.stop_unfinished`); `announce` runs once that has committed.
 """
