@@ -32,6 +32,7 @@ def test_the_deployment_has_every_component() -> None:
         "celery-beat",
     } <= set(services)
     assert "--appendonly" in services["redis"]["command"]  # type: ignore[operator]
+    assert services["dispatcher"]["deploy"]["replicas"] == 2  # type: ignore[index]  # a standby
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]  # type: ignore[index]
     assert devices[0]["driver"] == "nvidia"
     assert (ROOT / "Dockerfile").is_file()
