@@ -36,6 +36,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from dispatcher.capacity import ServedRate, Waiting, desired_workers
 from dispatcher.leadership import Leadership, LeaseLost
 from dispatcher.policy import (
     Assignment,
@@ -60,6 +61,16 @@ log = logging.getLogger(__name__)
 
 TENANT_POLICY_REFRESH_S = 1.0
 STATE_SAVE_S = 1.0  # how often the leader saves its policy's accounting for a successor
+CAPACITY_EVERY_S = 1.0  # how often the leader works out tierq_desired_workers
+
+
+def slo_from_settings(settings: Settings) -> dict[Tier, float]:
+    """Each tier's deadline from admission."""
+    return {
+        Tier.INTERACTIVE: settings.slo_interactive_s,
+        Tier.STANDARD: settings.slo_standard_s,
+        Tier.BATCH: settings.slo_batch_s,
+    }
 
 
 def policy_from_settings(settings: Settings) -> Policy:
@@ -74,11 +85,7 @@ def policy_from_settings(settings: Settings) -> Policy:
                 Tier.BATCH: settings.min_share_batch,
             },
             window_s=settings.share_window_s,
-            slo_s={
-                Tier.INTERACTIVE: settings.slo_interactive_s,
-                Tier.STANDARD: settings.slo_standard_s,
-                Tier.BATCH: settings.slo_batch_s,
-            },
+            slo_s=slo_from_settings(settings),
             urgency_fraction=settings.urgency_fraction,
             tenant_weights=dict(settings.tenant_weights),  # refreshed from tenant_policy
             max_preemptions=settings.max_preemptions,
@@ -128,6 +135,10 @@ class Dispatcher:
         self._stop = asyncio.Event()
         self.leadership = Leadership(r, self.names, settings.dispatch_lease_s)
         self._state_saved_at = 0.0
+        self._stream_tier: dict[str, Tier] = {}  # source stream -> its tier
+        self.served_rate = ServedRate(settings.share_window_s)
+        self._capacity_at = 0.0
+        self.desired_workers = 0
         self.decision_seconds: list[float] = []  # for benchmarks; bounded below
 
     def request_stop(self) -> None:
@@ -140,8 +151,13 @@ class Dispatcher:
                 pipe.smembers(self.names.tier_tenants(tier))
             members = await pipe.execute()
         streams = [self.names.preempted_stream(t) for t in TIER_ORDER]
+        for tier in TIER_ORDER:
+            self._stream_tier[self.names.preempted_stream(tier)] = tier
         for tier, tenants in zip(TIER_ORDER, members, strict=True):
-            streams.extend(self.names.tier_stream(tier, tenant) for tenant in sorted(tenants))
+            for tenant in sorted(tenants):
+                stream = self.names.tier_stream(tier, tenant)
+                self._stream_tier[stream] = tier
+                streams.append(stream)
         new = [s for s in streams if s not in self._streams]
         for stream in new:
             with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists
@@ -361,6 +377,7 @@ class Dispatcher:
                 await self._take_served_reports()
                 await self._refresh_tenant_policy(now)
                 await self._save_state(now)
+                await self._publish_capacity(now, alive)
                 moved = await self.step(alive)
                 delay = 0.1
                 if moved == 0:
@@ -420,6 +437,46 @@ class Dispatcher:
         snapshot = json.dumps(self.policy.snapshot(), separators=(",", ":"))
         await self.leadership.save(self.names.dispatch_state, snapshot)
 
+    async def _publish_capacity(self, now: float, alive: list[Heartbeat]) -> None:
+        """tierq_desired_workers from what waits in each tier (every shard's length, at the
+        mean estimated cost of the tier's jobs in the read-ahead), what runs, and the
+        tokens a worker served per second lately (dispatcher/capacity.py)."""
+        if now - self._capacity_at < CAPACITY_EVERY_S:
+            return
+        self._capacity_at = now
+        streams = sorted(self._stream_tier)
+        async with self.r.pipeline(transaction=False) as pipe:
+            for stream in streams:
+                pipe.xlen(stream)
+            lengths = await pipe.execute()
+        jobs: Counter[Tier] = Counter()
+        for stream, length in zip(streams, lengths, strict=True):
+            jobs[self._stream_tier[stream]] += int(length)
+        costs = {
+            tier: [b.job.cost for shard in tenants.values() for b in shard.values()]
+            for tier, tenants in self.buffers.items()
+        }
+        every = [c for tier_costs in costs.values() for c in tier_costs]
+        fallback = sum(every) / len(every) if every else float(self.settings.max_model_len // 4)
+        waiting = [
+            Waiting(
+                tier,
+                jobs[tier],
+                jobs[tier] * (sum(costs[tier]) / len(costs[tier]) if costs[tier] else fallback),
+            )
+            for tier in TIER_ORDER
+        ]
+        capacities = sorted(hb.capacity for hb in alive)
+        slots = capacities[len(capacities) // 2] if capacities else self.settings.max_num_seqs
+        self.desired_workers = desired_workers(
+            waiting,
+            len(self.running),
+            slots,
+            self.served_rate.per_worker(now, len(alive)),
+            slo_from_settings(self.settings),
+        )
+        metrics.DESIRED_WORKERS.labels(self.settings.served_model_name).set(self.desired_workers)
+
     async def _take_served_reports(self) -> None:
         got: Any = await self.r.xread({self.names.served: self._served_cursor}, count=1000)
         now = time.time()
@@ -429,6 +486,7 @@ class Dispatcher:
                 report = Served.decode(fields)
                 self.running.pop(report.job_id, None)
                 self.preempting.discard(report.job_id)
+                self.served_rate.add(now, report.actual)
                 correction = report.actual - report.estimated
                 if correction:
                     self.policy.charge(report.tier, report.tenant_id, correction, now)

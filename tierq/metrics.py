@@ -32,6 +32,11 @@ JOBS_RECLAIMED = Counter("tierq_jobs_reclaimed_total", "Jobs taken back from dea
 DISPATCHER_LEADER = Gauge(
     "tierq_dispatcher_leader", "1 while this dispatcher holds the lease and dispatches, else 0"
 )
+DESIRED_WORKERS = Gauge(
+    "tierq_desired_workers",
+    "Workers the waiting and running work needs (the leading dispatcher's autoscaling signal)",
+    ["model"],
+)
 DISPATCHER_LEADERSHIPS = Counter(
     "tierq_dispatcher_leaderships_total", "Times this dispatcher took the lease (failovers)"
 )

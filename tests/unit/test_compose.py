@@ -92,3 +92,13 @@ def test_the_image_copies_every_package_the_project_installs() -> None:
         if line.startswith("COPY ") and len(line.split()) == 3
     }
     assert packages <= copied, packages - copied
+
+
+def test_the_keda_example_scales_workers_on_the_signal_the_dispatcher_exports() -> None:
+    from tierq import metrics
+
+    scaled = yaml.safe_load((ROOT / "deploy" / "keda-scaledobject.yaml").read_text())
+    assert scaled["kind"] == "ScaledObject"
+    [trigger] = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "1"
+    assert metrics.DESIRED_WORKERS._name in trigger["metadata"]["query"]  # type: ignore[attr-defined]

@@ -1,0 +1,79 @@
+"""How many workers the work needs: the autoscaling signal (`tierq_desired_workers`).
+
+Pure: the dispatcher (dispatcher/loop.py) feeds it what it sees each second — each tier's
+waiting jobs and their estimated tokens, the jobs running, the slots of a worker, and the
+tokens a worker served per second lately — and exports the answer per model. The rule:
+
+- what runs, and every interactive job that waits, needs a slot now;
+- the work waiting in the other tiers must be served within its tier's SLO: its tokens
+  over the SLO is a rate, in workers at the measured rate of one (before any measurement,
+  each waiting job counts as a slot);
+- the sum, rounded up; 0 with nothing running or waiting, else at least 1.
+
+Every term only grows with the work, so the signal never asks for fewer workers when more
+work arrives (tests/unit/test_capacity.py checks it over random inputs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tierq.tiers import Tier
+
+
+@dataclass(frozen=True)
+class Waiting:
+    tier: Tier
+    jobs: int
+    tokens: float  # their estimated work: prompt and output tokens
+
+
+def desired_workers(
+    waiting: Sequence[Waiting],
+    running: int,
+    slots_per_worker: int,
+    tokens_per_s_per_worker: float | None,
+    slo_s: Mapping[Tier, float],
+) -> int:
+    if running <= 0 and all(w.jobs <= 0 for w in waiting):
+        return 0
+    slots = max(1, slots_per_worker)
+    now = running + sum(w.jobs for w in waiting if w.tier == Tier.INTERACTIVE)
+    workers = now / slots
+    for w in waiting:
+        if w.tier == Tier.INTERACTIVE or w.jobs <= 0:
+            continue
+        if tokens_per_s_per_worker and tokens_per_s_per_worker > 0:
+            workers += w.tokens / max(slo_s.get(w.tier, 1.0), 1e-3) / tokens_per_s_per_worker
+        else:
+            workers += w.jobs / slots
+    return max(1, math.ceil(workers - 1e-9))
+
+
+class ServedRate:
+    """Tokens the workers served per second over the last `window_s`, per worker."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self._total = 0
+        self._since: float | None = None
+
+    def add(self, now: float, tokens: int) -> None:
+        if self._since is None:
+            self._since = now
+        self._events.append((now, tokens))
+        self._total += tokens
+
+    def per_worker(self, now: float, workers: int) -> float | None:
+        """None until a first report (or with no worker): nothing measured yet."""
+        horizon = now - self.window_s
+        while self._events and self._events[0][0] < horizon:
+            self._total -= self._events.popleft()[1]
+        if self._since is None or workers <= 0 or not self._events:
+            return None
+        span = min(self.window_s, max(1.0, now - self._since))
+        return self._total / span / workers

@@ -1,0 +1,75 @@
+"""The autoscaling signal (dispatcher/capacity.py): exact cases, and properties over
+random inputs — it never asks for fewer workers when more work arrives."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dispatcher.capacity import ServedRate, Waiting, desired_workers
+from tierq.tiers import TIER_ORDER, Tier
+
+SLO = {Tier.INTERACTIVE: 5.0, Tier.STANDARD: 300.0, Tier.BATCH: 86_400.0}
+
+
+def _waiting(interactive: int = 0, standard: int = 0, batch: int = 0, cost: float = 100):
+    counts = {Tier.INTERACTIVE: interactive, Tier.STANDARD: standard, Tier.BATCH: batch}
+    return [Waiting(t, n, n * cost) for t, n in counts.items()]
+
+
+def test_no_work_needs_no_worker_and_any_work_needs_one() -> None:
+    assert desired_workers(_waiting(), 0, 64, 200.0, SLO) == 0
+    assert desired_workers(_waiting(batch=1), 0, 64, 200.0, SLO) == 1
+    assert desired_workers(_waiting(), 1, 64, 200.0, SLO) == 1
+
+
+def test_running_and_waiting_interactive_work_need_slots_now() -> None:
+    # 100 running + 60 interactive waiting on 64-slot workers: 160 slots, 3 workers.
+    assert desired_workers(_waiting(interactive=60), 100, 64, 200.0, SLO) == 3
+
+
+def test_other_tiers_need_their_backlog_served_within_their_slo() -> None:
+    # 600 standard jobs of 100 tokens within 300 s: 200 tokens/s, one worker's rate.
+    assert desired_workers(_waiting(standard=600), 0, 64, 200.0, SLO) == 1
+    assert desired_workers(_waiting(standard=601), 0, 64, 200.0, SLO) == 2
+    # Before any measurement, each waiting job counts as a slot.
+    assert desired_workers(_waiting(standard=129), 0, 64, None, SLO) == 3
+
+
+WORK = st.tuples(
+    st.integers(0, 500), st.integers(0, 5_000), st.integers(0, 50_000), st.integers(0, 2_000)
+)
+
+
+@given(
+    WORK,
+    WORK,
+    st.integers(1, 256),
+    st.one_of(st.none(), st.floats(1.0, 10_000.0)),
+    st.floats(1.0, 4_000.0),
+)
+def test_more_work_never_asks_for_fewer_workers(
+    less: tuple[int, int, int, int],
+    extra: tuple[int, int, int, int],
+    slots: int,
+    rate: float | None,
+    cost: float,
+) -> None:
+    more = tuple(a + b for a, b in zip(less, extra, strict=True))
+    low = desired_workers(_waiting(*less[:3], cost=cost), less[3], slots, rate, SLO)
+    high = desired_workers(_waiting(*more[:3], cost=cost), more[3], slots, rate, SLO)
+    assert high >= low
+    # Enough slots for everything running and every interactive job waiting.
+    assert high * slots >= more[3] + more[0]
+    assert (high == 0) == (sum(more) == 0)
+
+
+def test_the_served_rate_is_per_worker_over_the_window() -> None:
+    rate = ServedRate(window_s=10)
+    assert rate.per_worker(0.0, 2) is None
+    for second in range(20):
+        rate.add(float(second), 100)
+    # The last 10 s hold 1,100 tokens (seconds 9..19); two workers.
+    assert rate.per_worker(19.0, 2) == 1_100 / 10 / 2
+    assert rate.per_worker(19.0, 0) is None
+    assert set(TIER_ORDER) == set(SLO)
