@@ -89,6 +89,7 @@ def policy_from_settings(settings: Settings) -> Policy:
             urgency_fraction=settings.urgency_fraction,
             tenant_weights=dict(settings.tenant_weights),  # refreshed from tenant_policy
             max_preemptions=settings.max_preemptions,
+            affinity_slack=settings.affinity_slack,
         )
     )
 
@@ -210,6 +211,7 @@ class Dispatcher:
                     msg.enqueued_at,
                     msg.cost,
                     msg.preemptions,
+                    msg.prefix,
                 )
                 shard = self.buffers[msg.tier].setdefault(msg.tenant_id, {})
                 if entry_id not in shard:
@@ -303,7 +305,9 @@ class Dispatcher:
             # Standard and batch work is admitted only below the ceiling: `reserve` slots
             # are interactive work's alone — beyond the engine's where it preempts for
             # priority, else kept free among them (and backed up by aborting lower tiers).
-            slots.append(WorkerSlots(hb.worker_id, free, free - hb.reserve, hb.engine_preempts))
+            slots.append(
+                WorkerSlots(hb.worker_id, free, free - hb.reserve, hb.engine_preempts, hb.capacity)
+            )
         return slots
 
     # --- the loop -----------------------------------------------------------------------
@@ -444,7 +448,7 @@ class Dispatcher:
         if now - self._capacity_at < CAPACITY_EVERY_S:
             return
         self._capacity_at = now
-        streams = sorted(self._stream_tier)
+        streams = await self._source_streams()  # every shard, read yet or not
         async with self.r.pipeline(transaction=False) as pipe:
             for stream in streams:
                 pipe.xlen(stream)

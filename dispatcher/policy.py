@@ -36,7 +36,9 @@ preempted `max_preemptions` times (no livelock).
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ class QueuedJob:
     enqueued_at: float
     cost: int = 1  # estimated tokens: prompt + max_tokens, corrected when the job finishes
     preemptions: int = 0
+    prefix: str | None = None  # digest of its prompt's start: jobs sharing it share a cache
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class WorkerSlots:
     free: int  # slots free for any tier
     free_lower: int  # slots free for standard and batch (below the ceiling)
     engine_preempts: bool = False  # its engine preempts for priority: never abort its jobs
+    capacity: int = 0  # its slots in all (0: unknown, taken as what is free)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,10 @@ class PolicyConfig:
     urgency_fraction: float = 0.8
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     max_preemptions: int = 2
+    # Cache-affine placement: a job goes to the worker its prefix hashes to first (among
+    # those with a free slot) unless that worker would then run more than this share of
+    # its slots beyond the least loaded worker; 0 places by free slots alone.
+    affinity_slack: float = 0.25
 
 
 class ServedWindow:
@@ -179,6 +187,7 @@ class TierqPolicy:
     ) -> list[Assignment]:
         self.window.expire(now)
         free = {w.worker_id: [max(0, w.free), max(0, min(w.free, w.free_lower))] for w in workers}
+        placement = _Placement(workers, free, self.config.affinity_slack)
         any_heap = [(-f[0], wid) for wid, f in free.items() if f[0] > 0]
         lower_heap = [(-f[1], wid) for wid, f in free.items() if f[1] > 0]
         heapq.heapify(any_heap)
@@ -192,8 +201,13 @@ class TierqPolicy:
             tier = self._next_tier(pickers, any_free, lower_free)
             if tier is None:
                 return out
-            worker_id = _take_slot(free, any_heap, lower_heap, tier == Tier.INTERACTIVE)
             job = pickers[tier].pop()
+            interactive = tier == Tier.INTERACTIVE
+            worker_id = placement.affine(job.prefix, interactive)
+            if worker_id is None:
+                worker_id = _take_slot(free, any_heap, lower_heap, interactive)
+            else:
+                _use_slot(free, any_heap, lower_heap, worker_id, interactive)
             out.append(Assignment(job, worker_id))
             self.charge(tier, job.tenant_id, job.cost, now)
 
@@ -339,6 +353,19 @@ def _take_slot(
             break
         if current > 0:  # a stale entry: put the worker back with its true count
             heapq.heappush(heap, (-current, worker_id))
+    _use_slot(free, any_heap, lower_heap, worker_id, interactive)
+    return worker_id
+
+
+def _use_slot(
+    free: dict[str, list[int]],
+    any_heap: list[tuple[int, str]],
+    lower_heap: list[tuple[int, str]],
+    worker_id: str,
+    interactive: bool,
+) -> None:
+    """One slot of `worker_id` taken (the heaps' older entries for it go stale: popping
+    finds them so and puts the worker back with its true count)."""
     slots = free[worker_id]
     slots[0] -= 1
     slots[1] = min(slots[1] - (0 if interactive else 1), slots[0])
@@ -346,7 +373,46 @@ def _take_slot(
         heapq.heappush(any_heap, (-slots[0], worker_id))
     if slots[1] > 0:
         heapq.heappush(lower_heap, (-slots[1], worker_id))
-    return worker_id
+
+
+class _Placement:
+    """Cache-affine placement with bounded load (rendezvous hashing): a prefix ranks the
+    workers in an order of its own, the same every round and on every dispatcher; a job
+    goes to the first of them with a free slot for its tier whose load, with it, stays
+    within `slack` of its slots above the least loaded worker's. The tier policy decides
+    which job goes next; this decides only where."""
+
+    def __init__(
+        self, workers: Sequence[WorkerSlots], free: dict[str, list[int]], slack: float
+    ) -> None:
+        self.free = free
+        self.slack = slack
+        # Load: slots in use (any tier). Capacity unknown: what is free now.
+        self.capacity = {w.worker_id: max(w.capacity, w.free, 0) for w in workers}
+        self.margin = {w: max(1, math.ceil(slack * c)) for w, c in self.capacity.items()}
+        self._ranked: dict[str, list[str]] = {}
+
+    def affine(self, prefix: str | None, interactive: bool) -> str | None:
+        if prefix is None or self.slack <= 0 or len(self.free) < 2:
+            return None
+        ranked = self._ranked.get(prefix)
+        if ranked is None:
+            ranked = sorted(self.free, key=lambda w: _weight(prefix, w), reverse=True)
+            self._ranked[prefix] = ranked
+        load = {w: self.capacity[w] - f[0] for w, f in self.free.items()}
+        least = min(load.values())
+        col = 0 if interactive else 1
+        for worker_id in ranked:
+            if self.free[worker_id][col] <= 0:
+                continue
+            if load[worker_id] + 1 - least <= self.margin[worker_id]:
+                return worker_id
+        return None
+
+
+def _weight(prefix: str, worker_id: str) -> int:
+    digest = hashlib.blake2b(f"{prefix}|{worker_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 class FcfsPolicy:

@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import Any
 
 from models.tables import Batch, File, Job, Tenant
-from tierq.messages import JobMessage, estimate_tokens
+from tierq.messages import JobMessage, estimate_tokens, prefix_key
 from tierq.states import BatchStatus, JobStatus, TenantStatus
 from tierq.tiers import Tier
 
@@ -134,6 +134,7 @@ class JobRecord:
             cost=estimate_tokens(self.messages, self.prompt, int(self.params.get("max_tokens", 1))),
             preemptions=self.preemptions,
             batch_id=self.batch_id,
+            prefix=prefix_key(self.messages, self.prompt),
         )
 
     def to_api(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -23,6 +24,7 @@ class JobMessage:
     cost: int = 1  # estimated tokens (prompt + max_tokens), what the scheduler charges
     preemptions: int = 0  # times it was aborted to make room for interactive work
     batch_id: str | None = None  # the batch it belongs to: its end advances the batch
+    prefix: str | None = None  # prefix_key of its prompt: where its cache may already be
 
     def encode(self) -> dict[str, str]:
         body = asdict(self)
@@ -41,6 +43,29 @@ class JobMessage:
 
 
 _MESSAGE_FIELDS = frozenset(f.name for f in fields(JobMessage))
+
+
+PREFIX_CHARS = 1024  # the start of a prompt that placement keys on (a system prompt's worth)
+
+
+def prefix_key(messages: list[dict[str, Any]] | None, prompt: str | None) -> str:
+    """A digest of the first PREFIX_CHARS of a job's input (roles and contents in order):
+    jobs that share it — a tenant's system prompt, the turns of one conversation, the
+    lines of a batch with a common preamble — share the engine's prefix cache where they
+    run on one engine (dispatcher/policy.py places them so)."""
+    if prompt is not None:
+        text = prompt[:PREFIX_CHARS]
+    else:
+        parts: list[str] = []
+        size = 0
+        for m in messages or []:
+            part = f"{m.get('role', '')}\x1f{m.get('content', '')}\x1e"
+            parts.append(part[: PREFIX_CHARS - size])
+            size += len(parts[-1])
+            if size >= PREFIX_CHARS:
+                break
+        text = "".join(parts)
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 def estimate_tokens(

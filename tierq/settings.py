@@ -151,6 +151,10 @@ class Settings(BaseSettings):
     # Any number of dispatchers may run; one holds this lease in Redis and dispatches. A
     # leader that stops renewing it (killed, hung, cut off) is replaced within this time.
     dispatch_lease_s: float = Field(default=5.0, gt=0)
+    # Cache-affine placement: jobs whose prompts start alike go to one worker (its prefix
+    # cache holds that start) unless it would run this share of its slots more than the
+    # least loaded worker; 0 places by free slots alone.
+    affinity_slack: float = Field(default=0.25, ge=0)
     min_share_standard: float = 0.20  # of tokens served over the window, while backlogged
     min_share_batch: float = 0.10
     share_window_s: float = 60.0

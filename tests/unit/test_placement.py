@@ -1,0 +1,123 @@
+"""Cache-affine placement (dispatcher/policy.py `_Placement`): jobs sharing a prefix land
+on one worker while it has room within the load bound; affinity never leaves a slot idle
+that free-slot placement would have filled."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dispatcher.policy import PolicyConfig, QueuedJob, TierqPolicy, WorkerSlots
+from tierq.messages import prefix_key
+from tierq.tiers import TIER_ORDER, Tier
+
+_n = itertools.count()
+
+
+def _job(prefix: str | None, tier: Tier = Tier.STANDARD, tenant: str = "a") -> QueuedJob:
+    n = next(_n)
+    return QueuedJob(f"{n}-0", f"job{n}", tier, tenant, float(n), 10, 0, prefix)
+
+
+def _queues(jobs: list[QueuedJob]) -> dict[Tier, dict[str, list[QueuedJob]]]:
+    out: dict[Tier, dict[str, list[QueuedJob]]] = {t: defaultdict(list) for t in TIER_ORDER}
+    for j in jobs:
+        out[j.tier][j.tenant_id].append(j)
+    return out
+
+
+def _policy(slack: float = 0.25) -> TierqPolicy:
+    return TierqPolicy(PolicyConfig(min_share={}, affinity_slack=slack))
+
+
+def _idle(n: int, slots: int) -> list[WorkerSlots]:
+    return [WorkerSlots(f"w{i}", slots, slots, capacity=slots) for i in range(n)]
+
+
+def test_jobs_sharing_a_prefix_land_on_one_worker_while_it_has_room() -> None:
+    got = _policy().assign(_queues([_job("system-a") for _ in range(10)]), _idle(4, 64), 1.0)
+    assert len({a.worker_id for a in got}) == 1  # 10 jobs within 16 (a quarter of 64)
+    # Without a prefix (or with affinity off) they spread over the freest workers.
+    spread = _policy().assign(_queues([_job(None) for _ in range(8)]), _idle(4, 64), 1.0)
+    assert Counter(a.worker_id for a in spread) == {f"w{i}": 2 for i in range(4)}
+    off = _policy(0).assign(_queues([_job("system-a") for _ in range(8)]), _idle(4, 64), 1.0)
+    assert len({a.worker_id for a in off}) == 4
+
+
+def test_two_prefixes_keep_their_own_workers() -> None:
+    jobs = [_job(p) for p in ("a", "b") * 6]
+    got = _policy().assign(_queues(jobs), _idle(8, 64), 1.0)
+    by_prefix = defaultdict(set)
+    for a in got:
+        by_prefix[a.job.prefix].add(a.worker_id)
+    assert all(len(w) == 1 for w in by_prefix.values())
+    # The same ranking every round, on every dispatcher: the next job of "a" goes there too.
+    again = _policy().assign(_queues([_job("a")]), _idle(8, 64), 2.0)
+    assert again[0].worker_id in by_prefix["a"]
+
+
+def test_the_load_bound_spills_a_hot_prefix_to_the_next_workers() -> None:
+    # 8 slots a worker: a worker may run 2 more jobs than the least loaded one.
+    got = _policy().assign(_queues([_job("hot") for _ in range(8)]), _idle(4, 8), 1.0)
+    loads = Counter(a.worker_id for a in got)
+    assert len(loads) == 4 and max(loads.values()) - min(loads.values()) <= 2
+    # Without the bound, all 8 would have gone to the prefix's first worker.
+    unbounded = _policy(1.0).assign(_queues([_job("hot") for _ in range(8)]), _idle(4, 8), 1.0)
+    assert len({a.worker_id for a in unbounded}) == 1
+
+
+def test_the_prefix_key_is_the_start_of_the_input() -> None:
+    system = {"role": "system", "content": "You are terse. " * 100}
+    one = prefix_key([system, {"role": "user", "content": "first"}], None)
+    two = prefix_key([system, {"role": "user", "content": "second"}], None)
+    assert one == two  # past 1,024 characters of a shared system prompt
+    assert prefix_key([{"role": "user", "content": "hi"}], None) != prefix_key(None, "hi")
+    assert prefix_key(None, "x" * 2000 + "a") == prefix_key(None, "x" * 2000 + "b")
+
+
+WORKERS = st.lists(
+    st.tuples(st.integers(0, 12), st.integers(0, 12), st.integers(0, 12)),
+    min_size=1,
+    max_size=6,
+)
+JOBS = st.lists(
+    st.tuples(st.sampled_from(["a", "b", "c", None]), st.sampled_from(list(TIER_ORDER))),
+    max_size=60,
+)
+
+
+@given(WORKERS, JOBS, st.floats(0.05, 1.0))
+def test_affinity_fills_every_slot_free_slots_would(
+    workers: list[tuple[int, int, int]], jobs: list[tuple[str | None, Tier]], slack: float
+) -> None:
+    slots = [
+        WorkerSlots(f"w{i}", free, min(free, lower), capacity=free + busy)
+        for i, (free, lower, busy) in enumerate(workers)
+    ]
+    queued = [_job(p, t) for p, t in jobs]
+    affine = _policy(slack).assign(_queues(queued), slots, 1.0)
+    plain = _policy(0).assign(_queues(queued), slots, 1.0)
+    # As many jobs placed, the same ones (the tier policy decides which), and each on a
+    # worker with a free slot for its tier: affinity decides only where.
+    assert sorted(a.job.job_id for a in affine) == sorted(a.job.job_id for a in plain)
+    free = {w.worker_id: [w.free, w.free_lower] for w in slots}
+    for a in affine:
+        room = free[a.worker_id]
+        if a.job.tier == Tier.INTERACTIVE:
+            assert room[0] > 0
+        else:
+            assert room[1] > 0
+            room[1] -= 1
+        room[0] -= 1
+        room[1] = min(room[1], room[0])
+    # No backlog beside a free slot: what is left could not have been placed.
+    left = {j.job_id for j in queued} - {a.job.job_id for a in affine}
+    if left:
+        tiers = {j.tier for j in queued if j.job_id in left}
+        if Tier.INTERACTIVE in tiers:
+            assert all(r[0] == 0 for r in free.values())
+        if tiers - {Tier.INTERACTIVE}:
+            assert all(r[1] == 0 for r in free.values())
