@@ -18,19 +18,30 @@ victim goes back to waiting, keeps its output and recomputes its KV — prompt a
 tokens — when it resumes; at most `max_preemptions` times), the step budget that follows
 the work, priority order, and worse prefill chunks deferred or capped while a better
 request waits for a slot.
+
+A simulated prefix cache (`CostModel.prefix_cache_entries`, 0 = none, the default): each
+engine keeps an LRU of the prefix keys (`tierq.messages.prefix_key`, the digest placement
+keys on) of the requests it was given, at most that many; a request whose key is there
+skips the prefill of its first min(prompt tokens - 1, PREFIX_CHARS / 4) tokens (their KV
+is cached; the last prompt token is always computed, as in vLLM). It stands for vLLM's
+automatic prefix caching with room for that many prefixes, no more: it is a model, and
+figures measured with it say so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierq.messages import PREFIX_CHARS, prefix_key
 from tierq.token_count import PromptCounter
 from workers.engine.base import Chunk, EngineDead, EngineRequestError
 from workers.engine.vllm_scheduler import StepBudget, Tiering, pick_victims, prioritise
@@ -54,6 +65,8 @@ class CostModel:
     # prefix cache (this model assumes they are not reused meanwhile): on resuming, only
     # the tokens past its last full block are computed again.
     block_size: int = 128
+    # The simulated prefix cache: prefixes (prefix keys) an engine keeps, LRU; 0 = none.
+    prefix_cache_entries: int = 0
 
     @classmethod
     def load(cls, path: Path | None = None) -> CostModel:
@@ -72,15 +85,12 @@ class CostModel:
         return self.decode_step_base_s + self.decode_step_per_seq_s * batch
 
     def scaled(self, speedup: float) -> CostModel:
-        return CostModel(
-            self.prefill_s_per_token / speedup,
-            self.decode_step_base_s / speedup,
-            self.decode_step_per_seq_s / speedup,
-            self.slots,
-            self.max_model_len,
-            self.max_batched_tokens,
-            self.speedup * speedup,
-            self.block_size,
+        return dataclasses.replace(
+            self,
+            prefill_s_per_token=self.prefill_s_per_token / speedup,
+            decode_step_base_s=self.decode_step_base_s / speedup,
+            decode_step_per_seq_s=self.decode_step_per_seq_s / speedup,
+            speedup=self.speedup * speedup,
         )
 
 
@@ -134,6 +144,10 @@ class SimulatedEngine:
         # Prompts are counted as the served model's tokenizer would (given one), else by
         # a stand-in of about four characters a token.
         self.counter = counter or PromptCounter()
+        # The simulated prefix cache (cost.prefix_cache_entries): keys, least recent first.
+        self._prefixes: OrderedDict[str, None] = OrderedDict()
+        self.prefix_lookups = 0  # requests looked up in it (benchmarks read these)
+        self.prefix_hits = 0
         self._step_no = 0
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
@@ -173,7 +187,7 @@ class SimulatedEngine:
         req = _Request(
             priority, next(self._arrivals), request_id, prompt_tokens, max_tokens, asyncio.Queue()
         )
-        req.prefill_left = prompt_tokens
+        req.prefill_left = prompt_tokens - self._cached_prefix(messages, prompt, prompt_tokens)
         self._waiting.append(req)
         self._waiting.sort()
         self._wake.set()
@@ -187,6 +201,25 @@ class SimulatedEngine:
                     return
         finally:
             await self.abort(request_id)
+
+    def _cached_prefix(
+        self, messages: list[dict[str, Any]] | None, prompt: str | None, prompt_tokens: int
+    ) -> int:
+        """Prompt tokens the simulated prefix cache holds for this request (0 on a miss);
+        the request's prefix key becomes the most recent entry, evicting the least."""
+        entries = self.cost.prefix_cache_entries
+        if entries <= 0:
+            return 0
+        key = prefix_key(messages, prompt)
+        self.prefix_lookups += 1
+        if key in self._prefixes:
+            self._prefixes.move_to_end(key)
+            self.prefix_hits += 1
+            return max(0, min(prompt_tokens - 1, PREFIX_CHARS // 4))
+        self._prefixes[key] = None
+        while len(self._prefixes) > entries:
+            self._prefixes.popitem(last=False)
+        return 0
 
     async def abort(self, request_id: str) -> None:
         req = self._running.pop(request_id, None)
