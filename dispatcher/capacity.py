@@ -54,26 +54,28 @@ def desired_workers(
 
 
 class ServedRate:
-    """Tokens the workers served per second over the last `window_s`, per worker."""
+    """What one worker serves per second at capacity: tokens served while work waited
+    (an idle spell measures demand, not capacity, and is left out), each report divided
+    by the workers alive then, over the seconds of the last `window_s` that had any."""
 
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
-        self._events: deque[tuple[float, int]] = deque()
-        self._total = 0
-        self._since: float | None = None
+        self._events: deque[tuple[float, float]] = deque()
+        self._total = 0.0
 
-    def add(self, now: float, tokens: int) -> None:
-        if self._since is None:
-            self._since = now
-        self._events.append((now, tokens))
-        self._total += tokens
+    def add(self, now: float, tokens: int, workers: int) -> None:
+        if workers <= 0:
+            return
+        share = tokens / workers
+        self._events.append((now, share))
+        self._total += share
 
-    def per_worker(self, now: float, workers: int) -> float | None:
-        """None until a first report (or with no worker): nothing measured yet."""
+    def per_worker(self, now: float) -> float | None:
+        """None until a first report while work waited: nothing measured yet."""
         horizon = now - self.window_s
         while self._events and self._events[0][0] < horizon:
             self._total -= self._events.popleft()[1]
-        if self._since is None or workers <= 0 or not self._events:
+        if not self._events:
             return None
-        span = min(self.window_s, max(1.0, now - self._since))
-        return self._total / span / workers
+        seconds = len({int(at) for at, _ in self._events})
+        return self._total / seconds

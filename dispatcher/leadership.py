@@ -76,6 +76,27 @@ while i <= #ARGV do
 end
 return moved
 """
+# KEYS: lease. ARGV: value, group, inbox, entry id, stream ("" for none), n, then n
+# field/value strings: a dead worker's entry back on its tier's stream (or just dropped).
+_REQUEUE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local n = tonumber(ARGV[6])
+if ARGV[5] ~= '' then
+  local fields = {'XADD', ARGV[5], '*'}
+  for j = 1, n do fields[#fields + 1] = ARGV[6 + j] end
+  redis.call(unpack(fields))
+end
+redis.call('XACK', ARGV[3], ARGV[2], ARGV[4])
+redis.call('XDEL', ARGV[3], ARGV[4])
+return 1
+"""
+# KEYS: lease. ARGV: value, inbox, workers hash, worker id: a dead worker forgotten.
+_FORGET = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+redis.call('DEL', ARGV[2])
+redis.call('HDEL', ARGV[3], ARGV[4])
+return 1
+"""
 # KEYS: lease. ARGV: value, then channel/message pairs.
 _PUBLISH = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
@@ -90,6 +111,9 @@ return 1
 """
 
 StreamEntry = tuple[str, dict[str, str]]
+# Streams per fenced XREADGROUP: Lua's unpack() takes some 8,000 values at most, and a
+# tier has a shard per tenant.
+READ_CHUNK = 1000
 
 
 class Leadership:
@@ -109,6 +133,8 @@ class Leadership:
         self._hand_off = r.register_script(_HAND_OFF)
         self._publish = r.register_script(_PUBLISH)
         self._save = r.register_script(_SAVE)
+        self._requeue = r.register_script(_REQUEUE)
+        self._forget = r.register_script(_FORGET)
 
     @property
     def held(self) -> bool:
@@ -127,12 +153,13 @@ class Leadership:
 
     async def renew(self) -> bool:
         """Extend the lease; False (and no longer held) when it was lost meanwhile."""
-        if self.value is None:
+        value = self.value
+        if value is None:
             return False
         kept = int(
-            await self._renew(keys=[self.names.dispatch_leader], args=[self.value, self.lease_ms])
+            await self._renew(keys=[self.names.dispatch_leader], args=[value, self.lease_ms])
         )
-        if not kept:
+        if not kept and self.value == value:  # not a lease taken again meanwhile
             self.lost()
         return bool(kept)
 
@@ -165,13 +192,18 @@ class Leadership:
     ) -> list[tuple[str, list[StreamEntry]]]:
         """XREADGROUP of `streams` (stream -> id: ">" new, else pending after it), as the
         leader only. Fields are {} for entries deleted meanwhile."""
-        keys = [self.names.dispatch_leader, *streams]
-        args: list[Any] = [self._fence(), group, consumer, count, *streams.values()]
-        got = self._checked(await self._read(keys=keys, args=args))
-        return [
-            (str(stream), [(str(eid), _pairs(fields)) for eid, fields in entries])
-            for stream, entries in got or []
-        ]
+        out: list[tuple[str, list[StreamEntry]]] = []
+        items = list(streams.items())
+        for start in range(0, len(items), READ_CHUNK):
+            chunk = dict(items[start : start + READ_CHUNK])
+            keys = [self.names.dispatch_leader, *chunk]
+            args: list[Any] = [self._fence(), group, consumer, count, *chunk.values()]
+            got = self._checked(await self._read(keys=keys, args=args))
+            out.extend(
+                (str(stream), [(str(eid), _pairs(fields)) for eid, fields in entries])
+                for stream, entries in got or []
+            )
+        return out
 
     async def hand_off(
         self, group: str, moves: Sequence[tuple[str, str, str, dict[str, str]]]
@@ -184,6 +216,19 @@ class Leadership:
             for name, value in fields.items():
                 args += [name, value]
         self._checked(await self._hand_off(keys=[self.names.dispatch_leader], args=args))
+
+    async def requeue(
+        self, group: str, inbox: str, entry_id: str, stream: str | None, fields: dict[str, str]
+    ) -> None:
+        """A dead worker's inbox entry back on `stream` (None: only let go of it)."""
+        args: list[Any] = [self._fence(), group, inbox, entry_id, stream or "", 2 * len(fields)]
+        for name, value in fields.items():
+            args += [name, value]
+        self._checked(await self._requeue(keys=[self.names.dispatch_leader], args=args))
+
+    async def forget_worker(self, inbox: str, worker_id: str) -> None:
+        args = [self._fence(), inbox, self.names.workers, worker_id]
+        self._checked(await self._forget(keys=[self.names.dispatch_leader], args=args))
 
     async def publish(self, messages: Sequence[tuple[str, str]]) -> None:
         args: list[Any] = [self._fence()]

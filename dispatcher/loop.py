@@ -136,6 +136,9 @@ class Dispatcher:
         self._stop = asyncio.Event()
         self.leadership = Leadership(r, self.names, settings.dispatch_lease_s)
         self._state_saved_at = 0.0
+        self._carry_on = False  # restore the saved accounting at the next recovery
+        self._saturated = False  # jobs waited at the last capacity count
+        self._workers_alive = 0
         self._stream_tier: dict[str, Tier] = {}  # source stream -> its tier
         self.served_rate = ServedRate(settings.share_window_s)
         self._capacity_at = 0.0
@@ -360,10 +363,13 @@ class Dispatcher:
             try:
                 if not self.leadership.held:
                     recovered = False
+                    # A standby's signal is 0: the leader's alone counts (max() over them).
+                    metrics.DESIRED_WORKERS.labels(self.settings.served_model_name).set(0)
                     if not await self.leadership.acquire():
                         await self._stand_by()
                         continue
                     log.info("this dispatcher leads (epoch %d)", self.leadership.epoch)
+                    self._carry_on = True
                 if not recovered:
                     await self._recover()
                     recovered = True
@@ -427,10 +433,13 @@ class Dispatcher:
                     )
         self.running = running
         self.preempting &= set(running)
-        # The policy's accounting as the last leader saved it: shares and fairness carry on.
-        saved = await self.r.get(self.names.dispatch_state)
-        if saved:
-            self.policy.restore(json.loads(saved))
+        if self._carry_on:
+            # Newly leading: the policy's accounting as the last leader saved it, so shares
+            # and fairness carry on (after a mere reconnect, this process's own is newer).
+            saved = await self.r.get(self.names.dispatch_state)
+            if saved:
+                self.policy.restore(json.loads(saved))
+            self._carry_on = False
         log.info("dispatcher recovered: %d jobs running on %d workers", len(running), len(alive))
 
     async def _save_state(self, now: float) -> None:
@@ -472,11 +481,13 @@ class Dispatcher:
         ]
         capacities = sorted(hb.capacity for hb in alive)
         slots = capacities[len(capacities) // 2] if capacities else self.settings.max_num_seqs
+        self._saturated = any(w.jobs > 0 for w in waiting)
+        self._workers_alive = len(alive)
         self.desired_workers = desired_workers(
             waiting,
             len(self.running),
             slots,
-            self.served_rate.per_worker(now, len(alive)),
+            self.served_rate.per_worker(now),
             slo_from_settings(self.settings),
         )
         metrics.DESIRED_WORKERS.labels(self.settings.served_model_name).set(self.desired_workers)
@@ -490,7 +501,8 @@ class Dispatcher:
                 report = Served.decode(fields)
                 self.running.pop(report.job_id, None)
                 self.preempting.discard(report.job_id)
-                self.served_rate.add(now, report.actual)
+                if self._saturated:  # a worker's capacity shows only while work waits
+                    self.served_rate.add(now, report.actual, self._workers_alive)
                 correction = report.actual - report.estimated
                 if correction:
                     self.policy.charge(report.tier, report.tenant_id, correction, now)
@@ -582,10 +594,7 @@ class Dispatcher:
                 leftover: Any = await self.r.xrange(inbox)
                 for entry_id, fields in leftover:
                     moved += await self._requeue(inbox, entry_id, dict(fields or {}))
-            async with self.r.pipeline(transaction=True) as pipe:
-                pipe.delete(inbox)
-                pipe.hdel(self.names.workers, hb.worker_id)
-                await pipe.execute()
+            await self.leadership.forget_worker(inbox, hb.worker_id)
             for job_id in [j for j, r in self.running.items() if r.worker_id == hb.worker_id]:
                 del self.running[job_id]
                 self.preempting.discard(job_id)
@@ -594,11 +603,11 @@ class Dispatcher:
             log.warning("worker %s is dead; %d jobs moved back to their tiers", hb.worker_id, moved)
 
     async def _requeue(self, inbox: str, entry_id: str, fields: dict[str, str]) -> int:
-        async with self.r.pipeline(transaction=True) as pipe:
-            if fields:
-                msg = JobMessage.decode(fields)
-                pipe.xadd(self.names.tier_stream(msg.tier, msg.tenant_id), msg.encode())  # type: ignore[arg-type]
-            pipe.xack(inbox, WORKER_GROUP, entry_id)
-            pipe.xdel(inbox, entry_id)
-            await pipe.execute()
+        """Fenced: a leader that lost its lease mid-reclaim moves nothing (the new leader
+        claims the same entries and moves each once)."""
+        stream = None
+        if fields:
+            msg = JobMessage.decode(fields)
+            stream = self.names.tier_stream(msg.tier, msg.tenant_id)
+        await self.leadership.requeue(WORKER_GROUP, inbox, entry_id, stream, fields)
         return 1 if fields else 0

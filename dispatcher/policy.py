@@ -170,7 +170,10 @@ class TierqPolicy:
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
-        """Carry on from a `snapshot` (the previous leader's)."""
+        """Carry on from a `snapshot` (the previous leader's); one of another policy's
+        (an empty one) leaves this one's as it is."""
+        if "window" not in state or "counters" not in state:
+            return
         self.window.restore(list(state.get("window", [])))
         counters = state.get("counters", {})
         backlogged = state.get("backlogged", {})

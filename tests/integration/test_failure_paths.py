@@ -313,6 +313,10 @@ async def test_a_job_run_twice_streams_and_finishes_once(
 ) -> None:
     """Redis lost track of a running job and it was enqueued again while its first run
     went on: the later delivery fences the earlier off — no delta twice, one finish."""
+    # Placement by free slots: the second delivery goes to the idle worker (affinity would
+    # send it to the first, which holds the job already and lets the duplicate go).
+    unpinned = platform.settings.model_copy(update={"affinity_slack": 0.0})
+    platform.dispatcher = Dispatcher(unpinned, platform.r)
     platform.start_dispatcher()
     slower = CostModel(slots=8).scaled(1)  # 150 tokens take about 5 s
     await platform.start_worker("first", cost=slower)

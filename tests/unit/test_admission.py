@@ -13,6 +13,7 @@ from typing import Any
 from models.quotas import reservation_cost
 from services import admission
 from services.batch_input import RawLine
+from tierq import token_count
 from tierq.settings import Settings
 from workers.engine.bundled_model import prepare_bundled_model
 
@@ -36,8 +37,12 @@ def test_a_line_reserves_its_prompt_and_max_tokens_as_an_online_job_does() -> No
     line = admission.batch_line(_settings(), CHAT, _item(1))
     assert line.error_code is None and line.model == "SmolLM2-135M-Instruct"
     assert line.params["max_tokens"] == 8
-    job, _model = admission.prepare_line(_settings(), CHAT, _item(1))
-    assert line.reserved_tokens == admission.reservation(_settings(), job) > 8
+    # What the online path reserves for the same request: the served model's tokenizer's
+    # bound on the prompt, plus max_tokens (services/admission.py `_counted`).
+    counter = token_count.for_settings(_settings())
+    online = counter.reserve([{"role": "user", "content": "Hi."}], None, 8)
+    assert line.reserved_tokens == online > 8
+    assert line.messages == [{"role": "user", "content": "Hi."}]
 
 
 def test_no_field_makes_a_line_reserve_nothing_and_still_run() -> None:

@@ -64,12 +64,16 @@ def test_more_work_never_asks_for_fewer_workers(
     assert (high == 0) == (sum(more) == 0)
 
 
-def test_the_served_rate_is_per_worker_over_the_window() -> None:
+def test_the_served_rate_is_per_worker_per_second_it_was_measured() -> None:
     rate = ServedRate(window_s=10)
-    assert rate.per_worker(0.0, 2) is None
+    assert rate.per_worker(0.0) is None
     for second in range(20):
-        rate.add(float(second), 100)
-    # The last 10 s hold 1,100 tokens (seconds 9..19); two workers.
-    assert rate.per_worker(19.0, 2) == 1_100 / 10 / 2
-    assert rate.per_worker(19.0, 0) is None
+        rate.add(float(second), 100, 2)  # two workers served 100 tokens that second
+    # The last 10 s (seconds 9..19: 11 seconds with reports): 50 tokens a worker each.
+    assert rate.per_worker(19.0) == 50.0
+    # A quiet spell adds nothing (the dispatcher reports only while work waits): the
+    # rate stays what a worker did at capacity, not what little was asked of it.
+    rate.add(19.5, 10, 0)
+    assert rate.per_worker(19.5) == 50.0
+    assert rate.per_worker(100.0) is None
     assert set(TIER_ORDER) == set(SLO)

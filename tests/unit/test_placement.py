@@ -90,7 +90,7 @@ JOBS = st.lists(
 
 
 @given(WORKERS, JOBS, st.floats(0.05, 1.0))
-def test_affinity_fills_every_slot_free_slots_would(
+def test_affinity_places_what_free_slots_would_and_leaves_no_slot_idle(
     workers: list[tuple[int, int, int]], jobs: list[tuple[str | None, Tier]], slack: float
 ) -> None:
     slots = [
@@ -100,9 +100,12 @@ def test_affinity_fills_every_slot_free_slots_would(
     queued = [_job(p, t) for p, t in jobs]
     affine = _policy(slack).assign(_queues(queued), slots, 1.0)
     plain = _policy(0).assign(_queues(queued), slots, 1.0)
-    # As many jobs placed, the same ones (the tier policy decides which), and each on a
-    # worker with a free slot for its tier: affinity decides only where.
-    assert sorted(a.job.job_id for a in affine) == sorted(a.job.job_id for a in plain)
+    # Within one tier, as many jobs placed and the same ones (the tier policy decides
+    # which): affinity decides only where. (Mixed, an interactive job may take a slot
+    # that lower tiers could also use on one worker and not on another: either way no
+    # job is left beside a slot it could take, checked below.)
+    if len({t for _, t in jobs}) <= 1:
+        assert sorted(a.job.job_id for a in affine) == sorted(a.job.job_id for a in plain)
     free = {w.worker_id: [w.free, w.free_lower] for w in slots}
     for a in affine:
         room = free[a.worker_id]
