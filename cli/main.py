@@ -286,6 +286,35 @@ def bench_qos(
     typer.echo(json.dumps(result, separators=(",", ":")))
 
 
+@bench_app.command("scale")
+def bench_scale(
+    workers: int = typer.Option(8, help="Simulated workers, in this process."),
+    slots: int = typer.Option(128, help="MAX_NUM_SEQS of each simulated engine."),
+    duration: float = typer.Option(30.0, help="Wall seconds of arrivals per run."),
+    seed: int = typer.Option(1),
+    speedup: float = typer.Option(4.0, help="Time compression of the simulated engines."),
+    load: float = typer.Option(2.0, help="Offered load, in capacities without cache hits."),
+    cache_entries: int = typer.Option(6, help="Prefixes each simulated prefix cache holds."),
+    lease: float = typer.Option(5.0, help="DISPATCH_LEASE_S of the two dispatchers."),
+) -> None:
+    """Cache-affine vs free-slot placement, dispatch rate, failover, autoscaling signal
+    (simulated engines, real Redis and PostgreSQL); one JSON line last on stdout."""
+    from benchmarks.scale import ScaleConfig, run_scale
+
+    setup_logging("WARNING")
+    cfg = ScaleConfig(
+        workers=workers,
+        slots=slots,
+        duration_s=duration,
+        seed=seed,
+        speedup=speedup,
+        load=load,
+        cache_entries=cache_entries,
+        lease_s=lease,
+    )
+    _run_platform_bench(run_scale(get_settings(), cfg))
+
+
 @bench_app.command("steps")
 def bench_steps(
     slots: int = typer.Option(32, help="MAX_NUM_SEQS of the engine; all but one run batch work."),
