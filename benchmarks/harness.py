@@ -32,10 +32,10 @@ from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
-from sqlalchemy import select
+from sqlalchemy import select, text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 import migrations
-from benchmarks.qos import _drop_scratch_database, _scratch_database
 from launch.supervisor import Child, components
 from models.db import Database
 from models.tables import Job
@@ -305,6 +305,32 @@ def postgres_server_url(base: Settings, bench: str) -> str:
     return url
 
 
+async def _admin_sql(server: str, sql: str) -> None:
+    admin = create_async_engine(f"{server}/postgres", isolation_level="AUTOCOMMIT")
+    try:
+        async with admin.connect() as conn:
+            await conn.execute(text(sql))
+    finally:
+        await admin.dispose()
+
+
+async def scratch_database(base: Settings, workdir: Path, name: str) -> str:
+    """A fresh database for one run: on the PostgreSQL server of DATABASE_URL if one is
+    set (the platform's real setting), else a SQLite file."""
+    url = base.database_url
+    if not url or not url.startswith("postgresql"):
+        return f"sqlite+aiosqlite:///{workdir / f'{name}.db'}"
+    server = url.rsplit("/", 1)[0]
+    await _admin_sql(server, f'CREATE DATABASE "tierq_bench_{name}"')
+    return f"{server}/tierq_bench_{name}"
+
+
+async def drop_scratch_database(url: str) -> None:
+    if url.startswith("postgresql"):
+        server, name = url.rsplit("/", 1)
+        await _admin_sql(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def base_env(settings: Settings, admin_key: str) -> dict[str, str]:
     """The environment of every process: this process's, pointed at the scratch services."""
     env = dict(os.environ)
@@ -395,7 +421,7 @@ class ScratchPlatform:
         try:
             self.redis.start()
             await self.redis.wait_ready()
-            self.db_url = await _scratch_database(
+            self.db_url = await scratch_database(
                 self.base.model_copy(update={"database_url": self.server_url}), self.state, self.tag
             )
             await asyncio.to_thread(migrations.upgrade, self.db_url)  # Alembic: its own loop
@@ -457,7 +483,7 @@ class ScratchPlatform:
             await self._db.close()
         if self.db_url is not None:
             try:
-                await _drop_scratch_database(self.db_url)
+                await drop_scratch_database(self.db_url)
             except Exception:
                 log.exception("could not drop the scratch database %s", self.db_url)
         if self.keep_logs or not self.completed:

@@ -73,7 +73,7 @@ from benchmarks.harness import (
     platform_children,
     sse_events,
 )
-from benchmarks.qos import _p95
+from benchmarks.qos_report import p95
 from models.db import Database
 from models.tables import Batch, Job, UsageRecord
 from tierq.settings import Settings
@@ -1056,7 +1056,7 @@ async def _ttft_parts(
         parts[phase]["queue"].append(started - created)
         parts[phase]["first_token"].append(ttft - started)
     return {
-        phase: {k: None if not v else round(_p95(v) or 0.0, 4) for k, v in by_part.items()}
+        phase: {k: None if not v else round(p95(v) or 0.0, 4) for k, v in by_part.items()}
         for phase, by_part in parts.items()
     }
 
@@ -1079,8 +1079,8 @@ async def _figures(
 ) -> dict[str, Any]:
     settings = p.settings
     simulated = cfg.engine == "simulated"
-    alone = _p95(quiet.ttft["alone"])
-    noisy_p95 = _p95(quiet.ttft["noise"])
+    alone = p95(quiet.ttft["alone"])
+    noisy_p95 = p95(quiet.ttft["noise"])
     ratio = round(noisy_p95 / alone, 3) if alone and noisy_p95 is not None else None
     errors = quiet.tally.server_errors + cancels["server_errors"]
     errors += (noise or {}).get("server_errors", [])
@@ -1123,9 +1123,9 @@ async def _figures(
             f"over {PROBE_SLOW_S} s; the platform exports no pool metric. Compare "
             "api_probe_* (GET /healthz, no database): a slow API slows both"
         ),
-        "db_probe_p95_s": None if not probes else round(_p95(probes) or 0.0, 4),
+        "db_probe_p95_s": None if not probes else round(p95(probes) or 0.0, 4),
         "db_probe_max_s": None if not probes else round(probes[-1], 4),
-        "api_probe_p95_s": None if not api_probes else round(_p95(api_probes) or 0.0, 4),
+        "api_probe_p95_s": None if not api_probes else round(p95(api_probes) or 0.0, 4),
         "api_probe_max_s": None if not api_probes else round(api_probes[-1], 4),
         "db_peak_connections": n.db_connections,
         "db_peak_connections_alone": a.db_connections,

@@ -42,8 +42,13 @@ from typing import Any
 import redis.asyncio as aioredis
 
 import migrations
-from benchmarks.harness import RedisServer, free_port, postgres_server_url
-from benchmarks.qos import _drop_scratch_database, _scratch_database
+from benchmarks.harness import (
+    RedisServer,
+    drop_scratch_database,
+    free_port,
+    postgres_server_url,
+    scratch_database,
+)
 from dispatcher.loop import Dispatcher, policy_from_settings
 from models import jobs as job_repo
 from models import tenants as tenant_repo
@@ -269,7 +274,7 @@ async def _run(
     crash: bool,
 ) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
-    db_url = await _scratch_database(base, workdir, f"scale_{name}_{tag}")
+    db_url = await scratch_database(base, workdir, f"scale_{name}_{tag}")
     await asyncio.to_thread(migrations.upgrade, db_url)
     settings = base.model_copy(
         update={
@@ -470,7 +475,7 @@ async def _run(
     for c in (r, *clients):
         await c.aclose()
     await db.close()
-    await _drop_scratch_database(db_url)
+    await drop_scratch_database(db_url)
     return result
 
 

@@ -29,13 +29,13 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 
+from dispatcher.allowance import offer
 from dispatcher.capacity import ServedRate, Waiting, desired_workers
 from dispatcher.leadership import Leadership, LeaseLost
 from dispatcher.policy import (
@@ -222,53 +222,13 @@ class Dispatcher:
                     self._buffered[stream] = self._buffered.get(stream, 0) + 1
 
     def _queues(self) -> dict[Tier, dict[str, list[QueuedJob]]]:
-        queues: dict[Tier, dict[str, list[QueuedJob]]] = {}
-        allowance = self._allowance()
-        for tier, tenants in self.buffers.items():
-            per: dict[str, list[QueuedJob]] = {}
-            for tenant, entries in tenants.items():
-                if entries:
-                    # Preempted jobs first (head of the tier), then in arrival order.
-                    jobs = [b.job for b in entries.values()]
-                    jobs.sort(key=lambda j: (j.preemptions == 0, j.enqueued_at))
-                    left = allowance(tenant, tier)
-                    if left is not None:
-                        jobs = jobs[:left]  # its max_running: the rest wait
-                    if jobs:
-                        per[tenant] = jobs
-            queues[tier] = per
-        return queues
-
-    def _allowance(self) -> Callable[[str, Tier], int | None]:
-        """How many more jobs each capped tenant may start now (its quota's max_running,
-        for all its tiers and per tier); None for a tenant without a cap. Jobs offered to
-        the policy in one round never exceed it, whichever it picks."""
-        if not self.max_running:
-            return lambda _tenant, _tier: None
-        running: Counter[tuple[str, str]] = Counter()
-        for job in self.running.values():
-            running[(job.tenant_id, "*")] += 1
-            running[(job.tenant_id, job.tier.value)] += 1
-        offered: Counter[str] = Counter()
-
-        def left(tenant: str, tier: Tier) -> int | None:
-            caps = self.max_running.get(tenant)
-            if not caps:
-                return None
-            room: int | None = None
-            for scope in ("*", tier.value):
-                if scope in caps:
-                    free = caps[scope] - running[(tenant, scope)]
-                    if scope == "*":
-                        free -= offered[tenant]
-                    room = free if room is None else min(room, free)
-            if room is None:
-                return None
-            room = max(0, room)
-            offered[tenant] += room
-            return room
-
-        return left
+        """The read-ahead as the policy sees it: each tenant's jobs in dispatch order, cut
+        to what its max_running still allows (dispatcher/allowance.py)."""
+        buffered = {
+            tier: {tenant: [b.job for b in entries.values()] for tenant, entries in tenants.items()}
+            for tier, tenants in self.buffers.items()
+        }
+        return offer(buffered, self.running.values(), self.max_running)
 
     async def _refresh_tenant_policy(self, now: float) -> None:
         """Tenant weights and max_running, as the admin API (and Celery) publish them."""

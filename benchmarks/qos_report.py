@@ -1,0 +1,173 @@
+"""The figures of `tierq bench qos`: what one policy's run recorded, measured.
+
+Every figure covers the measured window (after the warm-up, until the arrivals end) and
+is in simulated seconds where it is a time. An interactive job still waiting at the end
+counts with its wait so far; the backlog is what arrived but is not yet in the engine —
+for the engine-priority baseline also what waits inside the engine beyond its slots.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.qos_workload import Arrival, Shape
+from tierq.settings import Settings
+from tierq.tiers import TIER_ORDER, Tier
+from workers.engine.simulated_engine import CostModel
+
+
+@dataclass
+class Trace:
+    """What the instrumented engine saw, in wall-clock seconds."""
+
+    called: dict[str, float] = field(default_factory=dict)  # request id -> entered the engine
+    first_token: dict[str, float] = field(default_factory=dict)
+    tokens: list[tuple[float, str, int]] = field(default_factory=list)  # (t, request id, n)
+    samples: list[tuple[float, int, int]] = field(default_factory=list)  # (t, in engine, arrived)
+
+
+@dataclass
+class Recorded:
+    """One policy's run, as the harness leaves it."""
+
+    trace: Trace
+    jobs: dict[str, tuple[Arrival, float]]  # job id -> (arrival, wall time enqueued)
+    t0: float  # wall clock at simulated time 0
+    decision_seconds: list[float]  # the dispatcher's assign() calls
+    settings: Settings
+
+
+@dataclass(frozen=True)
+class Window:
+    """The measured span, in wall-clock seconds, and time's compression."""
+
+    w0: float
+    w1: float
+    speedup: float
+
+    def sim(self, seconds: float) -> float:
+        return round(seconds * self.speedup, 3)
+
+
+def p95(values: list[float]) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, round(0.95 * (len(values) - 1)))]
+
+
+def metrics(run: Recorded, shape: Shape, cost: CostModel, speedup: float) -> dict[str, Any]:
+    win = Window(run.t0 + shape.warmup_s / speedup, run.t0 + shape.duration_s / speedup, speedup)
+    span = (win.w1 - win.w0) * speedup  # simulated seconds measured
+    ttft = _interactive_ttft(run, win)
+    served, by_tenant = _served_tokens(run, win)
+    total = sum(served.values()) or 1.0
+    batch_waits = [
+        (run.trace.called.get(j, win.w1) - wall)
+        for j, (a, wall) in run.jobs.items()
+        if a.tier == Tier.BATCH
+    ]
+    decisions = sorted(run.decision_seconds)
+    p99 = decisions[int(0.99 * (len(decisions) - 1))] if decisions else 0.0
+    return {
+        "interactive_ttft_p95_s": win.sim(p95(ttft) or 0.0),
+        "interactive_jobs_measured": len(ttft),
+        "tier_share": {t.value: round(served[t] / total, 4) for t in TIER_ORDER},
+        "backlogged_tiers": [t.value for t in _backlogged_tiers(run, win)],
+        "tier_min_share": {
+            Tier.STANDARD.value: run.settings.min_share_standard,
+            Tier.BATCH.value: run.settings.min_share_batch,
+        },
+        "tenant_gap": round(_tenant_gap(run, by_tenant), 2),
+        "batch_max_wait_s": win.sim(max(batch_waits) if batch_waits else 0.0),
+        "idle_with_backlog": _idle_with_backlog(run, win, cost.slots),
+        "throughput_tokens_per_s": round(total / span, 2),
+        "decision_us_p99": round(p99 * 1e6, 1),
+    }
+
+
+def _interactive_ttft(run: Recorded, win: Window) -> list[float]:
+    """Interactive jobs that arrived in the window: first token less arrival, or for one
+    still waiting at the end, its wait so far."""
+    first = run.trace.first_token
+    measured = [(j, wall) for j, (a, wall) in run.jobs.items() if a.tier == Tier.INTERACTIVE]
+    measured = [(j, wall) for j, wall in measured if win.w0 <= wall]
+    ttft = [first[j] - wall for j, wall in measured if j in first]
+    unserved = [win.w1 - wall for j, wall in measured if j not in first]
+    return ttft + unserved
+
+
+def _served_tokens(run: Recorded, win: Window) -> tuple[dict[Tier, float], dict[str, float]]:
+    """Tokens served in the window per tier, and per batch tenant."""
+    served: dict[Tier, float] = defaultdict(float)
+    by_tenant: dict[str, float] = defaultdict(float)
+    for t, rid, n in run.trace.tokens:
+        if win.w0 <= t <= win.w1 and rid in run.jobs:
+            arrival = run.jobs[rid][0]
+            served[arrival.tier] += n
+            if arrival.tier == Tier.BATCH:
+                by_tenant[arrival.tenant] += n
+    return served, by_tenant
+
+
+def _tenant_gap(run: Recorded, by_tenant: dict[str, float]) -> float:
+    """The widest gap between two batch tenants' tokens, in jobs of the largest size."""
+    largest_job = max(a.prompt_tokens + a.max_tokens for a, _ in run.jobs.values())
+    tenants = sorted(by_tenant)
+    if len(tenants) <= 1:
+        return 0.0
+    return max(abs(by_tenant[x] - by_tenant[y]) for x in tenants for y in tenants) / largest_job
+
+
+def _intervals(run: Recorded, win: Window) -> list[tuple[float, float, int, int]]:
+    """The engine samples in the window: (t, length, in engine, arrived so far)."""
+    samples = run.trace.samples
+    return [
+        (t, t_next - t, active, arrived)
+        for (t, active, arrived), (t_next, _, _) in itertools.pairwise(samples)
+        if win.w0 <= t <= win.w1
+    ]
+
+
+def _idle_with_backlog(run: Recorded, win: Window, slots: int) -> float:
+    """The fraction of slot time left idle while work waited."""
+    entered = sorted(run.trace.called.values())
+    idle_slot_time = 0.0
+    slot_time = 0.0
+    for t, dt, active, arrived in _intervals(run, win):
+        waiting = arrived - bisect.bisect_right(entered, t) + max(0, active - slots)
+        slot_time += slots * dt
+        if waiting > 0:
+            idle_slot_time += (slots - min(active, slots)) * dt
+    return round(idle_slot_time / slot_time, 4) if slot_time else 0.0
+
+
+def _backlogged_tiers(run: Recorded, win: Window) -> list[Tier]:
+    """Tiers with work waiting (arrived, no first token yet) for 90 % of the window."""
+    arrived: dict[Tier, list[float]] = defaultdict(list)
+    entered: dict[Tier, list[float]] = defaultdict(list)
+    for j, (a, wall) in run.jobs.items():
+        arrived[a.tier].append(wall)
+        if j in run.trace.first_token:  # served from its first token on, whatever the engine
+            entered[a.tier].append(run.trace.first_token[j])
+    for values in (*arrived.values(), *entered.values()):
+        values.sort()
+    backlogged_time: dict[Tier, float] = defaultdict(float)
+    for t, dt, _active, _arrived in _intervals(run, win):
+        for tier in TIER_ORDER:
+            queued = bisect.bisect_right(arrived[tier], t) - bisect.bisect_right(entered[tier], t)
+            if queued > 0:
+                backlogged_time[tier] += dt
+    return [t for t in TIER_ORDER if backlogged_time[t] >= 0.9 * (win.w1 - win.w0)]
+
+
+def print_table(name: str, m: dict[str, Any]) -> None:
+    print(f"\n== {name}")
+    for key, value in m.items():
+        print(f"  {key:32} {json.dumps(value)}")
+    print(flush=True)
