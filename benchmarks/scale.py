@@ -55,6 +55,7 @@ from models import tenants as tenant_repo
 from models.db import Database
 from tierq.messages import PREFIX_CHARS
 from tierq.queue import enqueue
+from tierq.redis_conn import connect
 from tierq.settings import Settings
 from tierq.tiers import TIER_ORDER, Tier
 from workers.engine.base import Chunk, EngineWrapper
@@ -297,6 +298,7 @@ async def _run(
     r = aioredis.Redis.from_url(redis_url, decode_responses=True)
     tally = Tally()
     engines: list[CountingEngine] = []
+    worker_clients: list[aioredis.Redis] = []
     workers: list[Worker] = []
     for i in range(cfg.workers):
         sim = SimulatedEngine(
@@ -307,10 +309,13 @@ async def _run(
         engine = CountingEngine(sim, tally)
         await engine.start()
         engines.append(engine)
-        workers.append(Worker(settings, db, r, engine, worker_id=f"w{i:02d}", capacity=cfg.slots))
+        # A client of its own, as a worker process has (bounded: a burst waits for one).
+        wr = await connect(settings, role=f"w{i:02d}")
+        worker_clients.append(wr)
+        workers.append(Worker(settings, db, wr, engine, worker_id=f"w{i:02d}", capacity=cfg.slots))
     # Two dispatchers, each with its own connection, run as Dispatcher.run does but with
     # their tasks at hand: cancelling both models a crash (no release of the lease).
-    clients = [aioredis.Redis.from_url(redis_url, decode_responses=True) for _ in range(2)]
+    clients = [await connect(settings, role=f"dispatcher-{i}") for i in range(2)]
     dispatchers = [
         TimedDispatcher(settings, c, consumer="dispatcher", policy=policy_from_settings(settings))
         for c in clients
@@ -463,16 +468,20 @@ async def _run(
 
     tally.stopping = True
     result["preempted_tokens_wasted"] = tally.cut_tokens
-    for task in [feeder, sampler, *w_tasks, *(t for pair in d_tasks for t in pair)]:
+    for d in dispatchers:
+        d.request_stop()
+    everything = [feeder, sampler, *w_tasks, *(t for pair in d_tasks for t in pair)]
+    for task in everything:
         task.cancel()
-    await asyncio.gather(feeder, sampler, *w_tasks, return_exceptions=True)
-    await asyncio.gather(*(t for pair in d_tasks for t in pair), return_exceptions=True)
+    _, left = await asyncio.wait(everything, timeout=10)
+    if left:
+        log.warning("%d tasks did not end within 10 s of being cancelled: %s", len(left), left)
     for engine in engines:
         await engine.shutdown()
     keys = [k async for k in r.scan_iter(match=f"{settings.redis_prefix}:*")]
     if keys:
         await r.delete(*keys)
-    for c in (r, *clients):
+    for c in (r, *clients, *worker_clients):
         await c.aclose()
     await db.close()
     await drop_scratch_database(db_url)

@@ -289,11 +289,11 @@ def bench_qos(
 @bench_app.command("scale")
 def bench_scale(
     workers: int = typer.Option(8, help="Simulated workers, in this process."),
-    slots: int = typer.Option(128, help="MAX_NUM_SEQS of each simulated engine."),
+    slots: int = typer.Option(32, help="MAX_NUM_SEQS of each simulated engine."),
     duration: float = typer.Option(30.0, help="Wall seconds of arrivals per run."),
     seed: int = typer.Option(1),
     speedup: float = typer.Option(4.0, help="Time compression of the simulated engines."),
-    load: float = typer.Option(2.0, help="Offered load, in capacities without cache hits."),
+    load: float = typer.Option(1.5, help="Offered load, in capacities without cache hits."),
     cache_entries: int = typer.Option(6, help="Prefixes each simulated prefix cache holds."),
     lease: float = typer.Option(5.0, help="DISPATCH_LEASE_S of the two dispatchers."),
 ) -> None:
