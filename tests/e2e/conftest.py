@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 import migrations
-from tests.conftest import PG_ADMIN_URL, REDIS_TEST_URL, _admin, free_port
+from tests.conftest import PG_ADMIN_URL, REDIS_TEST_URL, free_port, pg_admin_sql
 
 READY_TIMEOUT_S = 420
 
@@ -112,7 +112,7 @@ def start_platform(tmp: Path, env_extra: dict[str, str]) -> LivePlatform:
 def pg_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatform]:
     """`tierq run` against the real PostgreSQL (a database of its own) and Redis."""
     name = f"tierq_e2e_{uuid.uuid4().hex[:8]}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    asyncio.run(pg_admin_sql(f'CREATE DATABASE "{name}"'))
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     migrations.upgrade(url)
     live = start_platform(
@@ -128,5 +128,5 @@ def pg_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatfo
     finally:
         left = live.stop()
         live.kill_everything()
-        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        asyncio.run(pg_admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     assert left == [], f"processes left behind: {left}"
