@@ -11,20 +11,24 @@ from pathlib import Path
 from tierq.settings import Settings
 
 
+def child_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment of a process a test starts (Celery, a dispatcher): this one's,
+    pointed at the test platform's database, Redis, prefix and state folder."""
+    return {
+        **os.environ,
+        "DATABASE_URL": settings.resolved_database_url,
+        "REDIS_URL": settings.resolved_redis_url,
+        "REDIS_PREFIX": settings.redis_prefix,
+        "STATE_DIR": str(settings.state_dir),
+        **extra,
+    }
+
+
 class CeleryWorker:
     def __init__(self, settings: Settings, **env: str) -> None:
         self.settings = settings
-        self.env = {
-            **os.environ,
-            "DATABASE_URL": settings.resolved_database_url,
-            "REDIS_URL": settings.resolved_redis_url,
-            "REDIS_PREFIX": settings.redis_prefix,
-            "STATE_DIR": str(settings.state_dir),
-            "RECONCILE_GRACE_S": "2",
-            "RECONCILE_INTERVAL_S": "2",
-            "BATCH_TICK_S": "0.5",
-            **env,
-        }
+        defaults = {"RECONCILE_GRACE_S": "2", "RECONCILE_INTERVAL_S": "2", "BATCH_TICK_S": "0.5"}
+        self.env = child_env(settings, **{**defaults, **env})
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = Path(settings.state_dir) / "celery.log"
 

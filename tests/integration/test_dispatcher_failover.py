@@ -21,6 +21,7 @@ import pytest
 from benchmarks.harness import free_port
 from tests.conftest import Platform
 from tests.helpers import client, jobs_of, wait_for
+from tests.integration.celery_proc import child_env
 from tierq.redis_names import DISPATCH_GROUP, RedisNames
 from workers.engine.simulated_engine import CostModel
 
@@ -38,15 +39,9 @@ class DispatcherProc:
         s = platform.settings
         self.port = free_port()
         self.log = Path(s.state_dir) / f"{name}.log"
-        env = {
-            **os.environ,
-            "DATABASE_URL": s.resolved_database_url,
-            "REDIS_URL": s.resolved_redis_url,
-            "REDIS_PREFIX": s.redis_prefix,
-            "STATE_DIR": str(s.state_dir),
-            "DISPATCH_LEASE_S": str(LEASE_S),
-            "WORKER_DEAD_AFTER_S": str(s.worker_dead_after_s),
-        }
+        env = child_env(
+            s, DISPATCH_LEASE_S=str(LEASE_S), WORKER_DEAD_AFTER_S=str(s.worker_dead_after_s)
+        )
         tierq = str(Path(sys.executable).parent / "tierq")
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
