@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.decode_ledger import DecodeLedger
 from benchmarks.qos_workload import Arrival, Shape
 from tierq.settings import Settings
 from tierq.tiers import TIER_ORDER, Tier
@@ -29,6 +30,7 @@ class Trace:
     first_token: dict[str, float] = field(default_factory=dict)
     tokens: list[tuple[float, str, int]] = field(default_factory=list)  # (t, request id, n)
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # (t, in engine, arrived)
+    decode: DecodeLedger = field(default_factory=DecodeLedger)  # decode work done twice
 
 
 @dataclass
@@ -88,6 +90,7 @@ def metrics(run: Recorded, shape: Shape, cost: CostModel, speedup: float) -> dic
         "idle_with_backlog": _idle_with_backlog(run, win, cost.slots),
         "throughput_tokens_per_s": round(total / span, 2),
         "decision_us_p99": round(p99 * 1e6, 1),
+        "preempted_tokens_wasted": run.trace.decode.wasted(),
     }
 
 

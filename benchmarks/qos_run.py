@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,16 +56,24 @@ class InstrumentedEngine(EngineWrapper):
         prompt: str | None,
         params: dict[str, Any],
         priority: int,
+        resume: Sequence[int] = (),
     ) -> AsyncIterator[Chunk]:
         self.trace.called.setdefault(request_id, time.monotonic())
         self.active += 1
         counted_prompt = False
+        output = len(resume)
         try:
-            async for chunk in self.inner.generate(request_id, messages, prompt, params, priority):
+            async for chunk in self.inner.generate(
+                request_id, messages, prompt, params, priority, resume
+            ):
                 now = time.monotonic()
                 n = chunk.new_tokens + (0 if counted_prompt else chunk.prompt_tokens)
                 counted_prompt = True
                 self.trace.tokens.append((now, request_id, n))
+                self.trace.decode.generate(request_id, chunk.new_tokens)
+                output += chunk.new_tokens
+                if chunk.finish_reason is not None:
+                    self.trace.decode.finish(request_id, output)
                 if chunk.text:
                     self.trace.first_token.setdefault(request_id, now)
                 yield chunk

@@ -71,6 +71,7 @@ def api(
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=10,
+        timeout_keep_alive=int(settings.api_keepalive_s),
     )
 
 

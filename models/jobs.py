@@ -20,10 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from models import spend
 from models.pages import after_anchor
 from models.prices import cost_of
-from models.records import JobHead, JobRecord
+from models.records import JobHead, JobRecord, Progress
 from models.tables import Job, JobTransition, UsageRecord, utcnow
 from tierq.ids import new_id
-from tierq.states import JobStatus, sources_for
+from tierq.states import TERMINAL, JobStatus, sources_for
 from tierq.tiers import Tier
 
 
@@ -189,6 +189,8 @@ async def _transition(
     still its latest delivery: a stale run of a job delivered again cannot move it);
     None when it was not."""
     allowed = [src.value for src in (sources if sources is not None else sources_for(dst))]
+    if dst in TERMINAL:
+        values.setdefault("progress", None)  # nothing more resumes after it
     where = [Job.id == job_id, Job.status.in_(allowed)]
     if delivery is not None:
         where.append(Job.deliveries == delivery)
@@ -388,10 +390,15 @@ async def requeue_job(
     delivery: int | None = None,
     *,
     preempted: bool = False,
+    progress: Progress | None = None,
 ) -> JobRecord | None:
     """running -> queued: a worker hands the job back (drain, preemption) or it was found
-    orphaned. A preemption is counted, so that delivery is not held against the job."""
+    orphaned. A preemption is counted, so that delivery is not held against the job.
+    `progress`, what the runs so far generated, replaces the kept one (the next delivery
+    resumes after it); without it the kept one stays."""
     values: dict[str, Any] = {"preemptions": Job.preemptions + 1} if preempted else {}
+    if progress is not None:
+        values["progress"] = progress.to_json()
     return await _transition(
         s,
         job_id,

@@ -62,6 +62,29 @@ class TenantRecord:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """What a job's runs generated before one stopped unfinished (preempted, handed back):
+    the next run continues after these tokens (workers/engine/base.py, `resume`)."""
+
+    token_ids: tuple[int, ...]
+    text: str  # their text, as streamed
+    prompt_tokens: int  # the prompt's tokens, as the engine counted them
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any] | None) -> Progress | None:
+        if not raw:
+            return None
+        return cls(tuple(int(t) for t in raw["token_ids"]), raw["text"], raw["prompt_tokens"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "token_ids": list(self.token_ids),
+            "text": self.text,
+            "prompt_tokens": self.prompt_tokens,
+        }
+
+
+@dataclass(frozen=True)
 class JobRecord:
     id: str
     tenant_id: str
@@ -91,6 +114,7 @@ class JobRecord:
     input_price: Decimal | None = None
     output_price: Decimal | None = None
     preemptions: int = 0  # deliveries that ended in a preemption (not failures)
+    progress: Progress | None = None  # what earlier runs generated, to resume after
 
     @classmethod
     def from_row(cls, row: Job) -> JobRecord:
@@ -123,6 +147,7 @@ class JobRecord:
             input_price=row.input_price,
             output_price=row.output_price,
             preemptions=row.preemptions or 0,
+            progress=Progress.from_json(row.progress),
         )
 
     def to_message(self) -> JobMessage:

@@ -116,6 +116,9 @@ class Job(Base):
     # Deliveries that ended in a preemption (room made for interactive work): they do not
     # count towards MAX_DELIVERIES, whichever process enqueues the job next.
     preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # What the runs so far generated, kept when one stopped unfinished (preempted, handed
+    # back): the next delivery resumes after it. Cleared when the job ends.
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     worker_id: Mapped[str | None] = mapped_column(String(200))
     # Set for the jobs a batch expands into: the batch, the input line (0-based), its custom_id.
     batch_id: Mapped[str | None] = mapped_column(

@@ -8,10 +8,13 @@ prefix per test (its keys deleted afterwards). End-to-end tests start real proce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -130,7 +133,11 @@ class Platform:
 
     async def start_api(self) -> None:
         config = uvicorn.Config(
-            build_app(self.settings), host="127.0.0.1", port=self.port, log_level="warning"
+            build_app(self.settings),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            timeout_keep_alive=int(self.settings.api_keepalive_s),
         )
         self.server = uvicorn.Server(config)
         self.tasks.append(asyncio.create_task(self.server.serve()))
@@ -173,12 +180,29 @@ class Platform:
         for worker, task, engine in self.workers.values():
             worker.request_stop()
             worker.request_stop()
-            await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+            await _within(10, task, f"worker {worker.worker_id} to stop")
             await engine.shutdown()
         self.dispatcher.request_stop()
         if self.server is not None:
             self.server.should_exit = True
-        await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), 10)
+        await _within(
+            10, asyncio.gather(*self.tasks, return_exceptions=True), "the platform to stop"
+        )
+
+
+async def _within(seconds: float, awaitable: Awaitable[Any], what: str) -> None:
+    """Wait; past the time, print where every task of the loop is, then fail: a stop
+    that hangs says where it hangs."""
+    future = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait([future], timeout=seconds)
+    if done:
+        with contextlib.suppress(Exception):
+            future.result()
+        return
+    for task in asyncio.all_tasks():
+        print(f"--- {task.get_name()}: {task.get_coro()}", file=sys.stderr)
+        task.print_stack(limit=8, file=sys.stderr)
+    raise TimeoutError(f"waited {seconds} s for {what}")
 
 
 @pytest.fixture

@@ -37,6 +37,11 @@ class Settings(BaseSettings):
     # --- API ----------------------------------------------------------------------------
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    # How long an idle keep-alive connection stays open. Longer than the idle timeout of
+    # the clients and load balancers in front (httpx 5 s, most balancers 60 s), so that
+    # they, not the server, close an idle connection: a server that closes first races a
+    # client reusing it ("Server disconnected without sending a response").
+    api_keepalive_s: float = Field(default=75.0, gt=0)
     # Each API process's PostgreSQL pool; a request that finds no free connection for
     # db_pool_timeout_s is answered 503 with Retry-After.
     db_pool_size: int = Field(default=10, ge=1)

@@ -43,7 +43,7 @@ import redis.asyncio as aioredis
 from models import db as db_mod
 from models import jobs as job_repo
 from models.db import Database
-from models.records import JobRecord
+from models.records import JobRecord, Progress
 from services import batch_signal
 from tierq import metrics
 from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
@@ -82,6 +82,13 @@ def replay_seed(job_id: str) -> int:
     return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:4], "big")
 
 
+def resumable(params: dict[str, Any]) -> bool:
+    """Whether a run may continue after an earlier run's tokens and sample as that run
+    would have: not with presence or frequency penalties, which count only the tokens a
+    run generated itself (tokens it resumes after are prompt to the engine)."""
+    return not params.get("presence_penalty") and not params.get("frequency_penalty")
+
+
 def unavailable(exc: BaseException) -> bool:
     """The database or Redis could not be reached: worth waiting for, not a job's fault."""
     return db_mod.is_unavailable(exc) or redis_unavailable(exc)
@@ -98,11 +105,21 @@ class Outcome:
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # of the job so far: earlier runs' and this one's
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # the same tokens' ids
+    resumed: int = 0  # of those, the tokens earlier runs generated (this one resumed after)
 
     @property
     def served(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+        """The tokens this run computed (the dispatcher's fairness counts them)."""
+        return self.prompt_tokens + self.completion_tokens - self.resumed
+
+    def progress(self) -> Progress | None:
+        """What the runs so far generated, for the next run to resume after; None when
+        nothing was generated or the engine did not say which tokens."""
+        if not self.token_ids or len(self.token_ids) != self.completion_tokens:
+            return None
+        return Progress(tuple(self.token_ids), self.text, self.prompt_tokens)
 
 
 class Worker:
@@ -573,15 +590,37 @@ class Worker:
             params["seed"] = replay_seed(job.id)
         out = Outcome("succeeded")
         text_parts: list[str] = []
-        emitted = already
         produced = 0
+        keep = resumable(params)
+        saved = job.progress if keep else None
+        if saved is not None:
+            # An earlier run stopped unfinished (preempted, handed back): continue after
+            # what it generated, decoding none of it again.
+            text_parts.append(saved.text)
+            produced = len(saved.text)
+            out.prompt_tokens = saved.prompt_tokens
+            out.completion_tokens = out.resumed = len(saved.token_ids)
+            out.token_ids = list(saved.token_ids)
+            log.info("job %s resumes after %d generated tokens", job.id, out.resumed)
+            metrics.RESUMED_TOKENS.inc(out.resumed)
+            if out.resumed >= int(params.get("max_tokens", 256)):
+                out.text, out.finish_reason = saved.text, "length"
+                return out
+        emitted = max(already, produced)
         first = True
         try:
             async for chunk in self.engine.generate(
-                job.id, job.messages, job.prompt, params, vllm_priority(job.tier)
+                job.id,
+                job.messages,
+                job.prompt,
+                params,
+                vllm_priority(job.tier),
+                resume=tuple(out.token_ids),
             ):
                 out.prompt_tokens = chunk.prompt_tokens
                 out.completion_tokens += chunk.new_tokens
+                if keep:
+                    out.token_ids.extend(chunk.token_ids)
                 out.finish_reason = chunk.finish_reason or out.finish_reason
                 if not chunk.text:
                     continue
@@ -608,6 +647,11 @@ class Worker:
             self._engine_dead.set()
             self._handed_back.add(job.id)
         out.text = "".join(text_parts)
+        log.info(
+            "job %s: the engine generated %d tokens in this run",
+            job.id,
+            out.completion_tokens - out.resumed,
+        )
         if job.id in self._superseded:
             out.kind = "superseded"
         elif out.finish_reason in (None, "abort"):
@@ -623,8 +667,8 @@ class Worker:
         if job_id in self._handed_back:
             return "handed_back"
         if job_id in self._preempted:
-            # Its partial output is discarded in the engine; a client following the job
-            # loses nothing: the re-run streams only what goes beyond what it already has.
+            # What it generated goes back with it: the next run resumes after it, and a
+            # client following the job sees the text go on where it stopped.
             return "preempted"
         if job_id in self._cancelled:  # cancelled by its tenant (the API closed it)
             return "cancelled"
@@ -701,11 +745,22 @@ class Worker:
         """Back to its tier's queue for another delivery (at the head when preempted)."""
         preempted = kind == "preempted"
 
+        progress = out.progress()
+        if progress is None and out.completion_tokens > out.resumed:
+            # The engine did not say which tokens it generated (or they cannot be resumed
+            # after): the next run generates them again.
+            metrics.PREEMPTED_TOKENS_WASTED.inc(out.completion_tokens - out.resumed)
+
         async def hand_back() -> bool:
             async with self.db.transaction() as s:
                 why = out.message or ("preempted" if preempted else "worker handed it back")
                 back = await job_repo.requeue_job(
-                    s, msg.job_id, why, delivery=delivery, preempted=preempted
+                    s,
+                    msg.job_id,
+                    why,
+                    delivery=delivery,
+                    preempted=preempted,
+                    progress=progress,
                 )
             return back is not None
 

@@ -32,6 +32,7 @@ class LivePlatform:
     proc: subprocess.Popen[bytes]
     output: Path
     database_url: str | None
+    redis_prefix: str = "tierq"
 
     def pid_of(self, component: str) -> int:
         return int((self.state_dir / "pids" / f"{component}.pid").read_text())
@@ -91,7 +92,15 @@ def start_platform(tmp: Path, env_extra: dict[str, str]) -> LivePlatform:
             start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
-    live = LivePlatform(url, "", state, proc, output, env_extra.get("DATABASE_URL"))
+    live = LivePlatform(
+        url,
+        "",
+        state,
+        proc,
+        output,
+        env_extra.get("DATABASE_URL"),
+        env_extra.get("REDIS_PREFIX", "tierq"),
+    )
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         if proc.poll() is not None:

@@ -12,17 +12,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
 import psutil
 import pytest
+import redis.asyncio as aioredis
 from openai import AsyncOpenAI
 from sqlalchemy import text
 
 from models.db import Database
+from tests.conftest import REDIS_TEST_URL
 from tests.e2e.conftest import LivePlatform
 from tests.helpers import client, read_sse, wait_for
+from tierq.redis_names import RedisNames
 
 pytestmark = pytest.mark.e2e
 
@@ -289,6 +293,59 @@ async def test_a_batch_job_preempted_inside_vllm_finishes_with_the_text_it_has_a
     assert history == ["queued", "running", "succeeded"] and len(usage) == 1
     worker_log = (pg_platform.state_dir / "logs" / "worker.log").read_text()
     assert f"tierq: preempted request {probe_id}" in worker_log
+
+
+async def test_a_job_preempted_midway_resumes_after_its_tokens_with_the_text_it_has_alone(
+    pg_platform: LivePlatform,
+) -> None:
+    """Greedy: a batch job run alone; then the same job preempted midway by the message the
+    dispatcher sends to its worker, which aborts it in vLLM and hands it back with the ids
+    of the tokens it generated. The next run prefills the prompt and those tokens and
+    generates only the rest: the text, the usage and what a follower streamed are those of
+    the uninterrupted run, and the engine generated no token twice."""
+    probe = {**STORY, "tier": "batch", "max_tokens": 160, "ignore_eos": True}
+    async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
+        alone = await wait_for(c, (await c.post("/v1/jobs", json=probe)).json()["id"], timeout=240)
+        job_id = (await c.post("/v1/jobs", json=probe)).json()["id"]
+        follower = asyncio.create_task(read_sse(c, f"/v1/jobs/{job_id}/events"))
+        await read_sse(c, f"/v1/jobs/{job_id}/events", limit=8)  # midway: text is flowing
+        worker_id = await _worker_of(pg_platform.database_url, job_id)
+        r = aioredis.Redis.from_url(REDIS_TEST_URL)
+        try:
+            names = RedisNames(pg_platform.redis_prefix)
+            assert await r.publish(names.preempt_channel(worker_id), job_id) == 1
+        finally:
+            await r.aclose()
+        done = await wait_for(c, job_id, timeout=240)
+        events = await asyncio.wait_for(follower, 60)
+    assert done["status"] == "succeeded"
+    assert done["result"]["text"] == alone["result"]["text"]
+    assert done["usage"] == alone["usage"]
+    assert (
+        "".join(e["data"]["text"] for e in events if e["event"] == "delta")
+        == alone["result"]["text"]
+    )
+    history, usage = await _history_and_usage(pg_platform.database_url, job_id)
+    assert history == ["queued", "running", "queued", "running", "succeeded"], history
+    assert usage == [alone["usage"]["completion_tokens"]]
+    worker_log = (pg_platform.state_dir / "logs" / "worker.log").read_text()
+    runs = [
+        int(n) for n in re.findall(rf"job {job_id}: the engine generated (\d+) tokens", worker_log)
+    ]
+    kept = re.findall(rf"job {job_id} resumes after (\d+) generated tokens", worker_log)
+    assert len(runs) == 2 and len(kept) == 1 and runs[0] == int(kept[0]) > 0, (runs, kept)
+    assert sum(runs) == alone["usage"]["completion_tokens"]  # no token generated twice
+
+
+async def _worker_of(database_url: str | None, job_id: str) -> str:
+    assert database_url is not None
+    db = Database(database_url)
+    try:
+        async with db.session() as s:
+            got = await s.execute(text("SELECT worker_id FROM jobs WHERE id = :id"), {"id": job_id})
+            return str(got.scalar_one())
+    finally:
+        await db.close()
 
 
 async def test_the_openai_sdk_chats_streams_and_runs_a_batch_on_the_real_engine(

@@ -149,3 +149,24 @@ async def test_no_prefix_cache_by_default() -> None:
     finally:
         await engine.shutdown()
     assert (engine.prefix_lookups, engine.prefix_hits) == (0, 0)
+
+
+async def test_a_resumed_request_generates_only_the_rest_and_its_text_continues_exactly() -> None:
+    """`resume`: the tokens an earlier run generated; the run continues after them (their
+    ids, then its own), reports the request's own prompt, and stops at max_tokens overall."""
+    engine = SimulatedEngine(COST)
+    await engine.start()
+    params = {"max_tokens": 10, "min_tokens": 4}
+    try:
+        whole = [c async for c in engine.generate("a", None, "x" * 40, params, 0)]
+        rest = [
+            c async for c in engine.generate("b", None, "x" * 40, params, 0, resume=(1, 2, 3, 4))
+        ]
+    finally:
+        await engine.shutdown()
+    assert "".join(c.text for c in whole[:4]) + "".join(c.text for c in rest) == "".join(
+        c.text for c in whole
+    )
+    assert sum(c.new_tokens for c in rest) == 6 and rest[-1].finish_reason == "length"
+    assert [t for c in rest for t in c.token_ids] == [t for c in whole[4:] for t in c.token_ids]
+    assert rest[0].prompt_tokens == whole[0].prompt_tokens == 10

@@ -7,11 +7,16 @@ Failures come in three kinds, and the worker settles each differently:
   jobs back and exits non-zero so that its supervisor restarts it.
 - anything else: unknown, perhaps transient. The job is handed back for another delivery,
   and fails with `engine_error` once it has used up MAX_DELIVERIES.
+
+A run can continue an earlier one (`resume`: the token ids the earlier runs generated):
+the engine takes the prompt followed by those tokens as its prompt, generates at most
+`max_tokens` minus their number, with the same sampling, and reports the original prompt's
+token count. Nothing is decoded twice, and with the prefix cache the re-prefill is cheap.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,8 +37,9 @@ class EngineDead(Exception):
 class Chunk:
     text: str  # new text since the previous chunk
     new_tokens: int  # generated tokens in this chunk
-    prompt_tokens: int
+    prompt_tokens: int  # the request's own prompt (without tokens it resumes after)
     finish_reason: str | None  # set on the last chunk
+    token_ids: tuple[int, ...] = ()  # the ids of this chunk's new tokens
 
 
 class Engine(Protocol):
@@ -56,6 +62,7 @@ class Engine(Protocol):
         prompt: str | None,
         params: dict[str, Any],
         priority: int,
+        resume: Sequence[int] = (),
     ) -> AsyncIterator[Chunk]: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -90,3 +97,14 @@ class EngineWrapper:
 
     async def check_health(self) -> None:
         await self.inner.check_health()
+
+
+def resumed_params(params: dict[str, Any], resumed: int) -> dict[str, Any]:
+    """A request's parameters for the run that continues after `resumed` generated tokens:
+    what is left of max_tokens and min_tokens; sampling unchanged."""
+    if not resumed:
+        return params
+    left = dict(params)
+    left["max_tokens"] = int(params.get("max_tokens", 256)) - resumed
+    left["min_tokens"] = max(0, int(params.get("min_tokens") or 0) - resumed)
+    return left

@@ -13,7 +13,7 @@ after some, as the seed decides. Never the default: ENGINE_FAULT_RATE is 0 unles
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from workers.engine.base import Chunk, Engine, EngineDead, EngineRequestError, EngineWrapper
@@ -76,6 +76,7 @@ class FaultyEngine(EngineWrapper):
         prompt: str | None,
         params: dict[str, Any],
         priority: int,
+        resume: Sequence[int] = (),
     ) -> AsyncIterator[Chunk]:
         if self.dead:
             raise EngineDead("the engine was killed by fault injection")
@@ -84,7 +85,9 @@ class FaultyEngine(EngineWrapper):
         if fault is not None and after == 0:
             self._raise(fault)
         n = 0
-        async for chunk in self.inner.generate(request_id, messages, prompt, params, priority):
+        async for chunk in self.inner.generate(
+            request_id, messages, prompt, params, priority, resume
+        ):
             if self.dead:
                 raise EngineDead("the engine was killed by fault injection")
             yield chunk

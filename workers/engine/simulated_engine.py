@@ -36,14 +36,14 @@ import itertools
 import json
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tierq.messages import PREFIX_CHARS, prefix_key
 from tierq.token_count import PromptCounter
-from workers.engine.base import Chunk, EngineDead, EngineRequestError
+from workers.engine.base import Chunk, EngineDead, EngineRequestError, resumed_params
 from workers.engine.vllm_scheduler import StepBudget, Tiering, pick_victims, prioritise
 
 # What `tierq calibrate` (benchmarks/calibrate.py) measured on the real engine here.
@@ -175,6 +175,7 @@ class SimulatedEngine:
         prompt: str | None,
         params: dict[str, Any],
         priority: int,
+        resume: Sequence[int] = (),
     ) -> AsyncIterator[Chunk]:
         prompt_tokens = self.counter.count(messages, prompt)
         max_tokens = int(params.get("max_tokens", 256))
@@ -184,10 +185,23 @@ class SimulatedEngine:
                 f"{prompt_tokens} prompt tokens plus max_tokens={max_tokens} exceed the "
                 f"maximum context length of {self.cost.max_model_len}",
             )
+        # A resumed run prefills its prompt and the tokens it resumes after, and goes on
+        # counting from there: its text continues the earlier run's exactly.
+        left = int(resumed_params(params, len(resume))["max_tokens"])
         req = _Request(
-            priority, next(self._arrivals), request_id, prompt_tokens, max_tokens, asyncio.Queue()
+            priority,
+            next(self._arrivals),
+            request_id,
+            prompt_tokens,
+            max_tokens,
+            asyncio.Queue(),
+            generated=max_tokens - left,
         )
-        req.prefill_left = prompt_tokens - self._cached_prefix(messages, prompt, prompt_tokens)
+        req.prefill_left = (
+            prompt_tokens
+            + req.generated
+            - self._cached_prefix(messages, prompt, prompt_tokens + req.generated)
+        )
         self._waiting.append(req)
         self._waiting.sort()
         self._wake.set()
@@ -322,6 +336,7 @@ class SimulatedEngine:
                         new_tokens=1,
                         prompt_tokens=req.prompt_tokens,
                         finish_reason="length" if done else None,
+                        token_ids=(req.generated,),
                     )
                 )
                 if done:

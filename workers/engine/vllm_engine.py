@@ -7,11 +7,11 @@ build with a model of the operator's choosing; every knob comes from Settings.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from tierq.settings import Settings
-from workers.engine.base import Chunk, EngineDead, EngineRequestError
+from workers.engine.base import Chunk, EngineDead, EngineRequestError, resumed_params
 from workers.engine.vllm_args import worker_engine_args
 from workers.engine.vllm_build import vllm_cpu_build
 from workers.engine.vllm_scheduler import Tiering
@@ -75,9 +75,13 @@ class VllmEngine:
         prompt: str | None,
         params: dict[str, Any],
         priority: int,
+        resume: Sequence[int] = (),
     ) -> AsyncIterator[Chunk]:
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+
+        params = resumed_params(params, len(resume))
 
         seed = params.get("seed")
         if seed is not None and vllm_cpu_build():
@@ -99,16 +103,22 @@ class VllmEngine:
                 output_kind=RequestOutputKind.DELTA,
             )
             text = self.render(messages, prompt)
+            request: Any = text
+            if resume:
+                # The prompt as vLLM tokenizes a text prompt, then what was generated: the
+                # continuation decodes exactly as if the run had never stopped.
+                request = TokensPrompt(prompt_token_ids=[*self._tokenizer.encode(text), *resume])
             prompt_tokens = 0
-            async for out in self._llm.generate(text, sampling, request_id, priority=priority):
+            async for out in self._llm.generate(request, sampling, request_id, priority=priority):
                 if out.prompt_token_ids is not None:
-                    prompt_tokens = len(out.prompt_token_ids)
+                    prompt_tokens = len(out.prompt_token_ids) - len(resume)
                 completion = out.outputs[0]
                 yield Chunk(
                     text=completion.text,
                     new_tokens=len(completion.token_ids),
                     prompt_tokens=prompt_tokens,
                     finish_reason=completion.finish_reason if out.finished else None,
+                    token_ids=tuple(completion.token_ids),
                 )
         except Exception as exc:
             translated = translate_error(exc)

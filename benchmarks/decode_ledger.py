@@ -1,0 +1,32 @@
+"""Decode work done twice, which `bench qos` and `bench scale` report as
+`preempted_tokens_wasted`.
+
+Per request: the tokens the engine generated over all of its runs, less the tokens of the
+output it finished with. A run that resumes after an earlier run's tokens (the engine's
+`resume`) adds only what it generates itself, so the figure is 0 when every run stopped
+unfinished (preempted, handed back) had its work kept; a request that never finished is
+left out (its work may yet be resumed).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeLedger:
+    generated: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    final: dict[str, int] = field(default_factory=dict)
+
+    def generate(self, request_id: str, tokens: int) -> None:
+        """The engine generated `tokens` new tokens for the request."""
+        self.generated[request_id] += tokens
+
+    def finish(self, request_id: str, output_tokens: int) -> None:
+        """A run of the request finished with `output_tokens` in its output (those it
+        resumed after included)."""
+        self.final[request_id] = output_tokens
+
+    def wasted(self) -> int:
+        return sum(self.generated[r] - n for r, n in self.final.items())

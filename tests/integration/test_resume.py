@@ -1,0 +1,166 @@
+"""Preemption that keeps its work: a run stopped unfinished (preempted for interactive
+work, or handed back by a worker that stops) goes back to its queue with the tokens it
+generated, and the next run continues after them. Real dispatcher and worker code, real
+Redis and PostgreSQL, the simulated engine (named as such: its text is a deterministic
+count, " tok1 tok2 ...", so an uninterrupted run's text is known); the real engine's side
+is in tests/e2e/test_real_engine.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from benchmarks.decode_ledger import DecodeLedger
+from models import jobs as job_repo
+from models.tables import Job
+from tests.conftest import Platform
+from tests.helpers import client, read_sse, wait_for
+from workers.engine.base import Chunk, Engine, EngineWrapper
+from workers.engine.simulated_engine import CostModel, SimulatedEngine
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 150
+LONG = {"prompt": "x" * 40, "max_tokens": MAX_TOKENS, "tier": "batch"}
+WHOLE = "".join(f" tok{i}" for i in range(1, MAX_TOKENS + 1))  # an uninterrupted run's text
+
+
+class Ledgered(EngineWrapper):
+    """Counts every token the engine generates, per request, across runs and workers."""
+
+    def __init__(self, inner: Engine, ledger: DecodeLedger) -> None:
+        super().__init__(inner, f"ledgered-{inner.name}")
+        self.ledger = ledger
+        self.resumed: list[int] = []  # len(resume) of each run
+
+    async def generate(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]] | None,
+        prompt: str | None,
+        params: dict[str, Any],
+        priority: int,
+        resume: Sequence[int] = (),
+    ) -> AsyncIterator[Chunk]:
+        self.resumed.append(len(resume))
+        output = len(resume)
+        async for chunk in self.inner.generate(
+            request_id, messages, prompt, params, priority, resume
+        ):
+            self.ledger.generate(request_id, chunk.new_tokens)
+            output += chunk.new_tokens
+            if chunk.finish_reason is not None:
+                self.ledger.finish(request_id, output)
+            yield chunk
+
+
+async def _generating(engine: SimulatedEngine, job_id: str, tokens: int) -> None:
+    """Until the engine has generated `tokens` of the job in its current run."""
+    for _ in range(3000):
+        req = engine._running.get(job_id)
+        if req is not None and req.generated >= tokens:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"job {job_id} never reached {tokens} tokens")
+
+
+async def _start(platform: Platform, worker_id: str, ledger: DecodeLedger) -> Ledgered:
+    wrapped: list[Ledgered] = []
+
+    def wrap(inner: Engine) -> Engine:
+        wrapped.append(Ledgered(inner, ledger))
+        return wrapped[0]
+
+    await platform.start_worker(worker_id, cost=CostModel(slots=4).scaled(2), wrap=wrap)
+    return wrapped[0]
+
+
+async def _progress_column(platform: Platform, job_id: str) -> Any:
+    async with platform.db.session() as s:
+        return (await s.execute(select(Job.progress).where(Job.id == job_id))).scalar_one()
+
+
+@pytest.mark.with_settings(engine_preemption=False)
+async def test_a_preempted_job_resumes_after_its_tokens_and_streams_no_gap_nor_repeat(
+    platform: Platform, tenant_key: str
+) -> None:
+    """Preempted midway (the dispatcher's message to its worker): it goes back to its queue
+    with the 40-odd tokens it generated; the next run generates only the rest; the text,
+    the usage and what a follower streamed are those of an uninterrupted run."""
+    platform.start_dispatcher()
+    ledger = DecodeLedger()
+    engine = await _start(platform, "w1", ledger)
+    sim = platform.workers["w1"][2]
+    async with client(platform.url, tenant_key) as c:
+        job_id = (await c.post("/v1/jobs", json=LONG)).json()["id"]
+        follower = asyncio.create_task(read_sse(c, f"/v1/jobs/{job_id}/events"))
+        await _generating(sim, job_id, 40)
+        await platform.r.publish(platform.dispatcher.names.preempt_channel("w1"), job_id)
+        done = await wait_for(c, job_id, timeout=60)
+        events = await asyncio.wait_for(follower, 30)
+    assert done["status"] == "succeeded"
+    assert done["result"]["text"] == WHOLE
+    assert done["usage"]["completion_tokens"] == MAX_TOKENS
+    assert engine.resumed[0] == 0 and engine.resumed[1] >= 40, engine.resumed
+    assert ledger.generated[job_id] == MAX_TOKENS and ledger.wasted() == 0
+    streamed = "".join(e["data"]["text"] for e in events if e["event"] == "delta")
+    assert streamed == WHOLE
+    assert [e["event"] for e in events if e["event"] != "delta"] == ["done"]
+    async with platform.db.session() as s:
+        history = [st for st, _ in await job_repo.transitions(s, job_id)]
+        usage = await job_repo.usage_for_job(s, job_id)
+        record = await job_repo.get_job(s, job_id)
+    assert history == ["queued", "running", "queued", "running", "succeeded"], history
+    assert len(usage) == 1 and usage[0].completion_tokens == MAX_TOKENS
+    assert record is not None and record.preemptions == 1
+    assert await _progress_column(platform, job_id) is None  # cleared once it ended
+
+
+async def test_a_job_handed_back_by_a_stopping_worker_resumes_on_another(
+    platform: Platform, tenant_key: str
+) -> None:
+    """A worker stopped past its drain hands its running job back with what it generated;
+    another worker continues it: no token generated twice, the text whole."""
+    platform.start_dispatcher()
+    ledger = DecodeLedger()
+    await _start(platform, "w1", ledger)
+    worker, task, sim = platform.workers["w1"]
+    async with client(platform.url, tenant_key) as c:
+        job_id = (await c.post("/v1/jobs", json=LONG)).json()["id"]
+        await _generating(sim, job_id, 30)
+        worker.request_stop()
+        worker.request_stop()  # the second signal: no drain, hand back now
+        await asyncio.wait_for(task, 10)
+        kept = await _progress_column(platform, job_id)
+        assert kept is not None and len(kept["token_ids"]) >= 30
+        assert kept["text"] == WHOLE[: len(kept["text"])]
+        await _start(platform, "w2", ledger)
+        done = await wait_for(c, job_id, timeout=60)
+    assert done["status"] == "succeeded" and done["result"]["text"] == WHOLE
+    assert ledger.generated[job_id] == MAX_TOKENS and ledger.wasted() == 0
+
+
+@pytest.mark.with_settings(engine_preemption=False)
+async def test_a_job_with_penalties_starts_again_and_says_what_was_wasted(
+    platform: Platform, tenant_key: str
+) -> None:
+    """Presence and frequency penalties count only the tokens a run generated itself, so a
+    job with them cannot continue another run's tokens as that run would have: it starts
+    again, the work thrown away is counted, and it still finishes whole, once."""
+    platform.start_dispatcher()
+    ledger = DecodeLedger()
+    engine = await _start(platform, "w1", ledger)
+    sim = platform.workers["w1"][2]
+    async with client(platform.url, tenant_key) as c:
+        body = {**LONG, "frequency_penalty": 0.5}
+        job_id = (await c.post("/v1/jobs", json=body)).json()["id"]
+        await _generating(sim, job_id, 20)
+        await platform.r.publish(platform.dispatcher.names.preempt_channel("w1"), job_id)
+        done = await wait_for(c, job_id, timeout=60)
+    assert done["status"] == "succeeded" and done["result"]["text"] == WHOLE
+    assert engine.resumed == [0, 0]
+    assert ledger.wasted() >= 20
