@@ -180,7 +180,8 @@ class Platform:
         for worker, task, engine in self.workers.values():
             worker.request_stop()
             worker.request_stop()
-            await _within(10, task, f"worker {worker.worker_id} to stop")
+            # Its drain and hand-back may each take DRAIN_TIMEOUT_S (5 s here).
+            await _within(30, task, f"worker {worker.worker_id} to stop")
             await engine.shutdown()
         self.dispatcher.request_stop()
         if self.server is not None:
