@@ -5,6 +5,9 @@ waiting jobs and their estimated tokens, the jobs running, the slots of a worker
 tokens a worker served per second lately — and exports the answer per model. The rule:
 
 - what runs, and every interactive job that waits, needs a slot now;
+- the work arriving must be kept up with: the tokens arriving per second (measured: what
+  the tier streams grew by plus what was handed out) over one worker's measured rate —
+  the larger of this and the slots term, since what runs is serving what arrives;
 - the work waiting in the other tiers must be served within its tier's SLO: its tokens
   over the SLO is a rate, in workers at the measured rate of one (before any measurement,
   each waiting job counts as a slot);
@@ -37,12 +40,15 @@ def desired_workers(
     slots_per_worker: int,
     tokens_per_s_per_worker: float | None,
     slo_s: Mapping[Tier, float],
+    arriving_tokens_per_s: float = 0.0,
 ) -> int:
     if running <= 0 and all(w.jobs <= 0 for w in waiting):
         return 0
     slots = max(1, slots_per_worker)
     now = running + sum(w.jobs for w in waiting if w.tier == Tier.INTERACTIVE)
     workers = now / slots
+    if tokens_per_s_per_worker and tokens_per_s_per_worker > 0:
+        workers = max(workers, max(0.0, arriving_tokens_per_s) / tokens_per_s_per_worker)
     for w in waiting:
         if w.tier == Tier.INTERACTIVE or w.jobs <= 0:
             continue
@@ -79,3 +85,34 @@ class ServedRate:
             return None
         seconds = len({int(at) for at, _ in self._events})
         return self._total / seconds
+
+
+class ArrivalRate:
+    """Tokens arriving per second over the last `window_s`: each tick adds what arrived
+    since the one before (the backlog's growth plus what was handed out meanwhile)."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self._ticks: deque[tuple[float, float]] = deque()  # (at, tokens since the last)
+        self._previous: tuple[float, dict[Tier, float]] | None = None
+
+    def tick(self, now: float, backlog: Mapping[Tier, float], handed: Mapping[Tier, float]) -> None:
+        """`backlog`: each tier's waiting tokens now; `handed`: tokens handed out since
+        the last tick (the caller resets its count)."""
+        if self._previous is not None:
+            _, before = self._previous
+            arrived = sum(
+                max(0.0, backlog.get(t, 0.0) - before.get(t, 0.0) + handed.get(t, 0.0))
+                for t in set(backlog) | set(before) | set(handed)
+            )
+            self._ticks.append((now, arrived))
+        self._previous = (now, dict(backlog))
+        while self._ticks and self._ticks[0][0] < now - self.window_s:
+            self._ticks.popleft()
+
+    def per_second(self) -> float:
+        if len(self._ticks) < 2:
+            return 0.0
+        span = self._ticks[-1][0] - self._ticks[0][0]
+        # The first tick's tokens arrived before the span starts: leave them out.
+        return sum(t for _, t in list(self._ticks)[1:]) / span if span > 0 else 0.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatcher.capacity import ServedRate, Waiting, desired_workers
+from dispatcher.capacity import ArrivalRate, ServedRate, Waiting, desired_workers
 from tierq.tiers import TIER_ORDER, Tier
 
 SLO = {Tier.INTERACTIVE: 5.0, Tier.STANDARD: 300.0, Tier.BATCH: 86_400.0}
@@ -36,6 +36,33 @@ def test_other_tiers_need_their_backlog_served_within_their_slo() -> None:
     assert desired_workers(_waiting(standard=129), 0, 64, None, SLO) == 3
 
 
+def test_steady_arrivals_need_the_workers_that_keep_up_with_them() -> None:
+    # Nothing waits, 10 jobs run, but 1,000 tokens/s arrive at 200 a worker: 5 workers.
+    assert desired_workers(_waiting(), 10, 64, 200.0, SLO, arriving_tokens_per_s=1000.0) == 5
+    # What runs is serving what arrives: the larger of the two terms, not their sum.
+    assert desired_workers(_waiting(), 320, 64, 200.0, SLO, arriving_tokens_per_s=1000.0) == 5
+    assert desired_workers(_waiting(), 384, 64, 200.0, SLO, arriving_tokens_per_s=1000.0) == 6
+    # Unmeasured capacity: arrivals cannot be turned into workers yet.
+    assert desired_workers(_waiting(), 10, 64, None, SLO, arriving_tokens_per_s=1000.0) == 1
+
+
+def test_arrivals_are_the_backlogs_growth_plus_what_was_handed_out() -> None:
+    rate = ArrivalRate(window_s=10)
+    rate.tick(0.0, {Tier.STANDARD: 0.0}, {})
+    assert rate.per_second() == 0.0
+    # Each second 300 tokens arrive: 100 more wait, 200 were handed out.
+    for second in range(1, 6):
+        rate.tick(float(second), {Tier.STANDARD: 100.0 * second}, {Tier.STANDARD: 200.0})
+    assert rate.per_second() == 300.0
+    # A backlog served faster than work arrives: it shrinks, and only arrivals count.
+    rate.tick(6.0, {Tier.STANDARD: 0.0}, {Tier.STANDARD: 800.0})
+    assert rate.per_second() == 300.0
+    # Quiet for a whole window: nothing arrives.
+    for second in range(7, 30):
+        rate.tick(float(second), {Tier.STANDARD: 0.0}, {})
+    assert rate.per_second() == 0.0
+
+
 WORK = st.tuples(
     st.integers(0, 500), st.integers(0, 5_000), st.integers(0, 50_000), st.integers(0, 2_000)
 )
@@ -47,6 +74,8 @@ WORK = st.tuples(
     st.integers(1, 256),
     st.one_of(st.none(), st.floats(1.0, 10_000.0)),
     st.floats(1.0, 4_000.0),
+    st.floats(0.0, 100_000.0),
+    st.floats(0.0, 100_000.0),
 )
 def test_more_work_never_asks_for_fewer_workers(
     less: tuple[int, int, int, int],
@@ -54,10 +83,14 @@ def test_more_work_never_asks_for_fewer_workers(
     slots: int,
     rate: float | None,
     cost: float,
+    arriving: float,
+    more_arriving: float,
 ) -> None:
     more = tuple(a + b for a, b in zip(less, extra, strict=True))
-    low = desired_workers(_waiting(*less[:3], cost=cost), less[3], slots, rate, SLO)
-    high = desired_workers(_waiting(*more[:3], cost=cost), more[3], slots, rate, SLO)
+    low = desired_workers(_waiting(*less[:3], cost=cost), less[3], slots, rate, SLO, arriving)
+    high = desired_workers(
+        _waiting(*more[:3], cost=cost), more[3], slots, rate, SLO, arriving + more_arriving
+    )
     assert high >= low
     # Enough slots for everything running and every interactive job waiting.
     assert high * slots >= more[3] + more[0]
