@@ -31,8 +31,13 @@ class LeaseLost(Exception):
     """This dispatcher no longer holds the lease: another leads, or none yet."""
 
 
+# The epoch when taken; else minus the milliseconds the holder's lease has left (or -1).
 _ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local left = redis.call('PTTL', KEYS[1])
+  if left > 0 then return -left end
+  return -1
+end
 local epoch = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], epoch .. ':' .. ARGV[1], 'PX', ARGV[2])
 return epoch
@@ -126,6 +131,7 @@ class Leadership:
         self.holder = secrets.token_hex(8)
         self.value: str | None = None  # "<epoch>:<holder>" while held
         self.epoch = 0
+        self.left_s = 0.0  # what the holder's lease had left at the last failed acquire
         self._acquire = r.register_script(_ACQUIRE)
         self._renew = r.register_script(_RENEW)
         self._release = r.register_script(_RELEASE)
@@ -144,6 +150,9 @@ class Leadership:
         """Take the lease if nobody holds it; True when this dispatcher now leads."""
         keys = [self.names.dispatch_leader, self.names.dispatch_epoch]
         epoch = int(await self._acquire(keys=keys, args=[self.holder, self.lease_ms]))
+        if epoch < 0:
+            self.left_s = -epoch / 1000
+            return False
         if epoch:
             self.epoch = epoch
             self.value = f"{epoch}:{self.holder}"

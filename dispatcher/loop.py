@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 TENANT_POLICY_REFRESH_S = 1.0
 STATE_SAVE_S = 1.0  # how often the leader saves its policy's accounting for a successor
+STANDBY_MARGIN_S = 0.02  # a standby tries for the lease this long after it would expire
 CAPACITY_EVERY_S = 1.0  # how often the leader works out tierq_desired_workers
 
 
@@ -304,9 +305,12 @@ class Dispatcher:
                 log.warning("could not renew the lease", exc_info=True)
 
     async def _stand_by(self) -> None:
-        """Wait a third of the lease time (or for a stop) before trying for it again."""
+        """Wait (or for a stop) before trying for the lease again: until just after the
+        holder's lease would run out unrenewed, at most a third of the lease time — so a
+        leader that stopped renewing is replaced as soon as its lease ends."""
+        wait = min(self.settings.dispatch_lease_s / 3, self.leadership.left_s + STANDBY_MARGIN_S)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), self.settings.dispatch_lease_s / 3)
+            await asyncio.wait_for(self._stop.wait(), max(wait, STANDBY_MARGIN_S))
 
     async def _run(self) -> None:
         last_reclaim = 0.0

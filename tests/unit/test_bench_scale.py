@@ -40,6 +40,7 @@ def test_the_report_has_the_figures_asked_for() -> None:
         "throughput_tokens_per_s": 2600.0,
         "offered_tokens_per_s": 5000.0,
         "idle_with_backlog": 0.01,
+        "any_free_slot_with_backlog": 0.2,
         "desired_workers_at_peak": 7,
         "dispatches_per_s": 2500.0,
         "decision_us_p99": 80.0,
