@@ -59,7 +59,7 @@ from tierq.queue import enqueue
 from tierq.redis_conn import connect
 from tierq.settings import Settings
 from tierq.tiers import TIER_ORDER, Tier
-from workers.engine.base import Chunk, EngineWrapper
+from workers.engine.base import Chunk, Engine, EngineWrapper
 from workers.engine.simulated_engine import CostModel, SimulatedEngine
 from workers.engine.vllm_scheduler import Tiering
 from workers.worker import Worker
@@ -77,7 +77,7 @@ REPORT_KEYS = (
     "desired_workers",
     "needed_workers",
 )
-RUN_KEYS = ("prefix_hit_rate", "throughput_tokens_per_s")
+RUN_KEYS = ("prefix_hit_rate", "cached_prompt_share", "throughput_tokens_per_s")
 SAMPLE_S = 0.05
 WORDS = [
     "policy",
@@ -117,6 +117,7 @@ class ScaleConfig:
     turns: int = 6  # per session, at most
     cache_entries: int = 6  # prefixes each simulated engine's cache holds
     lease_s: float = 5.0  # DISPATCH_LEASE_S
+    engine: str = "simulated"  # or "vllm": real engines (the bundled model), time not compressed
 
 
 @dataclass(frozen=True)
@@ -202,13 +203,24 @@ def make_workload(cfg: ScaleConfig, cost: CostModel) -> list[Arrival]:
 class Tally:
     tokens: list[tuple[float, int]] = field(default_factory=list)  # (t, prompt + generated)
     decode: DecodeLedger = field(default_factory=DecodeLedger)  # decode work done twice
+    runs: int = 0  # runs that got a first chunk (so their prompt's cache lookup is known)
+    hits: int = 0  # of those, runs whose prompt started with cached tokens
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class CountingEngine(EngineWrapper):
-    def __init__(self, inner: SimulatedEngine, tally: Tally) -> None:
+    """Counts what the engine served (tokens, cache hits, decode work done twice), whichever
+    engine it wraps."""
+
+    def __init__(self, inner: Engine, tally: Tally) -> None:
         super().__init__(inner, f"counting-{inner.name}")
-        self.sim = inner
         self.tally = tally
+
+    @property
+    def preemptions(self) -> int:
+        """Preemptions for priority inside the engine (the simulated engine counts them)."""
+        return int(getattr(self.inner, "preemptions", 0))
 
     async def generate(
         self,
@@ -223,6 +235,11 @@ class CountingEngine(EngineWrapper):
         async for chunk in self.inner.generate(
             request_id, messages, prompt, params, priority, resume
         ):
+            if generated == 0:
+                self.tally.runs += 1
+                self.tally.hits += chunk.cached_tokens > 0
+                self.tally.prompt_tokens += chunk.prompt_tokens
+                self.tally.cached_tokens += min(chunk.cached_tokens, chunk.prompt_tokens)
             n = chunk.new_tokens + (chunk.prompt_tokens if generated == 0 else 0)
             generated += chunk.new_tokens
             self.tally.tokens.append((time.monotonic(), n))
@@ -263,6 +280,20 @@ class Sample:
 # --- one run ----------------------------------------------------------------------------------
 
 
+def _engine(cfg: ScaleConfig, cost: CostModel, settings: Settings) -> Engine:
+    """A worker's engine: simulated (its prefix cache an LRU of prefix keys), or vLLM with
+    the bundled model and its own automatic prefix cache."""
+    if cfg.engine == "vllm":
+        from workers.engine.vllm_engine import VllmEngine
+
+        return VllmEngine(settings)
+    return SimulatedEngine(
+        cost.scaled(cfg.speedup),
+        priority_steps=settings.engine_priority_steps,
+        tiering=Tiering.from_settings(settings),
+    )
+
+
 async def _run(
     name: str,
     cfg: ScaleConfig,
@@ -282,7 +313,7 @@ async def _run(
             "database_url": db_url,
             "redis_url": redis_url,
             "redis_prefix": f"tierq-scale-{tag}",
-            "engine": "simulated",
+            "engine": cfg.engine,
             "max_num_seqs": cfg.slots,
             "affinity_slack": slack,
             "dispatch_lease_s": cfg.lease_s,
@@ -300,15 +331,11 @@ async def _run(
     engines: list[CountingEngine] = []
     worker_clients: list[aioredis.Redis] = []
     workers: list[Worker] = []
-    for i in range(cfg.workers):
-        sim = SimulatedEngine(
-            cost.scaled(cfg.speedup),
-            priority_steps=settings.engine_priority_steps,
-            tiering=Tiering.from_settings(settings),
-        )
-        engine = CountingEngine(sim, tally)
-        await engine.start()
-        engines.append(engine)
+    for _ in range(cfg.workers):
+        engines.append(CountingEngine(_engine(cfg, cost, settings), tally))
+    # Real engines start together (each loads the model in its own engine-core process).
+    await asyncio.gather(*(engine.start() for engine in engines))
+    for i, engine in enumerate(engines):
         # A client of its own, as a worker process has (bounded: a burst waits for one).
         wr = await connect(settings, role=f"w{i:02d}")
         worker_clients.append(wr)
@@ -404,12 +431,12 @@ async def _run(
     warm = t0 + cfg.duration_s / 4
     end = t0 + cfg.duration_s
     await asyncio.sleep(max(0.0, warm - time.monotonic()))
-    hits0 = sum(e.sim.prefix_hits for e in engines)
-    lookups0 = sum(e.sim.prefix_lookups for e in engines)
+    hits0, runs0 = tally.hits, tally.runs
+    prompt0, cached0 = tally.prompt_tokens, tally.cached_tokens
     offered0 = offered_tokens
     await asyncio.sleep(max(0.0, end - time.monotonic()))
-    hits = sum(e.sim.prefix_hits for e in engines) - hits0
-    lookups = sum(e.sim.prefix_lookups for e in engines) - lookups0
+    hits, lookups = tally.hits - hits0, tally.runs - runs0
+    prompt_tokens, cached_tokens = tally.prompt_tokens - prompt0, tally.cached_tokens - cached0
     offered_window = offered_tokens - offered0
     served = sum(n for t, n in tally.tokens if warm <= t <= end)
     window = [s for s in samples if warm <= s.t <= end]
@@ -418,6 +445,7 @@ async def _run(
     lead = leader()
     result: dict[str, Any] = {
         "prefix_hit_rate": round(hits / lookups, 4) if lookups else 0.0,
+        "cached_prompt_share": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
         "throughput_tokens_per_s": round(served / (end - warm), 1),
         "offered_tokens_per_s": round(offered_window / (end - warm), 1),
         # As bench qos counts it: the fraction of slot time left idle while work waited.
@@ -434,7 +462,7 @@ async def _run(
         else 0.0,
         "backlog_peak_jobs": peak.backlog if peak else 0,
         "desired_workers_at_peak": peak.desired if peak else 0,
-        "engine_preemptions": sum(e.sim.preemptions for e in engines),
+        "engine_preemptions": sum(e.preemptions for e in engines),
     }
     handed = sum(d.moved for d in dispatchers)
     busy = sum(d.busy_s for d in dispatchers)
@@ -523,7 +551,9 @@ def report(runs: dict[str, dict[str, Any]], cfg: ScaleConfig) -> dict[str, Any]:
         "dispatches_2000_per_s_met": out["dispatches_per_s"] >= 2000,
     }
     out["_run"] = {
-        "engine": "simulated (calibrated), simulated prefix cache",
+        "engine": "simulated (calibrated), simulated prefix cache"
+        if cfg.engine == "simulated"
+        else "vllm (the bundled model, its prefix cache), every engine on this machine",
         **dataclasses.asdict(cfg),
         "prefix_chars_cached": PREFIX_CHARS,
         "detail": runs,
@@ -541,6 +571,8 @@ async def run_scale(base: Settings, cfg: ScaleConfig) -> dict[str, Any]:
         max_batched_tokens=base.max_num_batched_tokens,
         prefix_cache_entries=cfg.cache_entries,
     )
+    if cfg.engine == "vllm":
+        cfg = dataclasses.replace(cfg, speedup=1.0)  # real engines run in real time
     arrivals = make_workload(cfg, cost)
     log.info("%d arrivals over %.0f s, %d workers", len(arrivals), cfg.duration_s, cfg.workers)
     runs: dict[str, dict[str, Any]] = {}

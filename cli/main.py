@@ -297,9 +297,12 @@ def bench_scale(
     load: float = typer.Option(1.5, help="Offered load, in capacities without cache hits."),
     cache_entries: int = typer.Option(6, help="Prefixes each simulated prefix cache holds."),
     lease: float = typer.Option(5.0, help="DISPATCH_LEASE_S of the two dispatchers."),
+    engine: str = typer.Option(
+        "simulated", help="simulated, or vllm: real engines with the bundled model."
+    ),
 ) -> None:
     """Cache-affine vs free-slot placement, dispatch rate, failover, autoscaling signal
-    (simulated engines, real Redis and PostgreSQL); one JSON line last on stdout."""
+    (simulated or real engines, real Redis and PostgreSQL); one JSON line last on stdout."""
     from benchmarks.scale import ScaleConfig, run_scale
 
     setup_logging("WARNING")
@@ -312,7 +315,10 @@ def bench_scale(
         load=load,
         cache_entries=cache_entries,
         lease_s=lease,
+        engine=engine,
     )
+    if engine not in ("simulated", "vllm"):
+        raise typer.BadParameter("--engine is simulated or vllm")
     _run_platform_bench(run_scale(get_settings(), cfg))
 
 

@@ -37,6 +37,7 @@ def test_jobs_share_prefixes_per_tenant_and_per_session() -> None:
 def test_the_report_has_the_figures_asked_for() -> None:
     run = {
         "prefix_hit_rate": 0.9,
+        "cached_prompt_share": 0.7,
         "throughput_tokens_per_s": 2600.0,
         "offered_tokens_per_s": 5000.0,
         "idle_with_backlog": 0.01,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from workers.engine.simulated_engine import CostModel, SimulatedEngine
@@ -170,3 +171,16 @@ async def test_a_resumed_request_generates_only_the_rest_and_its_text_continues_
     assert sum(c.new_tokens for c in rest) == 6 and rest[-1].finish_reason == "length"
     assert [t for c in rest for t in c.token_ids] == [t for c in whole[4:] for t in c.token_ids]
     assert rest[0].prompt_tokens == whole[0].prompt_tokens == 10
+
+
+async def test_chunks_say_how_much_of_the_prompt_the_prefix_cache_held() -> None:
+    engine = SimulatedEngine(dataclasses.replace(COST, prefix_cache_entries=2))
+    await engine.start()
+    prompt = "x" * 4 * 600
+    try:
+        cold = [c async for c in engine.generate("a", None, prompt, {"max_tokens": 2}, 0)]
+        warm = [c async for c in engine.generate("b", None, prompt, {"max_tokens": 2}, 0)]
+    finally:
+        await engine.shutdown()
+    assert {c.cached_tokens for c in cold} == {0}
+    assert {c.cached_tokens for c in warm} == {256}  # PREFIX_CHARS / 4 of its 600 tokens

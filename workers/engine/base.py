@@ -40,6 +40,7 @@ class Chunk:
     prompt_tokens: int  # the request's own prompt (without tokens it resumes after)
     finish_reason: str | None  # set on the last chunk
     token_ids: tuple[int, ...] = ()  # the ids of this chunk's new tokens
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (0 until it is known)
 
 
 class Engine(Protocol):

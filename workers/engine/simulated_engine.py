@@ -106,6 +106,7 @@ class _Request:
     prefill_left: int = field(default=0, compare=False)
     next_decode_eligible_step: int = field(default=0, compare=False)
     num_preemptions: int = field(default=0, compare=False)
+    cached: int = field(default=0, compare=False)  # prompt tokens the prefix cache held
 
     # The names tierq's scheduler reads on vLLM's requests (workers/engine/vllm_scheduler.py).
     @property
@@ -197,11 +198,8 @@ class SimulatedEngine:
             asyncio.Queue(),
             generated=max_tokens - left,
         )
-        req.prefill_left = (
-            prompt_tokens
-            + req.generated
-            - self._cached_prefix(messages, prompt, prompt_tokens + req.generated)
-        )
+        req.cached = self._cached_prefix(messages, prompt, prompt_tokens + req.generated)
+        req.prefill_left = prompt_tokens + req.generated - req.cached
         self._waiting.append(req)
         self._waiting.sort()
         self._wake.set()
@@ -337,6 +335,7 @@ class SimulatedEngine:
                         prompt_tokens=req.prompt_tokens,
                         finish_reason="length" if done else None,
                         token_ids=(req.generated,),
+                        cached_tokens=req.cached,
                     )
                 )
                 if done:

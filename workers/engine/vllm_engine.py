@@ -119,6 +119,7 @@ class VllmEngine:
                     prompt_tokens=prompt_tokens,
                     finish_reason=completion.finish_reason if out.finished else None,
                     token_ids=tuple(completion.token_ids),
+                    cached_tokens=getattr(out, "num_cached_tokens", None) or 0,
                 )
         except Exception as exc:
             translated = translate_error(exc)
