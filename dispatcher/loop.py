@@ -91,6 +91,7 @@ def policy_from_settings(settings: Settings) -> Policy:
             tenant_weights=dict(settings.tenant_weights),  # refreshed from tenant_policy
             max_preemptions=settings.max_preemptions,
             affinity_slack=settings.affinity_slack,
+            affinity_lookahead=settings.affinity_lookahead,
         )
     )
 

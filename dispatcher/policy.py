@@ -36,11 +36,12 @@ preempted `max_preemptions` times (no livelock).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +101,11 @@ class PolicyConfig:
     # those with a free slot) unless that worker would then run more than this share of
     # its slots beyond the least loaded worker; 0 places by free slots alone.
     affinity_slack: float = 0.25
+    # When the job next in line would go to a worker that is not its own (its own are
+    # full), one of its tenant's next `affinity_lookahead` jobs (same tier) whose own
+    # worker that is goes first instead: a tenant's order bends by at most this many
+    # places, tiers and tenants' shares not at all. 0: strict order within a tenant.
+    affinity_lookahead: int = 8
 
 
 class ServedWindow:
@@ -211,6 +217,13 @@ class TierqPolicy:
                 worker_id = _take_slot(free, any_heap, lower_heap, interactive)
             else:
                 _use_slot(free, any_heap, lower_heap, worker_id, interactive)
+            if job.prefix is not None and not placement.home(job.prefix, worker_id):
+                # Its own worker is full: a job of the same tenant at home here goes first.
+                job = pickers[tier].exchange(
+                    job,
+                    functools.partial(placement.at_home, worker_id),
+                    self.config.affinity_lookahead,
+                )
             out.append(Assignment(job, worker_id))
             self.charge(tier, job.tenant_id, job.cost, now)
 
@@ -293,6 +306,8 @@ class _TierPicker:
         self.by_age = [(_age_key(q[0]), t) for t, q in self.queues.items()]
         heapq.heapify(self.by_age)
         self.left = sum(len(q) for q in self.queues.values())
+        self.taken: dict[str, set[int]] = {}  # tenant -> positions taken out of turn
+        self.last: dict[str, int] = {}  # tenant -> position of its job taken last in turn
 
     def __bool__(self) -> bool:
         return self.left > 0
@@ -327,13 +342,42 @@ class _TierPicker:
             return self._take(tenant)
 
     def _take(self, tenant: str) -> QueuedJob:
+        self.last[tenant] = self.heads[tenant]
         job = self.queues[tenant][self.heads[tenant]]
-        self.heads[tenant] += 1
+        self._advance(tenant)
         self.left -= 1
         head = self._head(tenant)
         if head is not None:
             heapq.heappush(self.by_age, (_age_key(head), tenant))
         # The counter grows in charge(); the heap entry is refreshed lazily in pop().
+        return job
+
+    def _advance(self, tenant: str) -> None:
+        """The head moves past the job just taken and any taken out of turn."""
+        skipped = self.taken.get(tenant, ())
+        self.heads[tenant] += 1
+        while self.heads[tenant] in skipped:
+            self.heads[tenant] += 1
+
+    def exchange(
+        self, job: QueuedJob, better: Callable[[QueuedJob], bool], lookahead: int
+    ) -> QueuedJob:
+        """`job`, just popped, or in its place one of its tenant's next `lookahead` jobs
+        for which `better` holds — then `job` is the tenant's head again. An urgent job
+        (preempted, or past its urgency line) is never passed over."""
+        if lookahead <= 0 or job.preemptions > 0 or job.enqueued_at <= self.urgent_before:
+            return job
+        tenant = job.tenant_id
+        q = self.queues[tenant]
+        skipped = self.taken.setdefault(tenant, set())
+        first = self.heads[tenant]  # the head after `job`
+        for i in range(first, min(len(q), first + lookahead)):
+            if i in skipped or not better(q[i]):
+                continue
+            skipped.add(i)
+            self.heads[tenant] = self.last[tenant]  # `job` is the head again
+            heapq.heappush(self.by_age, (_age_key(job), tenant))
+            return q[i]
         return job
 
 
@@ -411,6 +455,19 @@ class _Placement:
             if load[worker_id] + 1 - least <= self.margin[worker_id]:
                 return worker_id
         return None
+
+    def at_home(self, worker_id: str, job: QueuedJob) -> bool:
+        return self.home(job.prefix, worker_id)
+
+    def home(self, prefix: str | None, worker_id: str) -> bool:
+        """Whether the worker is the prefix's own: first in its ranking of all workers."""
+        if prefix is None or self.slack <= 0 or len(self.free) < 2:
+            return True  # no affinity: every worker is as good
+        ranked = self._ranked.get(prefix)
+        if ranked is None:
+            ranked = sorted(self.free, key=lambda w: _weight(prefix, w), reverse=True)
+            self._ranked[prefix] = ranked
+        return ranked[0] == worker_id
 
 
 def _weight(prefix: str, worker_id: str) -> int:

@@ -160,6 +160,9 @@ class Settings(BaseSettings):
     # cache holds that start) unless it would run this share of its slots more than the
     # least loaded worker; 0 places by free slots alone.
     affinity_slack: float = Field(default=0.25, ge=0)
+    # ... and when a job's own worker is full, one of its tenant's next this many jobs
+    # whose own worker has the free slot goes first (0: each tenant's order kept strictly).
+    affinity_lookahead: int = Field(default=8, ge=0)
     min_share_standard: float = 0.20  # of tokens served over the window, while backlogged
     min_share_batch: float = 0.10
     share_window_s: float = 60.0

@@ -4,13 +4,14 @@ that free-slot placement would have filled."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter, defaultdict
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatcher.policy import PolicyConfig, QueuedJob, TierqPolicy, WorkerSlots
+from dispatcher.policy import PolicyConfig, QueuedJob, TierqPolicy, WorkerSlots, _weight
 from tierq.messages import prefix_key
 from tierq.tiers import TIER_ORDER, Tier
 
@@ -69,6 +70,34 @@ def test_the_load_bound_spills_a_hot_prefix_to_the_next_workers() -> None:
     assert len({a.worker_id for a in unbounded}) == 1
 
 
+def _two_workers_one_slot_on_bs_worker() -> tuple[list[WorkerSlots], str, str]:
+    """Prefixes "a" and "b" have different own workers; only b's has a free slot."""
+    names = ["w0", "w1"]
+    own = {p: max(names, key=lambda w: _weight(p, w)) for p in ("a", "b")}
+    assert own["a"] != own["b"]
+    slots = [
+        WorkerSlots(own["a"], 0, 0, capacity=8),
+        WorkerSlots(own["b"], 1, 1, capacity=8),
+    ]
+    return slots, own["a"], own["b"]
+
+
+def test_a_job_whose_own_worker_is_full_lets_its_tenants_next_at_home_go_first() -> None:
+    slots, _, b_home = _two_workers_one_slot_on_bs_worker()
+    queue = [_job("a"), _job("a"), _job("b")]
+    got = _policy().assign(_queues(queue), slots, 1.0)
+    assert [(a.job.job_id, a.worker_id) for a in got] == [(queue[2].job_id, b_home)]
+    # Strict order within the tenant (lookahead 0), or a preempted head: it goes first.
+    strict = TierqPolicy(PolicyConfig(min_share={}, affinity_lookahead=0))
+    assert strict.assign(_queues(queue), slots, 1.0)[0].job == queue[0]
+    preempted = dataclasses.replace(_job("a"), preemptions=1)
+    got = _policy().assign(_queues([preempted, _job("b")]), slots, 1.0)
+    assert got[0].job == preempted
+    # Beyond the look-ahead, nothing is passed over.
+    far = [_job("a") for _ in range(9)] + [_job("b")]
+    assert _policy().assign(_queues(far), slots, 1.0)[0].job == far[0]
+
+
 def test_the_prefix_key_is_the_start_of_the_input() -> None:
     system = {"role": "system", "content": "You are terse. " * 100}
     one = prefix_key([system, {"role": "user", "content": "first"}], None)
@@ -84,28 +113,44 @@ WORKERS = st.lists(
     max_size=6,
 )
 JOBS = st.lists(
-    st.tuples(st.sampled_from(["a", "b", "c", None]), st.sampled_from(list(TIER_ORDER))),
+    st.tuples(
+        st.sampled_from(["a", "b", "c", None]),
+        st.sampled_from(list(TIER_ORDER)),
+        st.sampled_from(["t1", "t2"]),
+    ),
     max_size=60,
 )
 
 
-@given(WORKERS, JOBS, st.floats(0.05, 1.0))
+@given(WORKERS, JOBS, st.floats(0.05, 1.0), st.integers(0, 8))
 def test_affinity_places_what_free_slots_would_and_leaves_no_slot_idle(
-    workers: list[tuple[int, int, int]], jobs: list[tuple[str | None, Tier]], slack: float
+    workers: list[tuple[int, int, int]],
+    jobs: list[tuple[str | None, Tier, str]],
+    slack: float,
+    lookahead: int,
 ) -> None:
     slots = [
         WorkerSlots(f"w{i}", free, min(free, lower), capacity=free + busy)
         for i, (free, lower, busy) in enumerate(workers)
     ]
-    queued = [_job(p, t) for p, t in jobs]
-    affine = _policy(slack).assign(_queues(queued), slots, 1.0)
+    queued = [_job(p, t, tenant) for p, t, tenant in jobs]
+    config = PolicyConfig(min_share={}, affinity_slack=slack, affinity_lookahead=lookahead)
+    affine = TierqPolicy(config).assign(_queues(queued), slots, 1.0)
     plain = _policy(0).assign(_queues(queued), slots, 1.0)
-    # Within one tier, as many jobs placed and the same ones (the tier policy decides
-    # which): affinity decides only where. (Mixed, an interactive job may take a slot
-    # that lower tiers could also use on one worker and not on another: either way no
-    # job is left beside a slot it could take, checked below.)
-    if len({t for _, t in jobs}) <= 1:
-        assert sorted(a.job.job_id for a in affine) == sorted(a.job.job_id for a in plain)
+    placed = [a.job.job_id for a in affine]
+    assert len(placed) == len(set(placed))  # none twice
+    # Within one tier, as many jobs placed, each tenant as many (the tier policy decides
+    # whose turn it is), each from its first `lookahead` beyond that many: affinity
+    # decides where, and bends a tenant's order by at most `lookahead` places. (Mixed, an
+    # interactive job may take a slot that lower tiers could also use on one worker and
+    # not on another: either way no job is left beside a slot it could take, below.)
+    if len({t for _, t, _ in jobs}) <= 1:
+        assert len(affine) == len(plain)
+        for tenant in ("t1", "t2"):
+            mine = [a.job for a in affine if a.job.tenant_id == tenant]
+            assert len(mine) == sum(a.job.tenant_id == tenant for a in plain)
+            order = [j.job_id for j in queued if j.tenant_id == tenant]
+            assert all(order.index(j.job_id) < len(mine) + lookahead for j in mine)
     free = {w.worker_id: [w.free, w.free_lower] for w in slots}
     for a in affine:
         room = free[a.worker_id]
