@@ -603,10 +603,15 @@ class Worker:
             out.token_ids = list(saved.token_ids)
             log.info("job %s resumes after %d generated tokens", job.id, out.resumed)
             metrics.RESUMED_TOKENS.inc(out.resumed)
-            if out.resumed >= int(params.get("max_tokens", 256)):
-                out.text, out.finish_reason = saved.text, "length"
-                return out
-        emitted = max(already, produced)
+        emitted = already
+        if produced > emitted and job.batch_id is None:
+            # What the stopped run generated beyond what reached followers (deltas still
+            # queued when it stopped, refused once this delivery claimed the job).
+            self.publisher.delta(job.id, text_parts[0][emitted:])
+            emitted = produced
+        if out.resumed and out.resumed >= int(params.get("max_tokens", 256)):
+            out.text, out.finish_reason = "".join(text_parts), "length"
+            return out  # it had generated everything: nothing is left to run
         first = True
         try:
             async for chunk in self.engine.generate(

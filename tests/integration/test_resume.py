@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from benchmarks.decode_ledger import DecodeLedger
 from models import jobs as job_repo
+from models.records import Progress
 from models.tables import Job
 from tests.conftest import Platform
 from tests.helpers import client, read_sse, wait_for
@@ -164,3 +165,27 @@ async def test_a_job_with_penalties_starts_again_and_says_what_was_wasted(
     assert done["status"] == "succeeded" and done["result"]["text"] == WHOLE
     assert engine.resumed == [0, 0]
     assert ledger.wasted() >= 20
+
+
+async def test_kept_progress_that_never_reached_followers_is_streamed_first(
+    platform: Platform, tenant_key: str
+) -> None:
+    """The stopped run's last deltas may not have reached Redis (refused once the next
+    delivery claimed the job): the next run streams the kept text beyond what followers
+    have before its own, so they see no gap."""
+    ledger = DecodeLedger()
+    async with client(platform.url, tenant_key) as c:
+        job_id = (await c.post("/v1/jobs", json=LONG)).json()["id"]
+        kept = Progress(
+            tuple(range(1, 41)), WHOLE[: len("".join(f" tok{i}" for i in range(1, 41)))], 10
+        )
+        async with platform.db.transaction() as s:
+            await s.execute(update(Job).where(Job.id == job_id).values(progress=kept.to_json()))
+        follower = asyncio.create_task(read_sse(c, f"/v1/jobs/{job_id}/events"))
+        platform.start_dispatcher()
+        engine = await _start(platform, "w1", ledger)
+        done = await wait_for(c, job_id, timeout=60)
+        events = await asyncio.wait_for(follower, 30)
+    assert done["result"]["text"] == WHOLE and done["usage"]["completion_tokens"] == MAX_TOKENS
+    assert "".join(e["data"]["text"] for e in events if e["event"] == "delta") == WHOLE
+    assert engine.resumed == [40] and ledger.generated[job_id] == MAX_TOKENS - 40
