@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import math
 import random
+import statistics
 import tempfile
 import time
 import uuid
@@ -462,6 +463,8 @@ async def _run(
         else 0.0,
         "backlog_peak_jobs": peak.backlog if peak else 0,
         "desired_workers_at_peak": peak.desired if peak else 0,
+        # The signal in the steady state: its median over the measured window.
+        "desired_workers_median": statistics.median_low(s.desired for s in window) if window else 0,
         "engine_preemptions": sum(e.preemptions for e in engines),
     }
     handed = sum(d.moved for d in dispatchers)
@@ -539,7 +542,7 @@ def report(runs: dict[str, dict[str, Any]], cfg: ScaleConfig) -> dict[str, Any]:
         "failover_s": affine.get("failover_s"),
         "preempted_tokens_wasted": affine["preempted_tokens_wasted"]
         + free["preempted_tokens_wasted"],
-        "desired_workers": affine["desired_workers_at_peak"],
+        "desired_workers": affine["desired_workers_median"],
         "needed_workers": needed,
     }
     failover = out["failover_s"]
@@ -551,10 +554,10 @@ def report(runs: dict[str, dict[str, Any]], cfg: ScaleConfig) -> dict[str, Any]:
         "dispatches_2000_per_s_met": out["dispatches_per_s"] >= 2000,
     }
     out["_run"] = {
+        **dataclasses.asdict(cfg),
         "engine": "simulated (calibrated), simulated prefix cache"
         if cfg.engine == "simulated"
-        else "vllm (the bundled model, its prefix cache), every engine on this machine",
-        **dataclasses.asdict(cfg),
+        else "vllm (the bundled model, its own prefix cache), every engine on this machine",
         "prefix_chars_cached": PREFIX_CHARS,
         "detail": runs,
     }

@@ -43,6 +43,7 @@ def test_the_report_has_the_figures_asked_for() -> None:
         "idle_with_backlog": 0.01,
         "any_free_slot_with_backlog": 0.2,
         "desired_workers_at_peak": 7,
+        "desired_workers_median": 6,
         "dispatches_per_s": 2500.0,
         "decision_us_p99": 80.0,
         "failover_s": 4.2,
@@ -53,4 +54,5 @@ def test_the_report_has_the_figures_asked_for() -> None:
     assert all(k in out for k in REPORT_KEYS)
     assert set(out["affine"]) == set(RUN_KEYS) == set(out["free_slots"])
     assert out["needed_workers"] == 4  # 5000 / (2600 / 2 workers), rounded up
+    assert out["desired_workers"] == 6  # the signal's median over the measured window
     assert out["targets"]["affine_1.3x_met"] and out["targets"]["failover_le_6s_met"]
