@@ -11,7 +11,10 @@ left out (its work may yet be resumed).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+
+from workers.engine.base import Chunk
 
 
 @dataclass
@@ -30,3 +33,15 @@ class DecodeLedger:
 
     def wasted(self) -> int:
         return sum(self.generated[r] - n for r, n in self.final.items())
+
+    async def counted(
+        self, request_id: str, resume: Sequence[int], chunks: AsyncIterator[Chunk]
+    ) -> AsyncIterator[Chunk]:
+        """The chunks of one run of the request (continuing after `resume`), counted."""
+        output = len(resume)
+        async for chunk in chunks:
+            self.generate(request_id, chunk.new_tokens)
+            output += chunk.new_tokens
+            if chunk.finish_reason is not None:
+                self.finish(request_id, output)
+            yield chunk

@@ -61,19 +61,13 @@ class InstrumentedEngine(EngineWrapper):
         self.trace.called.setdefault(request_id, time.monotonic())
         self.active += 1
         counted_prompt = False
-        output = len(resume)
+        run = self.inner.generate(request_id, messages, prompt, params, priority, resume)
         try:
-            async for chunk in self.inner.generate(
-                request_id, messages, prompt, params, priority, resume
-            ):
+            async for chunk in self.trace.decode.counted(request_id, resume, run):
                 now = time.monotonic()
                 n = chunk.new_tokens + (0 if counted_prompt else chunk.prompt_tokens)
                 counted_prompt = True
                 self.trace.tokens.append((now, request_id, n))
-                self.trace.decode.generate(request_id, chunk.new_tokens)
-                output += chunk.new_tokens
-                if chunk.finish_reason is not None:
-                    self.trace.decode.finish(request_id, output)
                 if chunk.text:
                     self.trace.first_token.setdefault(request_id, now)
                 yield chunk

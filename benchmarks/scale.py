@@ -233,9 +233,8 @@ class CountingEngine(EngineWrapper):
         resume: Sequence[int] = (),
     ) -> AsyncIterator[Chunk]:
         generated = 0
-        async for chunk in self.inner.generate(
-            request_id, messages, prompt, params, priority, resume
-        ):
+        run = self.inner.generate(request_id, messages, prompt, params, priority, resume)
+        async for chunk in self.tally.decode.counted(request_id, resume, run):
             if generated == 0:
                 self.tally.runs += 1
                 self.tally.hits += chunk.cached_tokens > 0
@@ -244,9 +243,6 @@ class CountingEngine(EngineWrapper):
             n = chunk.new_tokens + (chunk.prompt_tokens if generated == 0 else 0)
             generated += chunk.new_tokens
             self.tally.tokens.append((time.monotonic(), n))
-            self.tally.decode.generate(request_id, chunk.new_tokens)
-            if chunk.finish_reason is not None:
-                self.tally.decode.finish(request_id, len(resume) + generated)
             yield chunk
 
 

@@ -48,14 +48,8 @@ class Ledgered(EngineWrapper):
         resume: Sequence[int] = (),
     ) -> AsyncIterator[Chunk]:
         self.resumed.append(len(resume))
-        output = len(resume)
-        async for chunk in self.inner.generate(
-            request_id, messages, prompt, params, priority, resume
-        ):
-            self.ledger.generate(request_id, chunk.new_tokens)
-            output += chunk.new_tokens
-            if chunk.finish_reason is not None:
-                self.ledger.finish(request_id, output)
+        run = self.inner.generate(request_id, messages, prompt, params, priority, resume)
+        async for chunk in self.ledger.counted(request_id, resume, run):
             yield chunk
 
 
