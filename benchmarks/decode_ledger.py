@@ -42,6 +42,6 @@ class DecodeLedger:
         async for chunk in chunks:
             self.generate(request_id, chunk.new_tokens)
             output += chunk.new_tokens
-            if chunk.finish_reason is not None:
+            if chunk.finish_reason not in (None, "abort"):  # vLLM ends an aborted run so
                 self.finish(request_id, output)
             yield chunk

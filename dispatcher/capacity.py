@@ -5,9 +5,9 @@ waiting jobs and their estimated tokens, the jobs running, the slots of a worker
 tokens a worker served per second lately — and exports the answer per model. The rule:
 
 - what runs, and every interactive job that waits, needs a slot now;
-- the work arriving must be kept up with: the tokens arriving per second (measured: what
-  the tier streams grew by plus what was handed out) over one worker's measured rate —
-  the larger of this and the slots term, since what runs is serving what arrives;
+- the work arriving must be kept up with: the jobs admitted per second times the tokens
+  a finished job cost lately, over one worker's measured rate — the larger of this and
+  the slots term, since what runs is serving what arrives;
 - the work waiting in the other tiers must be served within its tier's SLO: its tokens
   over the SLO is a rate, in workers at the measured rate of one (before any measurement,
   each waiting job counts as a slot);
@@ -88,25 +88,20 @@ class ServedRate:
 
 
 class ArrivalRate:
-    """Tokens arriving per second over the last `window_s`: each tick adds what arrived
-    since the one before (the backlog's growth plus what was handed out meanwhile)."""
+    """Jobs arriving per second over the last `window_s`, from a counter of arrivals
+    (`RedisNames.arrivals`, counted where jobs are admitted; jobs put back are not
+    arrivals): each tick adds the counter's growth since the one before."""
 
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
-        self._ticks: deque[tuple[float, float]] = deque()  # (at, tokens since the last)
-        self._previous: tuple[float, dict[Tier, float]] | None = None
+        self._ticks: deque[tuple[float, int]] = deque()  # (at, arrivals since the last)
+        self._last: int | None = None
 
-    def tick(self, now: float, backlog: Mapping[Tier, float], handed: Mapping[Tier, float]) -> None:
-        """`backlog`: each tier's waiting tokens now; `handed`: tokens handed out since
-        the last tick (the caller resets its count)."""
-        if self._previous is not None:
-            _, before = self._previous
-            arrived = sum(
-                max(0.0, backlog.get(t, 0.0) - before.get(t, 0.0) + handed.get(t, 0.0))
-                for t in set(backlog) | set(before) | set(handed)
-            )
-            self._ticks.append((now, arrived))
-        self._previous = (now, dict(backlog))
+    def tick(self, now: float, total: int) -> None:
+        if self._last is not None:
+            # A counter that went back (Redis restarted empty) counts nothing this tick.
+            self._ticks.append((now, max(0, total - self._last)))
+        self._last = total
         while self._ticks and self._ticks[0][0] < now - self.window_s:
             self._ticks.popleft()
 
@@ -114,5 +109,24 @@ class ArrivalRate:
         if len(self._ticks) < 2:
             return 0.0
         span = self._ticks[-1][0] - self._ticks[0][0]
-        # The first tick's tokens arrived before the span starts: leave them out.
-        return sum(t for _, t in list(self._ticks)[1:]) / span if span > 0 else 0.0
+        # The first tick's arrivals came before the span starts: leave them out.
+        return sum(n for _, n in list(self._ticks)[1:]) / span if span > 0 else 0.0
+
+
+class TokensPerJob:
+    """The tokens a finished job cost (prompt and output, as served), on average over the
+    last `window_s`: what an arriving job will ask of the workers."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self._jobs: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def add(self, now: float, tokens: int) -> None:
+        self._jobs.append((now, tokens))
+        self._total += tokens
+
+    def mean(self, now: float) -> float | None:
+        while self._jobs and self._jobs[0][0] < now - self.window_s:
+            self._total -= self._jobs.popleft()[1]
+        return self._total / len(self._jobs) if self._jobs else None

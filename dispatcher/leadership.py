@@ -31,11 +31,12 @@ class LeaseLost(Exception):
     """This dispatcher no longer holds the lease: another leads, or none yet."""
 
 
-# The epoch when taken; else minus the milliseconds the holder's lease has left (or -1).
+# The epoch when taken; else -(1 + the milliseconds the holder's lease has left), or -1
+# for a lease without an expiry (set by hand: nothing tells when it ends).
 _ACQUIRE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local left = redis.call('PTTL', KEYS[1])
-  if left > 0 then return -left end
+  if left >= 0 then return -(left + 1) end
   return -1
 end
 local epoch = redis.call('INCR', KEYS[2])
@@ -151,7 +152,7 @@ class Leadership:
         keys = [self.names.dispatch_leader, self.names.dispatch_epoch]
         epoch = int(await self._acquire(keys=keys, args=[self.holder, self.lease_ms]))
         if epoch < 0:
-            self.left_s = -epoch / 1000
+            self.left_s = (-epoch - 1) / 1000 if epoch < -1 else self.lease_ms / 3000
             return False
         if epoch:
             self.epoch = epoch

@@ -36,7 +36,13 @@ import redis
 import redis.asyncio as aioredis
 
 from dispatcher.allowance import offer
-from dispatcher.capacity import ArrivalRate, ServedRate, Waiting, desired_workers
+from dispatcher.capacity import (
+    ArrivalRate,
+    ServedRate,
+    TokensPerJob,
+    Waiting,
+    desired_workers,
+)
 from dispatcher.leadership import Leadership, LeaseLost
 from dispatcher.policy import (
     Assignment,
@@ -144,7 +150,7 @@ class Dispatcher:
         self._stream_tier: dict[str, Tier] = {}  # source stream -> its tier
         self.served_rate = ServedRate(settings.share_window_s)
         self.arrival_rate = ArrivalRate(settings.share_window_s)
-        self._handed_tokens: Counter[Tier] = Counter()  # since the last capacity count
+        self.tokens_per_job = TokensPerJob(settings.share_window_s)
         self._capacity_at = 0.0
         self.desired_workers = 0
         self.decision_seconds: list[float] = []  # for benchmarks; bounded below
@@ -446,8 +452,8 @@ class Dispatcher:
             )
             for tier in TIER_ORDER
         ]
-        self.arrival_rate.tick(now, {w.tier: w.tokens for w in waiting}, self._handed_tokens)
-        self._handed_tokens = Counter()
+        self.arrival_rate.tick(now, int(await self.r.get(self.names.arrivals) or 0))
+        per_job = self.tokens_per_job.mean(now)
         capacities = sorted(hb.capacity for hb in alive)
         slots = capacities[len(capacities) // 2] if capacities else self.settings.max_num_seqs
         self._saturated = any(w.jobs > 0 for w in waiting)
@@ -458,7 +464,7 @@ class Dispatcher:
             slots,
             self.served_rate.per_worker(now),
             slo_from_settings(self.settings),
-            self.arrival_rate.per_second(),
+            self.arrival_rate.per_second() * (per_job or 0.0),
         )
         metrics.DESIRED_WORKERS.labels(self.settings.served_model_name).set(self.desired_workers)
 
@@ -473,6 +479,8 @@ class Dispatcher:
                 self.preempting.discard(report.job_id)
                 if self._saturated:  # a worker's capacity shows only while work waits
                     self.served_rate.add(now, report.actual, self._workers_alive)
+                if report.outcome == "succeeded":
+                    self.tokens_per_job.add(now, report.actual)
                 correction = report.actual - report.estimated
                 if correction:
                     self.policy.charge(report.tier, report.tenant_id, correction, now)
@@ -509,7 +517,6 @@ class Dispatcher:
                 del self.buffers[d.job.tier][d.job.tenant_id][d.job.entry_id]
                 self._buffered[b.stream] -= 1
                 metrics.JOBS_DISPATCHED.labels(d.job.tier.value).inc()
-                self._handed_tokens[d.job.tier] += d.job.cost
                 self.running[d.job.job_id] = RunningJob(
                     d.job.job_id, d.job.tier, d.worker_id, now, d.job.preemptions, d.job.tenant_id
                 )

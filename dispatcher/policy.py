@@ -147,6 +147,9 @@ class ServedWindow:
         return {t: max(0.0, v) / total for t, v in self.totals.items()}
 
 
+PASSED_OVER_KEPT = 1024  # past this many, the counts of jobs no longer queued are dropped
+
+
 class TierqPolicy:
     """Minimum shares, strict priority, urgency, VTC fairness, reserve and preemption."""
 
@@ -157,6 +160,9 @@ class TierqPolicy:
         self.window = ServedWindow(self.config.window_s)
         self.counters: dict[Tier, dict[str, float]] = {t: {} for t in TIER_ORDER}
         self._backlogged: dict[Tier, set[str]] = {t: set() for t in TIER_ORDER}
+        # Entry id -> times a job was passed over for a job at home where it would have
+        # gone (AFFINITY_LOOKAHEAD bounds it); dropped when the job is placed.
+        self.passed_over: dict[str, int] = {}
 
     # --- accounting ---------------------------------------------------------------------
     def charge(self, tier: Tier, tenant_id: str, tokens: float, now: float) -> None:
@@ -195,6 +201,11 @@ class TierqPolicy:
         now: float,
     ) -> list[Assignment]:
         self.window.expire(now)
+        if len(self.passed_over) > PASSED_OVER_KEPT:  # jobs gone meanwhile (cancelled)
+            queued = {
+                j.entry_id for tenants in queues.values() for q in tenants.values() for j in q
+            }
+            self.passed_over = {e: n for e, n in self.passed_over.items() if e in queued}
         free = {w.worker_id: [max(0, w.free), max(0, min(w.free, w.free_lower))] for w in workers}
         placement = _Placement(workers, free, self.config.affinity_slack)
         any_heap = [(-f[0], wid) for wid, f in free.items() if f[0] > 0]
@@ -225,6 +236,7 @@ class TierqPolicy:
                     self.config.affinity_lookahead,
                 )
             out.append(Assignment(job, worker_id))
+            self.passed_over.pop(job.entry_id, None)
             self.charge(tier, job.tenant_id, job.cost, now)
 
     def _next_tier(
@@ -363,19 +375,27 @@ class _TierPicker:
         self, job: QueuedJob, better: Callable[[QueuedJob], bool], lookahead: int
     ) -> QueuedJob:
         """`job`, just popped, or in its place one of its tenant's next `lookahead` jobs
-        for which `better` holds — then `job` is the tenant's head again. An urgent job
-        (preempted, or past its urgency line) is never passed over."""
-        if lookahead <= 0 or job.preemptions > 0 or job.enqueued_at <= self.urgent_before:
+        for which `better` holds — then `job` is the tenant's head again. A job is passed
+        over `lookahead` times at most, over all rounds, and an urgent one (preempted, or
+        past its urgency line) never."""
+        passed = self.policy.passed_over
+        if (
+            lookahead <= 0
+            or passed.get(job.entry_id, 0) >= lookahead
+            or job.preemptions > 0
+            or job.enqueued_at <= self.urgent_before
+        ):
             return job
         tenant = job.tenant_id
         q = self.queues[tenant]
         skipped = self.taken.setdefault(tenant, set())
-        first = self.heads[tenant]  # the head after `job`
-        for i in range(first, min(len(q), first + lookahead)):
+        at = self.last[tenant]  # `job`'s place
+        for i in range(at + 1, min(len(q), at + 1 + lookahead)):
             if i in skipped or not better(q[i]):
                 continue
             skipped.add(i)
-            self.heads[tenant] = self.last[tenant]  # `job` is the head again
+            passed[job.entry_id] = passed.get(job.entry_id, 0) + 1
+            self.heads[tenant] = at  # `job` is the head again
             heapq.heappush(self.by_age, (_age_key(job), tenant))
             return q[i]
         return job
@@ -457,7 +477,8 @@ class _Placement:
         return None
 
     def at_home(self, worker_id: str, job: QueuedJob) -> bool:
-        return self.home(job.prefix, worker_id)
+        """The job has a prefix, and the worker is its own."""
+        return job.prefix is not None and self.home(job.prefix, worker_id)
 
     def home(self, prefix: str | None, worker_id: str) -> bool:
         """Whether the worker is the prefix's own: first in its ranking of all workers."""

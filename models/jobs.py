@@ -454,6 +454,7 @@ async def cancel_unfinished(
             finished_at=utcnow(),
             error_code=code,
             error_message=message,
+            progress=None,  # nothing more resumes after it
         )
         .returning(Job)
         .execution_options(synchronize_session=False)

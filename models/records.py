@@ -69,18 +69,27 @@ class Progress:
     token_ids: tuple[int, ...]
     text: str  # their text, as streamed
     prompt_tokens: int  # the prompt's tokens, as the engine counted them
+    # The engine and model whose vocabulary the ids are in: another (a model changed under
+    # the same served name, another engine) does not resume after them.
+    source: str = ""
 
     @classmethod
     def from_json(cls, raw: dict[str, Any] | None) -> Progress | None:
         if not raw:
             return None
-        return cls(tuple(int(t) for t in raw["token_ids"]), raw["text"], raw["prompt_tokens"])
+        return cls(
+            tuple(int(t) for t in raw["token_ids"]),
+            raw["text"],
+            raw["prompt_tokens"],
+            raw.get("source", ""),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
             "token_ids": list(self.token_ids),
             "text": self.text,
             "prompt_tokens": self.prompt_tokens,
+            "source": self.source,
         }
 
 

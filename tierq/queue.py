@@ -76,10 +76,17 @@ return 1
 
 
 async def enqueue(
-    r: aioredis.Redis, names: RedisNames, msg: JobMessage, *, head_of_tier: bool = False
+    r: aioredis.Redis,
+    names: RedisNames,
+    msg: JobMessage,
+    *,
+    head_of_tier: bool = False,
+    arrival: bool = True,
 ) -> str:
     """XADD a job to its tier's stream (its tenant's shard, or the head-of-tier stream for a
-    preempted job), mark it as held by Redis, and wake the dispatcher."""
+    preempted job), mark it as held by Redis, and wake the dispatcher. `arrival`: new work
+    (admitted, a batch line), counted for the autoscaling signal; False for a job put back
+    (handed back, preempted, re-enqueued by the reconciler)."""
     if head_of_tier:
         stream = names.preempted_stream(msg.tier)
     else:
@@ -89,6 +96,8 @@ async def enqueue(
         if not head_of_tier:
             pipe.sadd(names.tier_tenants(msg.tier), msg.tenant_id)
         pipe.sadd(names.inflight, msg.job_id)
+        if arrival:
+            pipe.incr(names.arrivals)
         pipe.lpush(names.dispatch_wake, "1")
         pipe.ltrim(names.dispatch_wake, 0, 0)
         entry_id, *_ = await pipe.execute()

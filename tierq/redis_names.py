@@ -26,6 +26,12 @@ class RedisNames:
         """Jobs aborted to make room for interactive work: served first within their tier."""
         return f"{self.prefix}:preempted:{Tier(tier).value}"
 
+    @property
+    def arrivals(self) -> str:
+        """Counter of jobs admitted into the tier streams (not re-queued ones): the
+        autoscaling signal's arrival rate."""
+        return f"{self.prefix}:arrivals"
+
     def tier_tenants(self, tier: Tier | str) -> str:
         """Set of tenant ids that have a stream in this tier."""
         return f"{self.prefix}:tenants:{Tier(tier).value}"

@@ -95,7 +95,7 @@ async def _reconcile(
                 )
             if back is None:
                 continue  # it finished, or was delivered again, meanwhile
-        await enqueue(r, names, job.to_message())
+        await enqueue(r, names, job.to_message(), arrival=False)
         await r.delete(names.job_orphan(job.id))
         requeued.append(job.id)
     await tenant_policy.sync_all(db, r, names)

@@ -55,7 +55,7 @@ from tierq.settings import Settings
 from tierq.states import JobStatus
 from tierq.tiers import vllm_priority
 from workers.claims import Claims
-from workers.engine.base import Engine, EngineDead, EngineRequestError
+from workers.engine.base import Engine, EngineDead, EngineRequestError, EngineWrapper
 from workers.streaming import EventPublisher
 
 log = logging.getLogger(__name__)
@@ -83,10 +83,19 @@ def replay_seed(job_id: str) -> int:
 
 
 def resumable(params: dict[str, Any]) -> bool:
-    """Whether a run may continue after an earlier run's tokens and sample as that run
-    would have: not with presence or frequency penalties, which count only the tokens a
-    run generated itself (tokens it resumes after are prompt to the engine)."""
-    return not params.get("presence_penalty") and not params.get("frequency_penalty")
+    """Whether a run may continue after an earlier run's tokens as that run would have
+    gone on (`params`: the job's own, as its tenant sent them). Not with:
+    - presence or frequency penalties: the engine counts only the tokens a run generated
+      itself (those it resumes after are prompt to it), so it would sample differently;
+    - stop strings: the engine looks for them in the text it generates, so one begun
+      before the stop and ended after it would go unseen;
+    - a seed of the tenant's with sampling: the continuation would draw other random
+      numbers than the uninterrupted run, and a seed promises the same output.
+    Those jobs start again (the work thrown away is counted)."""
+    if params.get("presence_penalty") or params.get("frequency_penalty") or params.get("stop"):
+        return False
+    sampled = float(params.get("temperature", 1.0) or 0.0) > 0
+    return not (sampled and params.get("seed") is not None)
 
 
 def unavailable(exc: BaseException) -> bool:
@@ -111,15 +120,19 @@ class Outcome:
 
     @property
     def served(self) -> int:
-        """The tokens this run computed (the dispatcher's fairness counts them)."""
-        return self.prompt_tokens + self.completion_tokens - self.resumed
+        """The tokens this run computed (the dispatcher's fairness counts them): none when
+        it resumed and generated nothing more."""
+        generated = self.completion_tokens - self.resumed
+        if self.resumed and not generated:
+            return 0
+        return self.prompt_tokens + generated
 
-    def progress(self) -> Progress | None:
+    def progress(self, source: str) -> Progress | None:
         """What the runs so far generated, for the next run to resume after; None when
         nothing was generated or the engine did not say which tokens."""
         if not self.token_ids or len(self.token_ids) != self.completion_tokens:
             return None
-        return Progress(tuple(self.token_ids), self.text, self.prompt_tokens)
+        return Progress(tuple(self.token_ids), self.text, self.prompt_tokens, source)
 
 
 class Worker:
@@ -140,6 +153,13 @@ class Worker:
         self.names = RedisNames(settings.redis_prefix)
         self.inbox = self.names.inbox(self.worker_id)
         self.events = EventLog.for_settings(r, self.names, settings)
+        # Whose vocabulary kept token ids are in: the innermost engine and the model.
+        base: Any = engine
+        while isinstance(base, EngineWrapper):
+            base = base.inner
+        self.progress_source = (
+            f"{base.name}:{settings.model_path or 'bundled'}:{settings.served_model_name}"
+        )
         self.publisher = EventPublisher(
             self.events, self._superseded_elsewhere, settings.outage_retry_max_s
         )
@@ -277,7 +297,7 @@ class Worker:
                     await self._drop_entry(entry_id)
                     continue
                 msg = JobMessage.decode(fields)
-                await enqueue(self.r, self.names, msg)
+                await enqueue(self.r, self.names, msg, arrival=False)
                 await self._release(entry_id, msg, "handed_back")
 
     async def _retire(self) -> None:
@@ -591,8 +611,16 @@ class Worker:
         out = Outcome("succeeded")
         text_parts: list[str] = []
         produced = 0
-        keep = resumable(params)
+        keep = resumable(job.params)
         saved = job.progress if keep else None
+        if saved is not None and saved.source != self.progress_source:
+            log.warning(
+                "job %s: its kept progress is from %s, not %s; it starts again",
+                job.id,
+                saved.source or "an unnamed engine",
+                self.progress_source,
+            )
+            saved = None
         if saved is not None:
             # An earlier run stopped unfinished (preempted, handed back): continue after
             # what it generated, decoding none of it again.
@@ -651,6 +679,14 @@ class Worker:
         except EngineDead:
             self._engine_dead.set()
             self._handed_back.add(job.id)
+        except Exception as exc:
+            # Unknown, perhaps transient: another delivery, resuming after what this one
+            # generated (kept with the job when it goes back).
+            log.exception("job %s failed in the engine", job.id)
+            out.text = "".join(text_parts)
+            return dataclasses.replace(
+                out, kind="retry", code="engine_error", message=f"{type(exc).__name__}: {exc}"
+            )
         out.text = "".join(text_parts)
         log.info(
             "job %s: the engine generated %d tokens in this run",
@@ -750,11 +786,7 @@ class Worker:
         """Back to its tier's queue for another delivery (at the head when preempted)."""
         preempted = kind == "preempted"
 
-        progress = out.progress()
-        if progress is None and out.completion_tokens > out.resumed:
-            # The engine did not say which tokens it generated (or they cannot be resumed
-            # after): the next run generates them again.
-            metrics.PREEMPTED_TOKENS_WASTED.inc(out.completion_tokens - out.resumed)
+        progress = out.progress(self.progress_source)
 
         async def hand_back() -> bool:
             async with self.db.transaction() as s:
@@ -771,9 +803,14 @@ class Worker:
 
         if not await self._retrying("requeue job", hand_back):
             return False
+        if progress is None and out.completion_tokens > out.resumed:
+            # The engine did not say which tokens it generated (or they cannot be resumed
+            # after): the next run generates them again.
+            metrics.PREEMPTED_TOKENS_WASTED.inc(out.completion_tokens - out.resumed)
         again = dataclasses.replace(msg, preemptions=msg.preemptions + preempted)
         await self._retrying(
-            "enqueue", lambda: enqueue(self.r, self.names, again, head_of_tier=preempted)
+            "enqueue",
+            lambda: enqueue(self.r, self.names, again, head_of_tier=preempted, arrival=False),
         )
         return True
 

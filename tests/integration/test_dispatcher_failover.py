@@ -143,7 +143,7 @@ async def test_a_killed_leader_is_replaced_within_the_lease_and_nothing_runs_twi
             await asyncio.sleep(0.05)
         failover_s = time.monotonic() - killed
         await _assert_each_ran_and_was_billed_once(platform, c, tenant_id, ids)
-    assert failover_s <= LEASE_S + 1.5
+    assert failover_s <= LEASE_S + 2.0
 
 
 async def test_a_paused_leader_loses_its_lease_and_dispatches_nothing_when_it_wakes(
@@ -194,4 +194,9 @@ async def test_a_standby_tries_for_the_lease_as_soon_as_it_would_run_out(
     started = time.monotonic()
     await standby._stand_by()
     assert await standby.leadership.acquire()
-    assert time.monotonic() - started < 0.8
+    assert time.monotonic() - started < 0.95  # its next poll would have been at 1 s
+    # A lease without an expiry (set by hand) says nothing of its end: poll as before.
+    standby.leadership.lost(fenced=False)
+    await platform.r.persist(platform.dispatcher.names.dispatch_leader)
+    assert not await leader.leadership.acquire()
+    assert leader.leadership.left_s == 1.0  # a third of the lease

@@ -19,7 +19,7 @@ from models import jobs as job_repo
 from models.records import Progress
 from models.tables import Job
 from tests.conftest import Platform
-from tests.helpers import client, read_sse, wait_for
+from tests.helpers import admin, client, read_sse, wait_for
 from workers.engine.base import Chunk, Engine, EngineWrapper
 from workers.engine.simulated_engine import CostModel, SimulatedEngine
 
@@ -74,6 +74,12 @@ async def _start(platform: Platform, worker_id: str, ledger: DecodeLedger) -> Le
     return wrapped[0]
 
 
+def _source(platform: Platform) -> str:
+    """What a worker on the simulated engine names its kept token ids' vocabulary."""
+    model = platform.settings.model_path or "bundled"
+    return f"simulated:{model}:{platform.settings.served_model_name}"
+
+
 async def _progress_column(platform: Platform, job_id: str) -> Any:
     async with platform.db.session() as s:
         return (await s.execute(select(Job.progress).where(Job.id == job_id))).scalar_one()
@@ -113,6 +119,8 @@ async def test_a_preempted_job_resumes_after_its_tokens_and_streams_no_gap_nor_r
     assert len(usage) == 1 and usage[0].completion_tokens == MAX_TOKENS
     assert record is not None and record.preemptions == 1
     assert await _progress_column(platform, job_id) is None  # cleared once it ended
+    # Admitted once; put back once, which is no arrival (the autoscaling signal's count).
+    assert await platform.r.get(platform.dispatcher.names.arrivals) == "1"
 
 
 async def test_a_job_handed_back_by_a_stopping_worker_resumes_on_another(
@@ -170,9 +178,8 @@ async def test_kept_progress_that_never_reached_followers_is_streamed_first(
     ledger = DecodeLedger()
     async with client(platform.url, tenant_key) as c:
         job_id = (await c.post("/v1/jobs", json=LONG)).json()["id"]
-        kept = Progress(
-            tuple(range(1, 41)), WHOLE[: len("".join(f" tok{i}" for i in range(1, 41)))], 10
-        )
+        text = "".join(f" tok{i}" for i in range(1, 41))
+        kept = Progress(tuple(range(1, 41)), text, 10, _source(platform))
         async with platform.db.transaction() as s:
             await s.execute(update(Job).where(Job.id == job_id).values(progress=kept.to_json()))
         follower = asyncio.create_task(read_sse(c, f"/v1/jobs/{job_id}/events"))
@@ -183,3 +190,78 @@ async def test_kept_progress_that_never_reached_followers_is_streamed_first(
     assert done["result"]["text"] == WHOLE and done["usage"]["completion_tokens"] == MAX_TOKENS
     assert "".join(e["data"]["text"] for e in events if e["event"] == "delta") == WHOLE
     assert engine.resumed == [40] and ledger.generated[job_id] == MAX_TOKENS - 40
+
+
+class _FailsOnce(EngineWrapper):
+    """The first run of each request raises an unknown error after 30 tokens."""
+
+    def __init__(self, inner: Engine) -> None:
+        super().__init__(inner, "fails-once")
+        self.failed: set[str] = set()
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Chunk]:
+        request_id = args[0]
+        n = 0
+        async for chunk in self.inner.generate(*args, **kwargs):
+            yield chunk
+            n += chunk.new_tokens
+            if n >= 30 and request_id not in self.failed:
+                self.failed.add(request_id)
+                await self.inner.abort(request_id)
+                raise RuntimeError("injected: an unknown engine error")
+
+
+async def test_an_unknown_engine_error_midway_keeps_what_was_generated(
+    platform: Platform, tenant_key: str
+) -> None:
+    """An unknown error goes back for another delivery, which resumes after the tokens
+    the failed run generated: none generated twice, the text whole."""
+    ledger = DecodeLedger()
+    platform.start_dispatcher()
+    engines: list[Ledgered] = []
+
+    def wrap(inner: Engine) -> Engine:
+        engines.append(Ledgered(_FailsOnce(inner), ledger))
+        return engines[0]
+
+    await platform.start_worker("w1", cost=CostModel(slots=4).scaled(2), wrap=wrap)
+    async with client(platform.url, tenant_key) as c:
+        job_id = (await c.post("/v1/jobs", json=LONG)).json()["id"]
+        done = await wait_for(c, job_id, timeout=60)
+    assert done["status"] == "succeeded" and done["result"]["text"] == WHOLE
+    assert engines[0].resumed == [0, 30] and ledger.generated[job_id] == MAX_TOKENS
+
+
+async def test_a_suspended_tenants_jobs_keep_no_progress(
+    platform: Platform, tenant_key: str
+) -> None:
+    """Cancelling a tenant's unfinished jobs (suspension) drops what they kept."""
+    async with client(platform.url, tenant_key) as c:
+        job_id = (await c.post("/v1/jobs", json=LONG)).json()["id"]
+        tenant_id = (await c.get("/v1/usage")).json()["tenant_id"]
+    kept = Progress((1, 2), " tok1 tok2", 10, "simulated:bundled:x")
+    async with platform.db.transaction() as s:
+        await s.execute(update(Job).where(Job.id == job_id).values(progress=kept.to_json()))
+    async with admin(platform) as a:
+        assert (await a.post(f"/admin/tenants/{tenant_id}/suspend")).status_code == 200
+    async with platform.db.session() as s:
+        record = await job_repo.get_job(s, job_id)
+    assert record is not None and record.status.value == "cancelled"
+    assert await _progress_column(platform, job_id) is None
+
+
+async def test_progress_of_another_engine_or_model_is_not_resumed_after(
+    platform: Platform, tenant_key: str
+) -> None:
+    """Token ids in another vocabulary (vLLM's, another model's) mean nothing here: the
+    job starts again, whole."""
+    ledger = DecodeLedger()
+    async with client(platform.url, tenant_key) as c:
+        job_id = (await c.post("/v1/jobs", json=LONG)).json()["id"]
+        kept = Progress((5, 6, 7), " x y z", 10, "vllm:/models/other:SmolLM2-135M-Instruct")
+        async with platform.db.transaction() as s:
+            await s.execute(update(Job).where(Job.id == job_id).values(progress=kept.to_json()))
+        platform.start_dispatcher()
+        engine = await _start(platform, "w1", ledger)
+        done = await wait_for(c, job_id, timeout=60)
+    assert done["result"]["text"] == WHOLE and engine.resumed == [0]

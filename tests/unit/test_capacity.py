@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatcher.capacity import ArrivalRate, ServedRate, Waiting, desired_workers
+from dispatcher.capacity import ArrivalRate, ServedRate, TokensPerJob, Waiting, desired_workers
 from tierq.tiers import TIER_ORDER, Tier
 
 SLO = {Tier.INTERACTIVE: 5.0, Tier.STANDARD: 300.0, Tier.BATCH: 86_400.0}
@@ -46,21 +46,31 @@ def test_steady_arrivals_need_the_workers_that_keep_up_with_them() -> None:
     assert desired_workers(_waiting(), 10, 64, None, SLO, arriving_tokens_per_s=1000.0) == 1
 
 
-def test_arrivals_are_the_backlogs_growth_plus_what_was_handed_out() -> None:
+def test_arrivals_are_the_growth_of_the_admitted_counter() -> None:
     rate = ArrivalRate(window_s=10)
-    rate.tick(0.0, {Tier.STANDARD: 0.0}, {})
+    rate.tick(0.0, 1000)  # whatever came before this dispatcher started counting
     assert rate.per_second() == 0.0
-    # Each second 300 tokens arrive: 100 more wait, 200 were handed out.
-    for second in range(1, 6):
-        rate.tick(float(second), {Tier.STANDARD: 100.0 * second}, {Tier.STANDARD: 200.0})
-    assert rate.per_second() == 300.0
-    # A backlog served faster than work arrives: it shrinks, and only arrivals count.
-    rate.tick(6.0, {Tier.STANDARD: 0.0}, {Tier.STANDARD: 800.0})
-    assert rate.per_second() == 300.0
-    # Quiet for a whole window: nothing arrives.
-    for second in range(7, 30):
-        rate.tick(float(second), {Tier.STANDARD: 0.0}, {})
+    for second in range(1, 6):  # 3 jobs admitted each second
+        rate.tick(float(second), 1000 + 3 * second)
+    assert rate.per_second() == 3.0
+    # Redis restarted empty: the counter went back; that tick counts nothing, the next
+    # ones count again.
+    rate.tick(6.0, 2)
+    rate.tick(7.0, 5)
+    assert rate.per_second() == (4 * 3 + 0 + 3) / 6
+    for second in range(8, 30):  # quiet for a whole window
+        rate.tick(float(second), 5)
     assert rate.per_second() == 0.0
+
+
+def test_a_jobs_tokens_are_the_mean_of_those_finished_lately() -> None:
+    per_job = TokensPerJob(window_s=10)
+    assert per_job.mean(0.0) is None
+    per_job.add(1.0, 100)
+    per_job.add(2.0, 300)
+    assert per_job.mean(2.0) == 200.0
+    assert per_job.mean(11.5) == 300.0  # the first fell out of the window
+    assert per_job.mean(30.0) is None
 
 
 WORK = st.tuples(

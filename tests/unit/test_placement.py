@@ -93,9 +93,29 @@ def test_a_job_whose_own_worker_is_full_lets_its_tenants_next_at_home_go_first()
     preempted = dataclasses.replace(_job("a"), preemptions=1)
     got = _policy().assign(_queues([preempted, _job("b")]), slots, 1.0)
     assert got[0].job == preempted
-    # Beyond the look-ahead, nothing is passed over.
+    # Beyond the look-ahead, nothing is passed over; nor for a job without a prefix.
     far = [_job("a") for _ in range(9)] + [_job("b")]
     assert _policy().assign(_queues(far), slots, 1.0)[0].job == far[0]
+    plain = [_job("a"), _job(None)]
+    assert _policy().assign(_queues(plain), slots, 1.0)[0].job == plain[0]
+
+
+def test_a_job_is_passed_over_lookahead_times_at_most_over_all_rounds() -> None:
+    slots, _, b_home = _two_workers_one_slot_on_bs_worker()
+    policy = TierqPolicy(PolicyConfig(min_share={}, affinity_lookahead=3))
+    head = _job("a")
+    behind = [_job("b") for _ in range(6)]
+    placed: list[QueuedJob] = []
+    for round_no in range(5):  # a slot frees on b's worker each round
+        waiting = [j for j in [head, *behind] if j not in placed]
+        got = policy.assign(_queues(waiting), slots, float(round_no))
+        placed += [a.job for a in got]
+    assert placed[:3] == behind[:3] and placed[3] == head  # three passed it, then its turn
+    # And within one round, as many at once as there are slots, the same bound.
+    many = [WorkerSlots(b_home, 8, 8, capacity=8), slots[0]]
+    fresh = TierqPolicy(PolicyConfig(min_share={}, affinity_lookahead=3))
+    got = fresh.assign(_queues([_job("a"), *[_job("b") for _ in range(6)]]), many, 1.0)
+    assert [a.job.prefix for a in got][:4] == ["b", "b", "b", "a"]
 
 
 def test_the_prefix_key_is_the_start_of_the_input() -> None:
@@ -147,10 +167,13 @@ def test_affinity_places_what_free_slots_would_and_leaves_no_slot_idle(
     if len({t for _, t, _ in jobs}) <= 1:
         assert len(affine) == len(plain)
         for tenant in ("t1", "t2"):
-            mine = [a.job for a in affine if a.job.tenant_id == tenant]
+            mine = {a.job.job_id for a in affine if a.job.tenant_id == tenant}
             assert len(mine) == sum(a.job.tenant_id == tenant for a in plain)
             order = [j.job_id for j in queued if j.tenant_id == tenant]
-            assert all(order.index(j.job_id) < len(mine) + lookahead for j in mine)
+            # Every job left waiting was passed over by `lookahead` jobs behind it at most.
+            for i, job_id in enumerate(order):
+                if job_id not in mine:
+                    assert sum(later in mine for later in order[i + 1 :]) <= lookahead
     free = {w.worker_id: [w.free, w.free_lower] for w in slots}
     for a in affine:
         room = free[a.worker_id]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from benchmarks.decode_ledger import DecodeLedger
 from models.records import Progress
-from workers.engine.base import resumed_params
+from workers.engine.base import Chunk, resumed_params
 from workers.worker import Outcome, resumable
 
 
@@ -24,12 +26,12 @@ def test_penalties_that_count_a_runs_own_tokens_are_not_resumed() -> None:
 
 def test_a_run_keeps_progress_only_when_the_engine_named_every_token() -> None:
     out = Outcome("preempted", text=" a b", prompt_tokens=9, completion_tokens=2)
-    assert out.progress() is None  # no ids: nothing to resume after
+    assert out.progress("vllm:m") is None  # no ids: nothing to resume after
     out.token_ids = [5, 6]
-    assert out.progress() == Progress((5, 6), " a b", 9)
+    assert out.progress("vllm:m") == Progress((5, 6), " a b", 9, "vllm:m")
     out.completion_tokens = 3  # one token's id missing: resuming would skip it
-    assert out.progress() is None
-    kept = Progress((5, 6), " a b", 9)
+    assert out.progress("vllm:m") is None
+    kept = Progress((5, 6), " a b", 9, "vllm:m")
     assert Progress.from_json(kept.to_json()) == kept and Progress.from_json(None) is None
 
 
@@ -48,3 +50,31 @@ def test_the_ledger_counts_tokens_generated_beyond_the_finished_output() -> None
     ledger.finish("lost", 100)
     ledger.generate("unfinished", 7)  # may yet resume: left out
     assert ledger.wasted() == 30
+
+
+def test_stop_strings_penalties_and_a_tenants_seed_with_sampling_start_again() -> None:
+    assert resumable({"temperature": 0.7})  # the platform's own replay seed: resumed
+    assert resumable({"temperature": 0.0, "seed": 7})  # greedy: the seed draws nothing
+    assert not resumable({"temperature": 0.7, "seed": 7})
+    assert not resumable({"seed": 7})  # temperature 1 by default
+    assert not resumable({"stop": ["END"]})
+    assert resumable({"stop": []})
+
+
+def test_a_run_that_resumed_and_generated_nothing_served_nothing() -> None:
+    assert Outcome("handed_back", prompt_tokens=9, completion_tokens=4, resumed=4).served == 0
+    assert Outcome("handed_back", prompt_tokens=9, completion_tokens=0).served == 9
+
+
+async def _chunks(*finishes: str | None) -> AsyncIterator[Chunk]:
+    for finish in finishes:
+        yield Chunk("x", 1, 5, finish)
+
+
+async def test_an_aborted_run_is_no_finished_output() -> None:
+    ledger = DecodeLedger()
+    async for _ in ledger.counted("a", (), _chunks(None, "abort")):
+        pass
+    async for _ in ledger.counted("b", (1, 2), _chunks(None, "length")):
+        pass
+    assert ledger.final == {"b": 4} and ledger.generated == {"a": 2, "b": 2}
