@@ -21,6 +21,7 @@ from workers.engine.base import Chunk
 class DecodeLedger:
     generated: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     final: dict[str, int] = field(default_factory=dict)
+    resumed: int = 0  # tokens runs resumed after (kept from a stopped run, not generated)
 
     def generate(self, request_id: str, tokens: int) -> None:
         """The engine generated `tokens` new tokens for the request."""
@@ -39,6 +40,7 @@ class DecodeLedger:
     ) -> AsyncIterator[Chunk]:
         """The chunks of one run of the request (continuing after `resume`), counted."""
         output = len(resume)
+        self.resumed += len(resume)
         async for chunk in chunks:
             self.generate(request_id, chunk.new_tokens)
             output += chunk.new_tokens

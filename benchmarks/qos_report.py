@@ -91,6 +91,7 @@ def metrics(run: Recorded, shape: Shape, cost: CostModel, speedup: float) -> dic
         "throughput_tokens_per_s": round(total / span, 2),
         "decision_us_p99": round(p99 * 1e6, 1),
         "preempted_tokens_wasted": run.trace.decode.wasted(),
+        "resumed_tokens": run.trace.decode.resumed,
     }
 
 

@@ -78,3 +78,4 @@ async def test_an_aborted_run_is_no_finished_output() -> None:
     async for _ in ledger.counted("b", (1, 2), _chunks(None, "length")):
         pass
     assert ledger.final == {"b": 4} and ledger.generated == {"a": 2, "b": 2}
+    assert ledger.resumed == 2
