@@ -192,8 +192,11 @@ async def failures(
         ).all()
     ]
     by_code = (
-        select(func.coalesce(Job.error_code, "unknown"), func.count())
+        select(Job.error_code, func.count())
         .where(failed, admitted, Job.finished_at >= now - timedelta(hours=1))
-        .group_by(func.coalesce(Job.error_code, "unknown"))
+        .group_by(Job.error_code)
     )
-    return latest, {code: int(n) for code, n in (await s.execute(by_code)).all()}
+    counts: dict[str, int] = {}
+    for code, n in (await s.execute(by_code)).all():
+        counts[code or "unknown"] = counts.get(code or "unknown", 0) + int(n)
+    return latest, counts

@@ -259,7 +259,7 @@
   function renderFailures(o) {
     const codes = Object.entries(o.failures.last_hour_by_code);
     $("failure-codes").textContent = codes.length
-      ? "· last hour: " + codes.map(([c, n]) => c + " × " + n).join(", ")
+      ? "· last hour: " + codes.map(([c, n]) => c + ": " + n).join(", ")
       : "· none in the last hour";
     fill("failures", o.failures.latest.map((f) => row([
       f.finished_at ? new Date(f.finished_at * 1000).toLocaleTimeString() : "–",
