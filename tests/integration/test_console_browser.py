@@ -217,7 +217,8 @@ def batch_cell(driver: WebDriver, batch_id: str) -> str | None:
     """The progress bar's label of the batch's row ("done / total (percent)"), if shown."""
     try:
         row = driver.find_elements(By.CSS_SELECTOR, f'tr[data-batch="{batch_id}"] .bar .label')
-        return str(row[0].text) if row else None
+        text = str(row[0].text) if row else ""
+        return text if " / " in text else None  # a dash while validating (no total yet)
     except StaleElementReferenceException:
         return None
 
