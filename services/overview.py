@@ -63,7 +63,8 @@ def served_shares(
     tokens = dict.fromkeys((t.value for t in TIER_ORDER), 0.0)
     for second, tier, served in (state or {}).get("window", []):
         if float(second) >= now - window_s and tier in tokens:
-            tokens[tier] += max(0.0, float(served))
+            tokens[tier] += float(served)  # corrections are negative, as the policy sums them
+    tokens = {t: max(0.0, v) for t, v in tokens.items()}
     total = sum(tokens.values())
     shares = {t: (round(v / total, 4) if total > 0 else None) for t, v in tokens.items()}
     return {t: round(v, 1) for t, v in tokens.items()}, shares
