@@ -190,6 +190,32 @@ async def _console_scenario(platform: Platform, driver: WebDriver, tmp_path: Pat
         30,
     )
 
+    # Set a quota from the page's form; the admin API has it, the page shows its headroom.
+    await off_loop(fill_quota, driver, tenant_id, {"requests_per_minute": "100"})
+    async with admin(platform) as a:
+        for _ in range(50):
+            quotas = (await a.get(f"/admin/tenants/{tenant_id}/quota")).json()["data"]
+            if quotas:
+                break
+            await asyncio.sleep(0.1)
+    assert [(q["tier"], q["requests_per_minute"], q["max_running"]) for q in quotas] == [
+        (None, 100, None)
+    ]
+    await off_loop(
+        until, driver, lambda d: "requests_per_minute: 0 / 100" in text_of(d, "#tenants tbody")
+    )
+
+    # Cancel a second batch from the page while it runs.
+    lines = [line(f"m-{i}", max_tokens=16) for i in range(400)]
+    second = await submit(sdk(platform, key), jsonl(lines))
+    await off_loop(click_twice, driver, f"cancel-{second.id}")
+    for _ in range(100):
+        status = (await sdk(platform, key).batches.retrieve(second.id)).status
+        if status in ("cancelling", "cancelled"):
+            break
+        await asyncio.sleep(0.1)
+    assert status in ("cancelling", "cancelled")
+
     # Suspend the tenant from the page; the admin API says it is suspended.
     await off_loop(click_twice, driver, f"suspend-{tenant_id}")
     async with admin(platform) as a:
@@ -207,6 +233,18 @@ async def _console_scenario(platform: Platform, driver: WebDriver, tmp_path: Pat
     urls = await off_loop(requested_urls, driver)
     assert f"{platform.url}/admin/overview" in urls
     assert all(u.startswith(platform.url + "/") for u in urls), urls
+
+
+def fill_quota(driver: WebDriver, tenant_id: str, limits: dict[str, str]) -> None:
+    until(driver, lambda d: d.find_element(By.ID, f"quota-{tenant_id}").click() or True)
+    form = until(driver, lambda d: d.find_element(By.ID, "quota-form"))
+    until(driver, lambda d: form.is_displayed())
+    for name, value in limits.items():
+        field = form.find_element(By.NAME, name)
+        field.clear()
+        field.send_keys(value)
+    form.find_element(By.ID, "quota-save").click()
+    until(driver, lambda d: not form.is_displayed())
 
 
 def rows(driver: WebDriver, table: str) -> list[Any]:
