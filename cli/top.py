@@ -97,7 +97,7 @@ def render(o: dict[str, Any]) -> RenderableType:
     if not o["workers"]:
         workers.add_row("no worker has sent a heartbeat", "", "", "", "", "", "")
     batches = Table(title="Batches", expand=True, title_justify="left")
-    for col in ("batch", "tenant", "status", "progress", "done/failed/total", "ETA"):
+    for col in ("batch", "tenant", "status", "progress", "completed/failed/total", "ETA"):
         batches.add_column(col)
     for b in o["batches"]:
         done = b["completed"] + b["failed"]
