@@ -10,10 +10,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import errors, health
+from api import docs, errors, health
 from api.admin.router import router as admin_router
 from api.auth import KeyCache
 from api.batches.router import router as batches_router
+from api.console.router import router as console_router
 from api.files.router import router as files_router
 from api.gate import TenantGate
 from api.hub import EventHub
@@ -72,7 +73,10 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
             await app.state.redis.aclose()
             await app.state.db.close()
 
-    app = FastAPI(title="tierq", version=__version__, lifespan=lifespan)
+    # /docs and /redoc are api/docs.py's: every asset served here, nothing from a CDN.
+    app = FastAPI(
+        title="tierq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.settings = settings
     app.state.names = RedisNames(settings.redis_prefix)
     app.state.key_cache = KeyCache(settings.auth_cache_ttl_s)
@@ -91,6 +95,8 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
     app.include_router(batches_router)
     app.include_router(usage_router)
     app.include_router(admin_router)
+    app.include_router(console_router)  # the operator console (/console)
+    app.include_router(docs.router)
     return app
 
 

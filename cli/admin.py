@@ -26,7 +26,8 @@ ADMIN_KEY = typer.Option(
 )
 
 
-def _key(given: str | None) -> str:
+def admin_key_of(given: str | None) -> str:
+    """--admin-key, else ADMIN_API_KEY, else the key file `make run` wrote."""
     settings = get_settings()
     key = given or settings.admin_api_key
     if not key and settings.admin_key_file.exists():
@@ -40,7 +41,7 @@ def _call(url: str | None, key: str | None, method: str, path: str, **kwargs: An
     resp = httpx.request(
         method,
         platform_url(url).rstrip("/") + path,
-        headers={"Authorization": f"Bearer {_key(key)}"},
+        headers={"Authorization": f"Bearer {admin_key_of(key)}"},
         timeout=60,
         **kwargs,
     )

@@ -14,6 +14,7 @@ import typer
 
 from cli.admin import admin_app
 from cli.options import URL_OPTION, platform_url
+from cli.top import top
 from tierq.logs import setup as setup_logging
 from tierq.settings import get_settings
 
@@ -26,6 +27,7 @@ app.add_typer(bench_app, name="bench")
 batch_app = typer.Typer(no_args_is_help=True, help="OpenAI-style batches of JSONL requests.")
 app.add_typer(batch_app, name="batch")
 app.add_typer(admin_app, name="admin")
+app.command()(top)
 
 log = logging.getLogger("tierq")
 

@@ -3,22 +3,31 @@ cancelling its job (`cancel_job`, the native and OpenAI routes), a tenant suspen
 deleted (api/admin/tenants.py), a batch cancelled or expired (workers/batches.py). The database
 half is the repository's (`models.jobs.cancel_job`, `cancel_unfinished`,
 `models.batches.stop_unfinished`); `announce` runs once that has committed.
+
+Cancelling a batch (`cancel_batch`: its tenant, or an operator through the admin API) only
+moves it to `cancelling` and asks Celery to advance it: Celery stops its jobs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
 
 import redis.asyncio as aioredis
 
+from models import batches as batch_repo
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord
+from services import batch_signal
 from services.requests import Refused
+from tierq import metrics
 from tierq.messages import JobEvent
 from tierq.queue import EventLog, forget_inflight
 from tierq.redis_names import RedisNames
-from tierq.states import JobStatus
+from tierq.settings import Settings
+from tierq.states import BatchStatus, JobStatus
 
 CHUNK = 500  # jobs per Redis round trip (a cancelled batch may hold 50,000)
 
@@ -68,3 +77,39 @@ async def cancel_job(
             )
     await announce(r, names, events, [cancelled])
     return cancelled
+
+
+async def cancel_batch(
+    db: Database,
+    r: aioredis.Redis,
+    names: RedisNames,
+    settings: Settings,
+    batch_id: str,
+    tenant_id: str | None,
+) -> dict[str, Any]:
+    """Cancel a batch (of `tenant_id`'s, or any with None: an operator): the batch object
+    as the Batches API shows it. 404 when there is no such batch, 409 when it already
+    ended; cancelling twice is harmless."""
+    async with db.transaction() as s:
+        batch = await batch_repo.get_batch(s, batch_id, tenant_id)
+        if batch is None:
+            raise Refused(404, f"No batch found with id '{batch_id}'.", "batch_not_found")
+        if batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+            return batch.to_api(await batch_repo.live_counts(s, batch))
+        moved = await batch_repo.transition(
+            s,
+            batch_id,
+            BatchStatus.CANCELLING,
+            (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
+            cancelling_at=datetime.now(UTC),
+        )
+        if moved is None:
+            raise Refused(
+                409,
+                f"The batch is {batch.status} and can no longer be cancelled.",
+                "batch_not_cancellable",
+            )
+        result = moved.to_api(await batch_repo.live_counts(s, moved))
+    metrics.BATCHES.labels(status=BatchStatus.CANCELLING).inc()
+    await batch_signal.poke(settings, r, names, batch_id)
+    return result

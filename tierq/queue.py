@@ -242,6 +242,35 @@ async def live_workers(
     return alive, dead
 
 
+# Latency samples each (kind, tier) list keeps: enough for a p99, small enough to read
+# every second or two (the operator console polls them).
+LATENCY_SAMPLES_KEPT = 500
+LATENCY_KINDS = ("wait", "ttft")
+
+
+async def push_latency_samples(
+    r: aioredis.Redis, names: RedisNames, samples: dict[tuple[str, str], list[float]]
+) -> None:
+    """Add a worker's latest samples ((kind, tier) -> seconds, oldest first) in one round
+    trip, each list trimmed to the newest LATENCY_SAMPLES_KEPT."""
+    if not samples:
+        return
+    async with r.pipeline(transaction=False) as pipe:
+        for (kind, tier), values in samples.items():
+            key = names.latency_samples(kind, tier)
+            pipe.lpush(key, *(f"{v:.6f}" for v in values))
+            pipe.ltrim(key, 0, LATENCY_SAMPLES_KEPT - 1)
+        await pipe.execute()
+
+
+async def latency_samples(
+    r: aioredis.Redis, names: RedisNames, kind: str, tier: str
+) -> list[float]:
+    """A tier's latest samples of one kind, newest first (at most LATENCY_SAMPLES_KEPT)."""
+    raw = await r.lrange(names.latency_samples(kind, tier), 0, LATENCY_SAMPLES_KEPT - 1)
+    return [float(x) for x in raw]
+
+
 StreamEntry = tuple[str, dict[str, str]]
 
 

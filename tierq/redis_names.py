@@ -138,6 +138,13 @@ class RedisNames:
         ("key:<id>"): every API process closes the streams that depend on it."""
         return f"{self.prefix}:access"
 
+    def latency_samples(self, kind: str, tier: Tier | str) -> str:
+        """List of a tier's latest latency samples in seconds, newest first (`kind`: "wait",
+        admission to the start of generation, or "ttft", admission to the first text), as
+        workers measured them; capped (tierq.queue.LATENCY_SAMPLES_KEPT). The operator
+        console's percentiles (services/overview.py)."""
+        return f"{self.prefix}:samples:{kind}:{Tier(tier).value}"
+
     @property
     def tenant_policy(self) -> str:
         """Hash tenant id -> JSON {"weight", "max_running": {scope: n}} for the dispatcher

@@ -47,7 +47,15 @@ from models.records import JobRecord, Progress
 from services import batch_signal
 from tierq import metrics
 from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
-from tierq.queue import EventLog, delta_chars, enqueue, read_group, wake_dispatcher, write_heartbeat
+from tierq.queue import (
+    EventLog,
+    delta_chars,
+    enqueue,
+    push_latency_samples,
+    read_group,
+    wake_dispatcher,
+    write_heartbeat,
+)
 from tierq.redis_conn import is_unavailable as redis_unavailable
 from tierq.redis_conn import redis_now
 from tierq.redis_names import WORKER_GROUP, RedisNames
@@ -177,6 +185,9 @@ class Worker:
         self.capacity = slots + overflow
         self.reserve = overflow + min(settings.interactive_reserve, slots // 2)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # job id -> its task
+        # Waits and TTFTs measured since the last heartbeat, (kind, tier) -> seconds: each
+        # heartbeat hands them to Redis in its round trip's company (the operator console).
+        self._latency: dict[tuple[str, str], list[float]] = {}
         self._entries: dict[str, str] = {}  # job id -> inbox entry id
         self._jobs: dict[str, JobRecord] = {}  # job id -> the delivery this worker runs
         self._cancelled: set[str] = set()
@@ -342,6 +353,11 @@ class Worker:
             engine_preempts=self.engine_preempts,
         )
         await write_heartbeat(self.r, self.names, hb)
+        samples, self._latency = self._latency, {}
+        await push_latency_samples(self.r, self.names, samples)
+
+    def _sample(self, kind: str, tier: str, seconds: float) -> None:
+        self._latency.setdefault((kind, tier), []).append(seconds)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -578,7 +594,9 @@ class Worker:
         if isinstance(claimed, str):
             return Outcome(claimed)
         job, already = claimed
-        metrics.QUEUE_WAIT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
+        wait = time.time() - msg.enqueued_at
+        metrics.QUEUE_WAIT.labels(job.tier.value).observe(wait)
+        self._sample("wait", job.tier.value, wait)
         return await self._generate(job, msg, already)
 
     async def _claim(self, msg: JobMessage) -> tuple[JobRecord, int] | str:
@@ -663,7 +681,9 @@ class Worker:
                     # same replacement goes to followers and to the result.
                     chunk = dataclasses.replace(chunk, text=chunk.text.replace("\x00", "\ufffd"))
                 if first:
-                    metrics.TTFT.labels(job.tier.value).observe(time.time() - msg.enqueued_at)
+                    ttft = time.time() - msg.enqueued_at
+                    metrics.TTFT.labels(job.tier.value).observe(ttft)
+                    self._sample("ttft", job.tier.value, ttft)
                     first = False
                 text_parts.append(chunk.text)
                 start, produced = produced, produced + len(chunk.text)

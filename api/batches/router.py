@@ -21,7 +21,7 @@ from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
 from models import tenants as tenant_repo
-from services import batch_signal
+from services import batch_signal, cancellation
 from services.admission import refuse_unless_active
 from services.openai_compat import BatchCreate
 from tierq import metrics
@@ -119,26 +119,4 @@ async def cancel_batch(
     names: NamesDep,
     settings: SettingsDep,
 ) -> dict[str, Any]:
-    async with db.transaction() as s:
-        batch = await batch_repo.get_batch(s, batch_id, tenant.id)
-        if batch is None:
-            raise not_found("batch", batch_id)
-        if batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
-            return batch.to_api(await batch_repo.live_counts(s, batch))  # harmless twice
-        moved = await batch_repo.transition(
-            s,
-            batch_id,
-            BatchStatus.CANCELLING,
-            (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
-            cancelling_at=datetime.now(UTC),
-        )
-        if moved is None:
-            raise APIError(
-                409,
-                f"The batch is {batch.status} and can no longer be cancelled.",
-                "batch_not_cancellable",
-            )
-        result = moved.to_api(await batch_repo.live_counts(s, moved))
-    metrics.BATCHES.labels(status=BatchStatus.CANCELLING).inc()
-    await batch_signal.poke(settings, r, names, batch_id)
-    return result
+    return await cancellation.cancel_batch(db, r, names, settings, batch_id, tenant.id)

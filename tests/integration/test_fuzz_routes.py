@@ -245,6 +245,9 @@ PATHS = [
     ("GET", "/admin/tenants/{}/quota"),
     ("PUT", "/admin/tenants/{}/quota"),
     ("GET", "/admin/tenants/{}/usage"),
+    ("POST", "/admin/batches/{}/cancel"),
+    ("GET", "/static/docs/{}"),
+    ("GET", "/console/static/{}"),
 ]
 
 FUZZ = settings(
