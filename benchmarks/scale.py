@@ -345,7 +345,7 @@ async def _run(
         for c in clients
     ]
     d_tasks: list[list[asyncio.Task[None]]] = []
-    w_tasks = [asyncio.create_task(w.run()) for w in workers]
+    w_tasks: list[asyncio.Task[None]] = []
     names = dispatchers[0].names
 
     tenants: dict[str, str] = {}
@@ -402,11 +402,22 @@ async def _run(
             await enqueue(r, names, job.to_message())
             offered_tokens += a.prompt_chars / 4 + a.max_tokens
 
-    # Every worker's heartbeat, then the burst queued, then the dispatchers started.
-    for _ in range(300):
-        if await r.hlen(names.workers) >= cfg.workers:
-            break
-        await asyncio.sleep(0.1)
+    # Every worker's inbox and heartbeat, then the burst queued, then the dispatchers
+    # started; the workers begin reading their inboxes once the burst is handed out, so
+    # that the dispatch rate is the dispatcher's own, not what this one process's CPU has
+    # left beside every worker claiming its jobs (in a deployment, other processes).
+    for w in workers:
+        await w._ensure_group()
+        await w._heartbeat()
+
+    async def heartbeats() -> None:  # alive meanwhile, as a worker's own loop keeps it
+        while True:
+            await asyncio.sleep(settings.heartbeat_interval_s)
+            for w in workers:
+                await w._heartbeat()
+
+    beating = asyncio.create_task(heartbeats())
+
     burst = [a for a in arrivals if a.at == 0.0]
     async with db.transaction() as s:
         burst_jobs = [(await job_repo.create_job(s, new_job(a)))[0] for a in burst]
@@ -425,6 +436,11 @@ async def _run(
         await asyncio.sleep(0.005)
     first = min((d.handed_at[0] for d in dispatchers if d.handed_at), default=t0)
     burst_s = time.monotonic() - first
+    beating.cancel()
+    # Not awaited without a bound: a task cancelled while it waits for a connection of a
+    # busy pool has been seen never to end (redis-py's BlockingConnectionPool).
+    await asyncio.wait([beating], timeout=2)
+    w_tasks += [asyncio.create_task(w.run()) for w in workers]
     warm = t0 + cfg.duration_s / 4
     end = t0 + cfg.duration_s
     await asyncio.sleep(max(0.0, warm - time.monotonic()))

@@ -244,7 +244,7 @@ class Worker:
             self._stop_reading.set()
             self._stopped.set()  # no drain: nothing more can run here
         tasks[0].cancel()  # stop reading the inbox
-        await asyncio.gather(tasks[0], return_exceptions=True)
+        await _ended(tasks[:1])
         stop.cancel()
         dead.cancel()
         try:
@@ -252,7 +252,7 @@ class Worker:
         finally:
             for task in tasks[1:]:
                 task.cancel()
-            await asyncio.gather(*tasks[1:], return_exceptions=True)
+            await _ended(tasks[1:])
             with contextlib.suppress(redis.RedisError, OSError):
                 await self._retire()
         if engine_died:
@@ -874,6 +874,25 @@ class Worker:
 
 def _final_event(job: JobRecord) -> JobEvent:
     return JobEvent("error" if job.status == JobStatus.FAILED else "done", job.to_api())
+
+
+CANCELLED_WAIT_S = 5.0  # how long a stopping worker waits for its cancelled side tasks
+
+
+async def _ended(tasks: list[asyncio.Task[Any]]) -> None:
+    """Wait for cancelled tasks to end, for a while only: a task cancelled while it waits
+    for a connection of a busy redis-py BlockingConnectionPool has been seen never to end,
+    and a stop must not hang on it (what it held is left to the process's exit)."""
+    if not tasks:
+        return
+    done, stuck = await asyncio.wait(tasks, timeout=CANCELLED_WAIT_S)
+    for task in done:
+        if not task.cancelled():
+            task.exception()  # retrieved: how it ended is not this stop's concern
+    for task in stuck:
+        log.warning(
+            "task %s did not end within %.0f s of its cancel", task.get_name(), CANCELLED_WAIT_S
+        )
 
 
 def _being_cancelled() -> bool:

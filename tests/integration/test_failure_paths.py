@@ -133,7 +133,9 @@ async def test_an_unknown_engine_error_is_retried_then_fails_with_engine_error(
     platform.start_dispatcher()
     await platform.start_worker("w1", wrap=faulty("random"))
     async with client(platform.url, tenant_key) as c:
-        ids = await submit(c, 10)
+        # Each delivery fails after at most 8 tokens, and the next resumes after them: 100
+        # tokens cannot be reached in 3 deliveries.
+        ids = await submit(c, 10, {**CHAT, "max_tokens": 100})
         finals = [await wait_for(c, i, timeout=30) for i in ids]
     assert {(f["status"], f["error"]["code"]) for f in finals} == {("failed", "engine_error")}
     await assert_nothing_left(platform, ids)
