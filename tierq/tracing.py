@@ -191,7 +191,12 @@ def trace_id_of(traceparent: str | None) -> str | None:
 
 
 def sampled(traceparent: str | None) -> bool:
-    return bool(traceparent) and traceparent.endswith("-01")  # type: ignore[union-attr]
+    """Whether a traceparent's flags say its trace is recorded (bit 0; W3C level 2 adds
+    more bits)."""
+    try:
+        return traceparent is not None and bool(int(traceparent.rsplit("-", 1)[1], 16) & 1)
+    except (IndexError, ValueError):
+        return False
 
 
 def stamp(msg: JobMessage) -> JobMessage:

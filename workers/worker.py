@@ -620,6 +620,7 @@ class Worker:
                     vllm_priority(job.tier),
                     resume=tuple(out.token_ids),
                 ),
+                job_id=job.id,
                 delivery=job.deliveries,
                 resumed_tokens=out.resumed,
             ):
