@@ -233,6 +233,7 @@ async def submit(
             job, created = await _admit_exact(db, settings, tenant, key_id, new)
         span.set(job_id=job.id, created=created)
     logs.bind(job_id=job.id)
+    log.debug("job admitted" if created else "job found by its idempotency key")
     if created:
         metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()
         metrics.TENANT_ADMITTED.labels(metrics.tenant_label(tenant.id), job.tier.value).inc()

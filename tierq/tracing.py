@@ -6,8 +6,9 @@ when `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is se
 `OTEL_EXPORTER_OTLP_*` (endpoint, protocol — `http/protobuf` unless `grpc` — headers,
 timeout), `OTEL_SERVICE_NAME` (default `tierq`), `OTEL_RESOURCE_ATTRIBUTES`,
 `OTEL_TRACES_SAMPLER`, `OTEL_BSP_*`, `OTEL_SDK_DISABLED`. With no exporter configured, or
-the SDK not installed, nothing of OpenTelemetry is imported and every helper here is a
-check of one variable: tracing costs a job nothing. Spans are exported in the
+the SDK not installed, no tracer is set up (this module imports nothing of
+OpenTelemetry then) and every helper here is a check of one variable: tracing costs a job
+nothing. Spans are exported in the
 background (a bounded queue, dropped when full), so a collector that is slow or
 unreachable never holds a job up, and a failure inside tracing is logged, never raised.
 
