@@ -20,6 +20,7 @@ from tests.conftest import Platform
 from tests.integration.batch_helpers import jsonl, line, sdk
 from tierq import tracing
 from workers.batches import BatchRunner
+from workers.reconcile import reconcile
 
 pytestmark = pytest.mark.integration
 
@@ -245,3 +246,22 @@ async def test_tracing_off_records_nothing_and_stamps_no_entry(
         kinds = await _events(client, f"/v1/jobs/{job_id}/events", tenant_key)
     assert kinds[-1] == "done"
     assert await running.r.get(running.dispatcher.names.trace_context(job_id)) is None
+
+
+async def test_a_job_the_reconciler_puts_back_stays_in_its_trace(
+    spans: InMemorySpanExporter, platform: Platform, tenant_key: str
+) -> None:
+    auth = {"Authorization": f"Bearer {tenant_key}"}
+    async with httpx.AsyncClient(base_url=platform.url, timeout=30) as client:
+        resp = await client.post("/v1/jobs", json=JOB_BODY, headers=auth)
+        job_id = resp.json()["id"]
+    # Redis loses the job's stream entry (and every other key but the trace's).
+    kept = platform.dispatcher.names.trace_context(job_id)
+    keys = [k async for k in platform.r.scan_iter(match=f"{platform.settings.redis_prefix}:*")]
+    await platform.r.delete(*[k for k in keys if k != kept])
+    assert await reconcile(platform.settings, platform.db, platform.r) == [job_id]
+    platform.start_dispatcher()
+    await platform.start_worker("w1")
+    found = await _wait_for(spans, job_id, {"tierq.admission", "tierq.run"})
+    assert found["tierq.run"].context.trace_id == found["tierq.admission"].context.trace_id
+    assert _parent_id(found["tierq.run"]) == _parent_id(found["tierq.admission"])
