@@ -13,13 +13,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierq import tracing
 
+# Probes and scrapes: a trace each every few seconds would bury the jobs' traces.
+UNTRACED = frozenset({"/healthz", "/readyz", "/metrics", "/admin/metrics"})
+
 
 class RequestSpans:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not tracing.enabled():
+        if scope["type"] != "http" or scope["path"] in UNTRACED or not tracing.enabled():
             await self.app(scope, receive, send)
             return
         traceparent = None

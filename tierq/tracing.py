@@ -168,6 +168,16 @@ def _context(traceparent: str | None) -> Any:
     return TraceContextTextMapPropagator().extract(carrier)
 
 
+def _span_context(traceparent: str | None) -> Any:
+    """The span a traceparent names (for a link), or None."""
+    if not traceparent:
+        return None
+    from opentelemetry import trace
+
+    ctx = trace.get_current_span(_context(traceparent)).get_span_context()
+    return ctx if ctx.is_valid else None
+
+
 def current_traceparent() -> str | None:
     """The W3C traceparent of the span current here; None when tracing is off or no span is."""
     if not enabled():
@@ -185,7 +195,7 @@ def current_traceparent() -> str | None:
 
 def trace_id_of(traceparent: str | None) -> str | None:
     """The trace id a traceparent names (`00-<trace id>-<span id>-<flags>`)."""
-    if not traceparent:
+    if not traceparent or not isinstance(traceparent, str):
         return None
     parts = traceparent.split("-")
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
@@ -194,8 +204,10 @@ def trace_id_of(traceparent: str | None) -> str | None:
 def sampled(traceparent: str | None) -> bool:
     """Whether a traceparent's flags say its trace is recorded (bit 0; W3C level 2 adds
     more bits)."""
+    if not isinstance(traceparent, str):
+        return False
     try:
-        return traceparent is not None and bool(int(traceparent.rsplit("-", 1)[1], 16) & 1)
+        return bool(int(traceparent.rsplit("-", 1)[1], 16) & 1)
     except (IndexError, ValueError):
         return False
 
@@ -386,14 +398,7 @@ def span(
         }
         if parent is not _CURRENT:
             kwargs["context"] = _context(parent)
-        linked = []
-        for traceparent in links:
-            ctx = _context(traceparent) if traceparent else None
-            from opentelemetry import trace
-
-            span_ctx = trace.get_current_span(ctx).get_span_context() if ctx else None
-            if span_ctx is not None and span_ctx.is_valid:
-                linked.append(Link(span_ctx))
+        linked = [Link(ctx) for ctx in map(_span_context, links) if ctx is not None]
         if linked:
             kwargs["links"] = linked
         return _SpanScope(name, kwargs)
@@ -551,18 +556,13 @@ class _Following:
         job_trace = await recall(self.r, self.key)
         here = current_traceparent()
         try:
-            from opentelemetry import trace
             from opentelemetry.trace import Link
 
             links = []
-            if here and job_trace and trace_id_of(here) != trace_id_of(job_trace):
-                ctx = trace.get_current_span(_context(here)).get_span_context()
-                links.append(Link(ctx))
+            if job_trace and trace_id_of(here) not in (None, trace_id_of(job_trace)):
+                links = [Link(ctx) for ctx in [_span_context(here)] if ctx is not None]
             self.span = _tracer.start_span(
-                "tierq.sse",
-                context=_context(job_trace or here),
-                links=links or None,
-                kind=trace.SpanKind.PRODUCER,
+                "tierq.sse", context=_context(job_trace or here), links=links or None
             )
         except Exception:
             _failed("starting span tierq.sse")

@@ -45,6 +45,8 @@ def test_trace_context_helpers() -> None:
     assert tracing.trace_id_of(None) is None and tracing.trace_id_of("junk") is None
     assert tracing.sampled(TRACEPARENT) and tracing.sampled(TRACEPARENT[:-2] + "03")
     assert not tracing.sampled(TRACEPARENT[:-2] + "00") and not tracing.sampled(None)
+    # A foreign or damaged entry's field breaks nothing.
+    assert tracing.trace_id_of(123) is None and not tracing.sampled(123)  # type: ignore[arg-type]
 
 
 def test_without_an_exporter_tracing_is_off_sets_nothing_up_and_costs_next_to_nothing() -> None:
