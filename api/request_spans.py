@@ -20,6 +20,7 @@ UNTRACED = frozenset({"/healthz", "/readyz", "/metrics", "/admin/metrics"})
 class RequestSpans:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        tracing.enabled()  # set up from OTEL_* now (at startup), not in a first request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in UNTRACED or not tracing.enabled():

@@ -265,3 +265,31 @@ async def test_a_job_the_reconciler_puts_back_stays_in_its_trace(
     found = await _wait_for(spans, job_id, {"tierq.admission", "tierq.run"})
     assert found["tierq.run"].context.trace_id == found["tierq.admission"].context.trace_id
     assert _parent_id(found["tierq.run"]) == _parent_id(found["tierq.admission"])
+
+
+async def test_an_unreachable_collector_neither_breaks_nor_slows_a_job(
+    running: Platform, tenant_key: str
+) -> None:
+    # The OTLP exporter towards a blackholed address (TEST-NET-1): each export waits for
+    # its timeout, in the batch processor's thread; the jobs do not.
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider()
+    exporter = OTLPSpanExporter(endpoint="http://192.0.2.1:4318/v1/traces", timeout=2)
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=50))
+    before = tracing._tracer, tracing._configured
+    tracing.install(provider)
+    try:
+        auth = {"Authorization": f"Bearer {tenant_key}"}
+        async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+            for _ in range(5):
+                started = time.monotonic()
+                resp = await client.post("/v1/jobs", json=JOB_BODY, headers=auth)
+                job_id = resp.json()["id"]
+                kinds = await _events(client, f"/v1/jobs/{job_id}/events", tenant_key)
+                assert kinds[-1] == "done"
+                assert time.monotonic() - started < 1.5  # a few ms on the simulated engine
+    finally:
+        tracing._tracer, tracing._configured = before
+        await asyncio.to_thread(provider.shutdown)
