@@ -233,6 +233,7 @@ async def submit(
             job, created = await _admit_exact(db, settings, tenant, key_id, new)
         span.set(job_id=job.id, created=created)
     logs.bind(job_id=job.id)
+    tracing.tag(job_id=job.id, tenant_id=tenant.id, tier=job.tier.value)  # the request's span
     log.debug("job admitted" if created else "job found by its idempotency key")
     if created:
         metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()

@@ -407,6 +407,21 @@ def span(
         return _NULL
 
 
+def tag(**attributes: Any) -> None:
+    """Attributes (`tierq.` prefixed) on the span current here, if one is recorded."""
+    if not enabled():
+        return
+    try:
+        from opentelemetry import trace
+
+        current = trace.get_current_span()
+    except Exception:
+        _failed("reading the current span")
+        return
+    if current.is_recording():
+        Span(current).set(**attributes)
+
+
 def server_span(method: str, traceparent: str | None) -> Any:
     """The span of one HTTP request (named `HTTP <method>` until its route is known): a
     child of the client's traceparent if it sent one, else the root of a new trace."""

@@ -121,6 +121,7 @@ async def test_a_job_is_one_trace_from_the_request_to_its_last_sse_event(
     trace_id = request.context.trace_id
     assert request.parent is None  # the job's trace starts at its request
     assert (request.attributes or {})["http.route"] == "/v1/jobs"
+    assert (request.attributes or {})["tierq.job_id"] == job_id  # found by the job's id
     for name, s in found.items():
         assert s.context.trace_id == trace_id, f"{name} is in another trace"
     # The API's, the dispatcher's and the worker's spans all hang from the request...
