@@ -3,12 +3,14 @@ and the JSON log lines (tierq/tracing.py, tierq/messages.py, tierq/logs.py)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 from tierq import logs, tracing
 from tierq.messages import JobMessage
@@ -168,3 +170,38 @@ def test_log_format_json_makes_every_line_json() -> None:
     assert entry["message"] == "two\nlines 2" and entry["k"] == 3
     assert entry["job_id"] == "job_1" and entry["tier"] == "standard"
     assert entry["level"] == "WARNING"
+
+
+def test_otel_exporter_otlp_endpoint_sends_the_spans_there() -> None:
+    """The whole path from the environment: a process with only the endpoint set sends
+    its spans to an OTLP/HTTP receiver (here a bare one) by the time it exits."""
+    received: list[tuple[str, bytes]] = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, body))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = _python(
+            """
+            from tierq import tracing
+            with tracing.span("tierq.exported", attributes={"job_id": "job_42"}):
+                pass
+            """,
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}",
+        )
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr
+    assert [path for path, _ in received] == ["/v1/traces"]
+    assert b"tierq.exported" in received[0][1] and b"job_42" in received[0][1]
