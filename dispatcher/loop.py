@@ -55,7 +55,7 @@ from dispatcher.policy import (
     TierqPolicy,
     WorkerSlots,
 )
-from tierq import metrics
+from tierq import metrics, tracing
 from tierq.messages import Heartbeat, JobMessage, Served
 from tierq.queue import claim_all, live_workers, read_group
 from tierq.redis_conn import is_unavailable as redis_unavailable
@@ -504,13 +504,14 @@ class Dispatcher:
                 (d, self.buffers[d.job.tier][d.job.tenant_id][d.job.entry_id]) for d in decisions
             ]
             # One script, fenced by the lease: all of them or, another leading, none.
-            await self.leadership.hand_off(
-                DISPATCH_GROUP,
-                [
-                    (self.names.inbox(d.worker_id), b.stream, d.job.entry_id, b.msg.encode())
-                    for d, b in handed
-                ],
-            )
+            with tracing.dispatching([(b.msg, d.job.entry_id, d.worker_id) for d, b in handed]):
+                await self.leadership.hand_off(
+                    DISPATCH_GROUP,
+                    [
+                        (self.names.inbox(d.worker_id), b.stream, d.job.entry_id, b.msg.encode())
+                        for d, b in handed
+                    ],
+                )
             # Committed: only now do the entries leave the read-ahead (a failed hand-off
             # leaves them pending, and they are read again after the reconnect).
             for d, b in handed:

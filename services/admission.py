@@ -50,7 +50,7 @@ from models.tables import utcnow
 from services import openai_compat
 from services.batch_input import RawLine, read_requests
 from services.requests import JobCreate, Refused, check
-from tierq import metrics, token_count
+from tierq import logs, metrics, token_count, tracing
 from tierq.ids import new_id
 from tierq.queue import enqueue
 from tierq.redis_conn import with_retries
@@ -189,6 +189,7 @@ async def submit(
     """
     model = validate(body, settings)
     tier = resolve_tier(tenant, body.tier)
+    logs.bind(tenant_id=tenant.id, tier=tier.value)
     if idempotency_key is not None and not 0 < len(idempotency_key) <= 255:
         raise _refuse(
             400, "Idempotency-Key must be 1 to 255 characters.", "invalid_idempotency_key"
@@ -211,7 +212,9 @@ async def submit(
         request_hash=None if idempotency_key is None else request_hash(body),
         reserved_tokens=reserved,
     )
-    async with _gated(gate, tenant.id):
+    attributes = {"tenant_id": tenant.id, "tier": tier.value}
+    admitting = tracing.span("tierq.admission", attributes=attributes)
+    async with _gated(gate, tenant.id), admitting as span:
         job = None
         created, counted = True, False
         if db.raw is not None:  # PostgreSQL: one round trip admits the job
@@ -228,6 +231,10 @@ async def submit(
             if not counted:
                 new = await _counted(settings, new, messages, body)
             job, created = await _admit_exact(db, settings, tenant, key_id, new)
+        span.set(job_id=job.id, created=created)
+    logs.bind(job_id=job.id)
+    tracing.tag(job_id=job.id, tenant_id=tenant.id, tier=job.tier.value)  # the request's span
+    log.debug("job admitted" if created else "job found by its idempotency key")
     if created:
         metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()
         metrics.TENANT_ADMITTED.labels(metrics.tenant_label(tenant.id), job.tier.value).inc()

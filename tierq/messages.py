@@ -25,10 +25,16 @@ class JobMessage:
     preemptions: int = 0  # times it was aborted to make room for interactive work
     batch_id: str | None = None  # the batch it belongs to: its end advances the batch
     prefix: str | None = None  # prefix_key of its prompt: where its cache may already be
+    # The job's trace context, a W3C traceparent (tierq/tracing.py): the dispatcher's and
+    # the worker's spans join the trace the API started. None: untraced (written only
+    # when tracing is on; entries of older versions have no such field).
+    trace: str | None = None
 
     def encode(self) -> dict[str, str]:
         body = asdict(self)
         body["tier"] = self.tier.value
+        if self.trace is None:
+            del body["trace"]  # an untraced entry stays as it was
         return {"job": json.dumps(body, separators=(",", ":"))}
 
     @classmethod

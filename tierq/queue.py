@@ -11,6 +11,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from tierq import tracing
 from tierq.messages import Heartbeat, JobEvent, JobMessage
 from tierq.redis_conn import redis_now
 from tierq.redis_names import RedisNames
@@ -86,7 +87,10 @@ async def enqueue(
     """XADD a job to its tier's stream (its tenant's shard, or the head-of-tier stream for a
     preempted job), mark it as held by Redis, and wake the dispatcher. `arrival`: new work
     (admitted, a batch line), counted for the autoscaling signal; False for a job put back
-    (handed back, preempted, re-enqueued by the reconciler)."""
+    (handed back, preempted, re-enqueued by the reconciler). With tracing on, the entry
+    carries the current trace context (tierq/tracing.py), and a job's first one keeps it
+    for the job's SSE followers."""
+    msg = tracing.stamp(msg)
     if head_of_tier:
         stream = names.preempted_stream(msg.tier)
     else:
@@ -100,6 +104,9 @@ async def enqueue(
             pipe.incr(names.arrivals)
         pipe.lpush(names.dispatch_wake, "1")
         pipe.ltrim(names.dispatch_wake, 0, 0)
+        if msg.batch_id is None and tracing.sampled(msg.trace):
+            key = names.trace_context(msg.job_id)
+            pipe.set(key, msg.trace, ex=tracing.TRACE_CONTEXT_TTL_S, nx=True)  # type: ignore[arg-type]
         entry_id, *_ = await pipe.execute()
     return str(entry_id)
 

@@ -100,6 +100,11 @@ class RedisNames:
         """The newest delivery (attempt) of a job that runs: its events fence older ones."""
         return f"{self.prefix}:job:{{{job_id}}}:delivery"
 
+    def trace_context(self, owner_id: str) -> str:
+        """The W3C traceparent of a job's or a batch's trace (tierq/tracing.py): where an
+        SSE follower's span and a batch's lines find the trace they belong to."""
+        return f"{self.prefix}:trace:{{{owner_id}}}"
+
     def job_orphan(self, job_id: str) -> str:
         """When the reconciler first saw a running job that nothing in Redis holds."""
         return f"{self.prefix}:job:{{{job_id}}}:orphan"

@@ -89,6 +89,9 @@ class Settings(BaseSettings):
     tierq_url: str = "http://127.0.0.1:8000"
     # Every process's log level (tierq/logs.py); commands that print figures use WARNING.
     log_level: str = "INFO"
+    # `json`: one JSON object a line, with the job's job_id, tenant_id, tier and trace_id
+    # wherever they are known (tierq/logs.py); `text`: plain lines.
+    log_format: Literal["text", "json"] = "text"
     # Set by `tierq run` for the processes it starts on the embedded default (they get
     # the URLs of its SQLite file and embedded Redis, and are still the embedded default).
     embedded_default: bool = False

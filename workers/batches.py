@@ -38,7 +38,7 @@ from models.db import Database
 from models.records import BatchRecord
 from services import admission, cancellation
 from services.batch_input import RawLine, read_requests, validate_file
-from tierq import metrics
+from tierq import metrics, tracing
 from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -211,8 +211,10 @@ class BatchRunner:
                 if queued is None:
                     await s.rollback()
                     return False  # someone else expanded meanwhile
+            batch_trace = await tracing.recall(self.r, self.names.trace_context(batch.id))
             for job in queued:
-                await enqueue(self.r, self.names, job.to_message())
+                with tracing.batch_line(msg := job.to_message(), batch_trace):
+                    await enqueue(self.r, self.names, msg)
             outstanding += len(queued)
             async with self.db.session() as s:
                 current = await batch_repo.get_batch(s, batch.id)

@@ -5,13 +5,26 @@ Run with `celery -A workers.celery_app worker` and `celery -A workers.celery_app
 
 from __future__ import annotations
 
-from celery import Celery
+import logging
+from typing import Any
+
+from celery import Celery, signals
 from kombu import Queue
 
+from tierq import logs
 from tierq.redis_names import RedisNames
 from tierq.settings import get_settings
 
 settings = get_settings()
+
+if settings.log_format == "json":
+
+    @signals.setup_logging.connect
+    def _json_logs(loglevel: Any = None, **_: Any) -> None:
+        """LOG_FORMAT=json: Celery's processes log as every tierq process does (a handler
+        on this signal keeps Celery from setting logging up its own way)."""
+        logs.setup(logging.getLevelName(loglevel) if isinstance(loglevel, int) else loglevel)
+
 
 app = Celery(
     "tierq",

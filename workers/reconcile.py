@@ -14,6 +14,7 @@ run it after all, the job's delivery fence stops that run. One reconciler runs a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -23,7 +24,7 @@ import redis.asyncio as aioredis
 from models import jobs as job_repo
 from models.db import Database
 from services import tenant_policy
-from tierq import metrics
+from tierq import metrics, tracing
 from tierq.queue import enqueue, held_by_redis, live_workers
 from tierq.redis_conn import redis_now
 from tierq.redis_names import RedisNames
@@ -95,7 +96,9 @@ async def _reconcile(
                 )
             if back is None:
                 continue  # it finished, or was delivered again, meanwhile
-        await enqueue(r, names, job.to_message(), arrival=False)
+        # Back in the trace it started in, where that is kept (tracing on, not a batch line).
+        trace = await tracing.recall(r, names.trace_context(job.id))
+        await enqueue(r, names, dataclasses.replace(job.to_message(), trace=trace), arrival=False)
         await r.delete(names.job_orphan(job.id))
         requeued.append(job.id)
     await tenant_policy.sync_all(db, r, names)

@@ -45,7 +45,7 @@ from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord, Progress
 from services import batch_signal
-from tierq import metrics
+from tierq import metrics, tracing
 from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
 from tierq.queue import (
     EventLog,
@@ -494,7 +494,9 @@ class Worker:
                     done_with.append((held, msg, "duplicate"))
                 continue
             self._entries[msg.job_id] = entry_id
-            self._tasks[msg.job_id] = asyncio.create_task(self._run(msg), name=msg.job_id)
+            self._tasks[msg.job_id] = asyncio.create_task(
+                tracing.run_job(self._run(msg), msg, self.worker_id), name=msg.job_id
+            )
         metrics.WORKER_RUNNING.set(len(self._tasks))
         for entry_id, maybe_msg, outcome in done_with:
             if maybe_msg is None:
@@ -660,13 +662,18 @@ class Worker:
             return out  # it had generated everything: nothing is left to run
         first = True
         try:
-            async for chunk in self.engine.generate(
-                job.id,
-                job.messages,
-                job.prompt,
-                params,
-                vllm_priority(job.tier),
-                resume=tuple(out.token_ids),
+            async for chunk in tracing.engine_stream(
+                self.engine.generate(
+                    job.id,
+                    job.messages,
+                    job.prompt,
+                    params,
+                    vllm_priority(job.tier),
+                    resume=tuple(out.token_ids),
+                ),
+                job_id=job.id,
+                delivery=job.deliveries,
+                resumed_tokens=out.resumed,
             ):
                 out.prompt_tokens = chunk.prompt_tokens
                 out.completion_tokens += chunk.new_tokens

@@ -24,7 +24,7 @@ from models import tenants as tenant_repo
 from services import batch_signal, cancellation
 from services.admission import refuse_unless_active
 from services.openai_compat import BatchCreate
-from tierq import metrics
+from tierq import metrics, tracing
 from tierq.states import BatchStatus
 from tierq.tiers import Tier
 
@@ -82,6 +82,8 @@ async def create_batch(
             datetime.now(UTC) + timedelta(seconds=settings.batch_window_s),
         )
     metrics.BATCHES.labels(status=BatchStatus.VALIDATING).inc()
+    # The batch's trace (this request's), which its lines' traces link to.
+    await tracing.remember(r, names.trace_context(batch.id), 2 * settings.batch_window_s)
     await batch_signal.poke(settings, r, names, batch.id)
     return batch.to_api()
 

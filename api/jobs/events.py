@@ -18,6 +18,7 @@ from api.hub import RECHECK, RECHECK_S, RESYNC, EventHub, Follower, Slot, Stream
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobHead, JobRecord
+from tierq import tracing
 from tierq.messages import JobEvent
 from tierq.queue import EventLog
 from tierq.redis_conn import is_unavailable as redis_unavailable
@@ -90,7 +91,9 @@ async def follow_job(
     again from the replay buffer by sequence number. Raises StreamClosed when the tenant
     is suspended or the key revoked meanwhile.
     """
-    async with hub.follow(job.id, job.tenant_id, key_id) as follower:
+    stream_span = tracing.following(events.r, events.names.trace_context(job.id))
+    async with hub.follow(job.id, job.tenant_id, key_id) as follower, stream_span as span:
+        span.set(job_id=job.id, tenant_id=job.tenant_id, from_event=last_seq)
         cursor = _Cursor(last_seq)
         finish = job.status in TERMINAL
         delay = 0.1
