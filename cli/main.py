@@ -86,7 +86,7 @@ def dispatcher(metrics_port: int | None = typer.Option(None, help="Serve /metric
     if metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(metrics_port, addr="127.0.0.1")
+        start_http_server(metrics_port, addr=settings.metrics_host)
 
     async def main() -> None:
         r = await connect(settings, role="dispatcher")
@@ -109,7 +109,7 @@ def worker(
     ),
     metrics_port: int | None = typer.Option(None, help="Serve /metrics here."),
     tenant_metrics_port: int | None = typer.Option(
-        None, help="Serve the per-tenant series (tokens served) here, on 127.0.0.1."
+        None, help="Serve the per-tenant series (tokens served) here, on METRICS_HOST."
     ),
 ) -> None:
     """Host an engine and run the jobs the dispatcher sends to this worker's inbox."""
@@ -126,9 +126,11 @@ def worker(
 
     metrics.bound_tenant_labels(settings.tenant_metrics_max)
     if metrics_port:  # the series without a tenant label only
-        start_http_server(metrics_port, addr="127.0.0.1")
-    if tenant_metrics_port:
-        start_http_server(tenant_metrics_port, addr="127.0.0.1", registry=metrics.TENANT_REGISTRY)
+        start_http_server(metrics_port, addr=settings.metrics_host)
+    if tenant_metrics_port:  # scraped as the admin API is: keep it off public networks
+        start_http_server(
+            tenant_metrics_port, addr=settings.metrics_host, registry=metrics.TENANT_REGISTRY
+        )
 
     async def install(w: Worker) -> None:
         loop = asyncio.get_running_loop()

@@ -69,6 +69,10 @@ class BatchRunner:
                 await self.advance(batch_id)
             except Exception:
                 log.exception("advancing batch %s failed; the next tick retries", batch_id)
+        async with self.db.session() as s:
+            lines = await batch_repo.line_states(s)
+        for state, n in lines.items():
+            metrics.BATCH_LINES.labels(state).set(n)
 
     async def advance(self, batch_id: str) -> None:
         await self.r.delete(self.names.batch_poke(batch_id))  # later requests start anew

@@ -6,6 +6,7 @@ Run with `celery -A workers.celery_app worker` and `celery -A workers.celery_app
 from __future__ import annotations
 
 from celery import Celery
+from celery.signals import worker_init
 from kombu import Queue
 
 from tierq.redis_names import RedisNames
@@ -57,3 +58,11 @@ app.conf.update(
         },
     },
 )
+
+
+@worker_init.connect
+def _serve_metrics(**_: object) -> None:
+    """CELERY_METRICS_PORT: the pool's metrics, served by the main process."""
+    from workers.celery_metrics import serve
+
+    serve(settings)
