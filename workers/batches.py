@@ -43,6 +43,7 @@ from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 from tierq.states import BatchStatus, JobStatus
+from tierq.tiers import Tier
 from workers import batch_lease, batch_output
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,7 @@ class BatchRunner:
                     return False  # someone else expanded meanwhile
             for job in queued:
                 await enqueue(self.r, self.names, job.to_message())
+            metrics.JOBS_SUBMITTED.labels(Tier.BATCH.value).inc(len(queued))  # lines admitted
             outstanding += len(queued)
             async with self.db.session() as s:
                 current = await batch_repo.get_batch(s, batch.id)
