@@ -177,3 +177,24 @@ def test_prometheus_scrapes_every_component_on_the_port_it_serves() -> None:
     # The per-tenant series: the admin API's, with the admin key.
     tenant_jobs = [j for j in config["scrape_configs"] if j.get("metrics_path") == "/admin/metrics"]
     assert tenant_jobs and tenant_jobs[0]["authorization"]["credentials_file"]
+
+
+def test_every_series_is_in_the_readme_table_with_its_type_and_labels() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`tierq_"):
+            labels = {x.strip(" `") for x in cells[2].split(",") if x.strip()}
+            rows[cells[0].strip("`")] = (cells[1], labels)
+    declared = {}
+    for registry in (REGISTRY, metrics.TENANT_REGISTRY):
+        for collector in list(registry._collector_to_names):  # type: ignore[attr-defined]
+            name = getattr(collector, "_name", "")
+            if not name.startswith("tierq_"):
+                continue
+            kind = collector._type
+            full = name + "_total" if kind == "counter" else name
+            declared[full] = (kind, set(collector._labelnames))
+    assert declared == rows
