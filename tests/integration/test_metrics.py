@@ -24,6 +24,9 @@ from tests.helpers import admin, client, new_tenant, wait_for
 from tests.integration.batch_helpers import finished, jsonl, line, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
 from tests.integration.test_dispatcher_failover import DispatcherProc
+from workers.engine.base import Engine
+from workers.engine.faulty_engine import FaultyEngine
+from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 
@@ -300,3 +303,61 @@ TIERS = ("interactive", "standard", "batch")
 
 async def _serving(celery: CeleryWorker) -> bool:
     return await celery_samples(celery) is not None
+
+
+async def test_dead_letters_are_counted_as_the_job_rows_say(platform: Platform) -> None:
+    """An engine that fails every request with an unknown error: each job is retried until
+    MAX_DELIVERIES, then fails for good (engine_error) — a dead letter."""
+    platform.settings.max_deliveries = 2
+    tenant_id, key = await new_tenant(platform)
+    api = f"{platform.url}/metrics"
+    before = await scrape(api)
+    platform.start_dispatcher()
+
+    def failing(engine: Engine) -> Engine:
+        return FaultyEngine(engine, 1.0, seed=7, kinds=("random",))
+
+    await platform.start_worker("w1", wrap=failing)
+    ids = await _jobs(platform, key, "standard", 3)
+    async with client(platform.url, key) as c:
+        for job_id in ids:
+            final = await wait_for(c, job_id)
+            assert (final["status"], final["error"]["code"]) == ("failed", "engine_error")
+    after = await scrape(api)
+    rows = await _rows(platform, tenant_id)
+    dead = [r for r in rows if r.status == "failed" and r.deliveries == 2]
+    assert len(dead) == 3
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("tierq_jobs_dead_lettered_total", tier="standard") == len(dead)
+    assert delta("tierq_jobs_finished_total", tier="standard", status="failed") == len(dead)
+    assert delta("tierq_end_to_end_latency_seconds_count", tier="standard") == len(dead)
+    assert delta("tierq_jobs_started_total", tier="standard") == len(dead)  # once each
+
+
+@pytest.mark.with_settings(engine_preemption=False)
+async def test_preemptions_are_counted_as_the_job_rows_say(platform: Platform) -> None:
+    """An engine that cannot preempt for priority: interactive work that finds every slot
+    taken makes the dispatcher preempt standard jobs, which go back with their progress."""
+    tenant_id, key = await new_tenant(platform)
+    api = f"{platform.url}/metrics"
+    before = await scrape(api)
+    platform.start_dispatcher()
+    await platform.start_worker("w1", cost=CostModel(slots=8).scaled(2))
+    slow = await _jobs(platform, key, "standard", 4, max_tokens=240)
+    await asyncio.sleep(0.5)  # they run, and take every slot standard work may
+    quick = await _jobs(platform, key, "interactive", 8, max_tokens=40)
+    async with client(platform.url, key) as c:
+        for job_id in [*quick, *slow]:
+            assert (await wait_for(c, job_id, timeout=60))["status"] == "succeeded"
+    after = await scrape(api)
+    rows = await _rows(platform, tenant_id)
+    for tier in ("interactive", "standard"):
+        preempted = sum(r.preemptions for r in rows if r.tier == tier)
+        counted = value(after, "tierq_preemptions_total", tier=tier) - value(
+            before, "tierq_preemptions_total", tier=tier
+        )
+        assert counted == preempted, tier
+    assert sum(r.preemptions for r in rows) > 0  # the workload did preempt
