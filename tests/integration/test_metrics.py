@@ -67,11 +67,13 @@ async def until(
 
 @pytest.fixture
 async def celery(platform: Platform, tmp_path: Path) -> AsyncIterator[CeleryWorker]:
-    """A real Celery worker (and beat) serving its metrics from a multiprocess folder."""
+    """A real Celery worker (and beat) serving its metrics from a multiprocess folder: its
+    prefork pool runs tasks in two child processes, whose counts it sums."""
     folder = tmp_path / "prometheus-multiproc"
     folder.mkdir()
     worker = CeleryWorker(
         platform.settings,
+        pool="prefork",
         CELERY_METRICS_PORT=str(free_port()),
         PROMETHEUS_MULTIPROC_DIR=str(folder),
         BATCH_MAX_OUTSTANDING=str(BATCH_LINES),
