@@ -60,6 +60,17 @@ def api(
 
     setup_logging()
     settings = get_settings()
+    if workers > 1 and settings.prometheus_multiproc_dir is None:
+        # Several processes behind one port: /metrics sums them all (tierq/metrics.py),
+        # from a folder that starts empty and goes with this command.
+        import atexit
+        import os
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="tierq-api-metrics-")
+        atexit.register(shutil.rmtree, folder, True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder  # read by the processes it starts
     uvicorn.run(
         "api.app:serve_app",
         factory=True,  # each process builds its own app (and pools) from the environment

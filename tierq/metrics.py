@@ -11,8 +11,12 @@ process (`tenant_label`), so many tenants cannot make the series unbounded.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from tierq.tiers import TIER_ORDER
 
@@ -240,3 +244,46 @@ def _each_tier() -> None:
 
 
 _each_tier()
+
+
+# --- several processes behind one endpoint ---------------------------------------------
+# A Celery worker's pool, or `tierq api --workers N`, count in several processes. With
+# PROMETHEUS_MULTIPROC_DIR in their environment (prometheus_client reads it as it is first
+# imported) each writes its values to files there, and whichever serves an endpoint sums
+# them all. Those files do not say which registry a series came from: the per-tenant ones
+# are told apart by their names.
+TENANT_PREFIX = "tierq_tenant_"
+
+
+def multiprocess() -> bool:
+    """True when this process's values live in PROMETHEUS_MULTIPROC_DIR's files."""
+    return values.ValueClass is not values.MutexValue
+
+
+class Filtered(Collector):
+    """Another collector's families: the per-tenant ones only, or all the others."""
+
+    def __init__(self, inner: Collector, tenants: bool) -> None:
+        self.inner = inner
+        self.tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.inner.collect():
+            if family.name.startswith(TENANT_PREFIX) == self.tenants:
+                yield family
+
+
+def summed_registry(folder: str, tenants: bool) -> CollectorRegistry:
+    """Every process's values under `folder`, summed: the per-tenant series or the rest."""
+    out = CollectorRegistry()
+    out.register(Filtered(MultiProcessCollector(None, folder), tenants))
+    return out
+
+
+def exposed(tenants: bool, folder: str | None) -> CollectorRegistry:
+    """What an endpoint serves: the per-tenant series (`tenants`) or the others — this
+    process's own, or, in multiprocess mode (`folder`: PROMETHEUS_MULTIPROC_DIR), those of
+    every process writing there."""
+    if folder is not None and multiprocess():
+        return summed_registry(folder, tenants)
+    return TENANT_REGISTRY if tenants else REGISTRY

@@ -13,42 +13,23 @@ refused) are left out, as on every unauthenticated endpoint.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server, values
-from prometheus_client.metrics_core import Metric
-from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, start_http_server
 
+from tierq import metrics
 from tierq.settings import Settings
 
 log = logging.getLogger(__name__)
 
-TENANT_PREFIX = "tierq_tenant_"
-
-
-class Untenanted(Collector):
-    """The families of another collector, less the per-tenant ones."""
-
-    def __init__(self, inner: Collector) -> None:
-        self.inner = inner
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self.inner.collect():
-            if not family.name.startswith(TENANT_PREFIX):
-                yield family
-
 
 def registry(settings: Settings) -> CollectorRegistry:
     """The registry that sums every process's values (those written under the folder)."""
-    if settings.prometheus_multiproc_dir is None or values.ValueClass is values.MutexValue:
+    if settings.prometheus_multiproc_dir is None or not metrics.multiprocess():
         raise RuntimeError(
             "CELERY_METRICS_PORT needs PROMETHEUS_MULTIPROC_DIR (an empty folder) in the "
             "Celery worker's environment"
         )
-    out = CollectorRegistry()
-    out.register(Untenanted(MultiProcessCollector(None, str(settings.prometheus_multiproc_dir))))
-    return out
+    return metrics.summed_registry(str(settings.prometheus_multiproc_dir), tenants=False)
 
 
 def serve(settings: Settings) -> None:

@@ -7,6 +7,11 @@ counts — jobs per tier, and SLO attainment as computed by hand from the job ro
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -14,16 +19,22 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
-from models.tables import Job
-from tests.conftest import Platform, free_port
+from models.db import Database
+from models.tables import Job, Tenant
+from services.bootstrap import ensure_tenant_key
+from tests.conftest import ADMIN_KEY, Platform, free_port
 from tests.dashboards import dashboard_metric_names
 from tests.helpers import admin, client, new_tenant, wait_for
 from tests.integration.batch_helpers import finished, jsonl, line, sdk, submit
-from tests.integration.celery_proc import CeleryWorker
+from tests.integration.celery_proc import CeleryWorker, child_env
 from tests.integration.test_dispatcher_failover import DispatcherProc
+from tierq.metrics import summed_registry
+from tierq.settings import Settings
 from workers.engine.base import Engine
 from workers.engine.faulty_engine import FaultyEngine
 from workers.engine.simulated_engine import CostModel
@@ -363,3 +374,72 @@ async def test_preemptions_are_counted_as_the_job_rows_say(platform: Platform) -
         )
         assert counted == preempted, tier
     assert sum(r.preemptions for r in rows) > 0  # the workload did preempt
+
+
+async def test_several_api_processes_behind_one_port_serve_their_sum(
+    settings: Settings, db: Database, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """`tierq api --workers 2`: whichever process answers a scrape, it serves the counts of
+    both (the jobs each admitted), and the per-tenant ones only behind the admin key."""
+    key = await ensure_tenant_key(settings, "multi", None)
+    async with db.session() as s:
+        tenant_id = (await s.execute(select(Tenant.id).where(Tenant.name == "multi"))).scalar_one()
+    folder = tmp_path / "api-metrics"
+    folder.mkdir()
+    port = free_port()
+    log = tmp_path / "api.log"
+    env = child_env(settings, ADMIN_API_KEY=ADMIN_KEY, PROMETHEUS_MULTIPROC_DIR=str(folder))
+    tierq = str(Path(sys.executable).parent / "tierq")
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [tierq, "api", "--port", str(port), "--workers", "2"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        async def up() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                async with httpx.AsyncClient() as c:
+                    return (await c.get(f"{url}/healthz")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await until("the API", up, timeout=60, log=str(log))
+
+        def per_process() -> dict[str, float]:
+            """Jobs each process admitted, read from its own file alone."""
+            counts = {}
+            for file in folder.glob("counter_*.db"):
+                alone = tmp_path / f"alone-{file.stem}"
+                alone.mkdir(exist_ok=True)
+                shutil.copy(file, alone / file.name)
+                samples = parse(generate_latest(summed_registry(str(alone), False)).decode())
+                counts[file.stem] = value(samples, "tierq_jobs_submitted_total")
+            return counts
+
+        admitted = 0
+        while sum(1 for n in per_process().values() if n > 0) < 2:  # both took some
+            assert admitted < 60, per_process()
+            async with client(url, key) as c:  # a new connection each time
+                resp = await c.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4})
+            assert resp.status_code == 202, resp.text
+            admitted += 1
+        for _ in range(6):  # each scrape on a new connection: either process answers
+            open_ = await scrape(f"{url}/metrics")
+            assert value(open_, "tierq_jobs_submitted_total") == admitted
+            assert not any(n.startswith("tierq_tenant_") for n in names(open_))
+            tenants = await scrape(f"{url}/admin/metrics", ADMIN_KEY)
+            assert value(tenants, "tierq_tenant_jobs_admitted_total", tenant=tenant_id) == admitted
+            assert "tierq_jobs_submitted_total" not in names(tenants)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

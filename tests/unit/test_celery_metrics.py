@@ -11,8 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from tierq.metrics import Filtered
 from tierq.settings import Settings
-from workers.celery_metrics import Untenanted, registry
+from workers.celery_metrics import registry
 
 
 class _Both(Collector):
@@ -29,7 +30,7 @@ class _Both(Collector):
 
 def test_tenant_families_are_left_out() -> None:
     out = CollectorRegistry()
-    out.register(Untenanted(_Both()))
+    out.register(Filtered(_Both(), tenants=False))
     text = generate_latest(out).decode()
     assert "tierq_jobs_reenqueued_total 1.0" in text
     assert "tierq_tenant_" not in text and "ten_1" not in text
@@ -42,3 +43,11 @@ def test_it_needs_the_multiprocess_folder(tmp_path: Path) -> None:
     # Set, but after prometheus_client was imported (as here): its values are not in files.
     with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
         registry(settings.model_copy(update={"prometheus_multiproc_dir": tmp_path}))
+
+
+def test_the_tenant_endpoint_gets_the_tenant_families_only() -> None:
+    out = CollectorRegistry()
+    out.register(Filtered(_Both(), tenants=True))
+    text = generate_latest(out).decode()
+    assert 'tierq_tenant_jobs_admitted_total{tenant="ten_1"} 1.0' in text
+    assert "tierq_jobs_reenqueued_total" not in text
