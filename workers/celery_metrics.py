@@ -6,8 +6,8 @@ files in PROMETHEUS_MULTIPROC_DIR (prometheus_client reads the variable when it 
 imported, so it must be in the worker's environment, not set from here), and the main
 process serves their sum on CELERY_METRICS_PORT. The folder must be empty when the worker
 starts (docker-compose.yml mounts a tmpfs there): values left by an earlier run would be
-added in. Per-tenant series (tierq_tenant_*) that Celery counts (batch lines admitted or
-refused) are left out, as on every unauthenticated endpoint.
+added in. Any per-tenant series (tierq_tenant_*) a task counted would be left out, as on
+every unauthenticated endpoint (none does today: batch lines are admitted without them).
 """
 
 from __future__ import annotations
