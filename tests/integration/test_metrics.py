@@ -443,3 +443,35 @@ async def test_several_api_processes_behind_one_port_serve_their_sum(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+async def test_reclaims_are_counted_as_the_job_rows_say(platform: Platform) -> None:
+    """A worker killed with jobs in its inbox: the dispatcher moves them back once its
+    heartbeat is old, and another worker runs them (each job delivered twice)."""
+    tenant_id, key = await new_tenant(platform)
+    api = f"{platform.url}/metrics"
+    before = await scrape(api)
+    platform.start_dispatcher()
+    slow = CostModel(slots=8).scaled(2)
+    await platform.start_worker("doomed", cost=slow)
+    ids = await _jobs(platform, key, "standard", 3, max_tokens=120)
+    async with client(platform.url, key) as c:
+        for job_id in ids:
+            await wait_for(c, job_id, ("running",))
+        await platform.kill_worker("doomed")
+        await platform.start_worker("survivor", cost=slow)
+        for job_id in ids:
+            assert (await wait_for(c, job_id, timeout=60))["status"] == "succeeded"
+    after = await scrape(api)
+    rows = await _rows(platform, tenant_id)
+    moved = [r for r in rows if r.deliveries == 2]
+    assert len(moved) == 3
+    reclaimed = value(after, "tierq_jobs_reclaimed_total") - value(
+        before, "tierq_jobs_reclaimed_total"
+    )
+    assert reclaimed == len(moved)
+    # Started once each, though run twice.
+    started = value(after, "tierq_jobs_started_total", tier="standard") - value(
+        before, "tierq_jobs_started_total", tier="standard"
+    )
+    assert started == 3
