@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import DbDep, NamesDep, RedisDep, SettingsDep
+from tierq import metrics as series
 from tierq.queue import live_workers
 
 router = APIRouter(tags=["health"])
@@ -59,5 +60,8 @@ async def readyz(db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics() -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+async def metrics(settings: SettingsDep) -> Response:
+    """This process's series, or every API process's summed (`tierq api --workers N`)."""
+    folder = settings.prometheus_multiproc_dir
+    registry = series.exposed(tenants=False, folder=str(folder) if folder else None)
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -62,6 +62,17 @@ def api(
 
     setup_logging()
     settings = get_settings()
+    if workers > 1 and settings.prometheus_multiproc_dir is None:
+        # Several processes behind one port: /metrics sums them all (tierq/metrics.py),
+        # from a folder that starts empty and goes with this command.
+        import atexit
+        import os
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="tierq-api-metrics-")
+        atexit.register(shutil.rmtree, folder, True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder  # read by the processes it starts
     uvicorn.run(
         "api.app:serve_app",
         factory=True,  # each process builds its own app (and pools) from the environment
@@ -90,7 +101,7 @@ def dispatcher(metrics_port: int | None = typer.Option(None, help="Serve /metric
     if metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(metrics_port, addr="127.0.0.1")
+        start_http_server(metrics_port, addr=settings.metrics_host)
 
     async def main() -> None:
         r = await connect(settings, role="dispatcher")
@@ -113,7 +124,7 @@ def worker(
     ),
     metrics_port: int | None = typer.Option(None, help="Serve /metrics here."),
     tenant_metrics_port: int | None = typer.Option(
-        None, help="Serve the per-tenant series (tokens served) here, on 127.0.0.1."
+        None, help="Serve the per-tenant series (tokens served) here, on METRICS_HOST."
     ),
 ) -> None:
     """Host an engine and run the jobs the dispatcher sends to this worker's inbox."""
@@ -130,9 +141,11 @@ def worker(
 
     metrics.bound_tenant_labels(settings.tenant_metrics_max)
     if metrics_port:  # the series without a tenant label only
-        start_http_server(metrics_port, addr="127.0.0.1")
-    if tenant_metrics_port:
-        start_http_server(tenant_metrics_port, addr="127.0.0.1", registry=metrics.TENANT_REGISTRY)
+        start_http_server(metrics_port, addr=settings.metrics_host)
+    if tenant_metrics_port:  # scraped as the admin API is: keep it off public networks
+        start_http_server(
+            tenant_metrics_port, addr=settings.metrics_host, registry=metrics.TENANT_REGISTRY
+        )
 
     async def install(w: Worker) -> None:
         loop = asyncio.get_running_loop()

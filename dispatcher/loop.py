@@ -44,6 +44,7 @@ from dispatcher.capacity import (
     desired_workers,
 )
 from dispatcher.leadership import Leadership, LeaseLost
+from dispatcher.observe import Observer, policy_shares
 from dispatcher.policy import (
     Assignment,
     EnginePriorityPolicy,
@@ -154,6 +155,7 @@ class Dispatcher:
         self._capacity_at = 0.0
         self.desired_workers = 0
         self.decision_seconds: list[float] = []  # for benchmarks; bounded below
+        self.observer = Observer(settings, r, self.names)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -338,6 +340,7 @@ class Dispatcher:
                     recovered = False
                     # A standby's signal is 0: the leader's alone counts (max() over them).
                     metrics.DESIRED_WORKERS.labels(self.settings.served_model_name).set(0)
+                    self.observer.clear()
                     if not await self.leadership.acquire():
                         await self._stand_by()
                         continue
@@ -361,6 +364,7 @@ class Dispatcher:
                 await self._refresh_tenant_policy(now)
                 await self._save_state(now)
                 await self._publish_capacity(now, alive)
+                await self._observe(now, alive)
                 moved = await self.step(alive)
                 delay = 0.1
                 if moved == 0:
@@ -467,6 +471,13 @@ class Dispatcher:
             self.arrival_rate.per_second() * (per_job or 0.0),
         )
         metrics.DESIRED_WORKERS.labels(self.settings.served_model_name).set(self.desired_workers)
+
+    async def _observe(self, now: float, alive: list[Heartbeat]) -> None:
+        """The SLO gauges (dispatcher/observe.py), once a second."""
+        if self.observer.due(now):
+            streams = await self._source_streams()
+            shares = policy_shares(self.policy, now)
+            await self.observer.publish(now, streams, self._stream_tier, alive, shares)
 
     async def _take_served_reports(self) -> None:
         got: Any = await self.r.xread({self.names.served: self._served_cursor}, count=1000)

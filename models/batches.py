@@ -146,6 +146,26 @@ async def job_counts(s: AsyncSession, batch_id: str) -> dict[JobStatus, int]:
     return {JobStatus(status): int(n) for status, n in (await s.execute(stmt)).all()}
 
 
+async def line_states(s: AsyncSession) -> dict[str, int]:
+    """The lines of every unfinished batch by state: `pending` (not expanded into a job
+    yet), else its job's status. Summed over batches, so bounded whatever their number."""
+    unfinished = Batch.status.not_in(TERMINAL)
+    total = (
+        await s.execute(select(func.coalesce(func.sum(Batch.request_total), 0)).where(unfinished))
+    ).scalar_one()
+    stmt = (
+        select(Job.status, func.count())
+        .join(Batch, Job.batch_id == Batch.id)
+        .where(unfinished)
+        .group_by(Job.status)
+    )
+    states = {str(JobStatus(status).value): 0 for status in JobStatus}
+    for status, n in (await s.execute(stmt)).all():
+        states[JobStatus(status).value] = int(n)
+    states["pending"] = max(0, int(total) - sum(states.values()))
+    return states
+
+
 async def live_counts(s: AsyncSession, batch: BatchRecord) -> tuple[int, int]:
     """(completed, failed) as request_counts shows them while the batch runs."""
     if batch.status in TERMINAL:

@@ -22,6 +22,7 @@ from models.pages import after_anchor
 from models.prices import cost_of
 from models.records import JobHead, JobRecord, Progress
 from models.tables import Job, JobTransition, UsageRecord, utcnow
+from tierq import metrics
 from tierq.ids import new_id
 from tierq.states import TERMINAL, JobStatus, sources_for
 from tierq.tiers import Tier
@@ -221,7 +222,7 @@ async def start_job(
     if current is None or current.status not in (JobStatus.QUEUED, JobStatus.RUNNING):
         return None
     if current.deliveries - current.preemptions >= max_deliveries:
-        await _transition(
+        dead = await _transition(
             s,
             job_id,
             JobStatus.FAILED,
@@ -231,6 +232,8 @@ async def start_job(
             error_code="max_deliveries_exceeded",
             error_message=f"the job was delivered {current.deliveries} times without finishing",
         )
+        if dead is not None:  # counted as its transaction commits, but for a rare rollback
+            metrics.DEAD_LETTERS.labels(current.tier.value).inc()
         return None
     values: dict[str, Any] = {"deliveries": current.deliveries + 1, "worker_id": worker_id}
     if current.started_at is None:

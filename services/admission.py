@@ -132,12 +132,15 @@ def request_hash(body: JobCreate) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def validate(body: JobCreate, settings: Settings) -> str:
-    """The deployment's limits (services.requests.check), counted in the refusal metrics."""
+def validate(body: JobCreate, settings: Settings, tenant: TenantRecord | None = None) -> str:
+    """The deployment's limits (services.requests.check), counted in the refusal metrics
+    (per tenant too when `tenant` is given; the tier as the request named it, if it did)."""
     try:
         return check(body, settings)
     except Refused as exc:
-        raise _refuse(exc.status, exc.message, exc.code, exc.param) from None
+        raise _refuse(
+            exc.status, exc.message, exc.code, exc.param, tenant=tenant, tier=body.tier
+        ) from None
 
 
 def reservation(settings: Settings, body: JobCreate) -> int:
@@ -187,7 +190,7 @@ async def submit(
     `gate` (a tenant's id -> the context admitting it) bounds admissions of one tenant in
     this process (api/gate.py).
     """
-    model = validate(body, settings)
+    model = validate(body, settings, tenant)
     tier = resolve_tier(tenant, body.tier)
     logs.bind(tenant_id=tenant.id, tier=tier.value)
     if idempotency_key is not None and not 0 < len(idempotency_key) <= 255:

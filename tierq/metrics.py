@@ -11,8 +11,14 @@ process (`tenant_label`), so many tenants cannot make the series unbounded.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from tierq.tiers import TIER_ORDER
 
 JOBS_SUBMITTED = Counter("tierq_jobs_submitted_total", "Jobs admitted", ["tier"])
 JOBS_REFUSED = Counter("tierq_jobs_refused_total", "Job submissions refused", ["code"])
@@ -72,6 +78,75 @@ DISPATCH_DECISION = Histogram(
     buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2),
 )
 BATCHES = Counter("tierq_batches_total", "Batches that entered a status", ["status"])
+# Set by the Celery worker advancing batches, each tick: in multiprocess mode (Celery's
+# pool), the value of the process that wrote last.
+BATCH_LINES = Gauge(
+    "tierq_batch_lines",
+    "Lines of the unfinished batches by state: pending (not expanded into a job yet), "
+    "or their job's status (queued, running, succeeded, failed, cancelled)",
+    ["state"],
+    multiprocess_mode="mostrecent",
+)
+
+# --- the SLO series ----------------------------------------------------------------------
+# The leading dispatcher's view (dispatcher/observe.py), refreshed every second; a standby
+# exports none of them.
+QUEUE_DEPTH = Gauge("tierq_queue_depth", "Jobs waiting in the tier's streams", ["tier"])
+QUEUE_OLDEST_AGE = Gauge(
+    "tierq_queue_oldest_job_age_seconds",
+    "Time since admission of the oldest job waiting in the tier (0: none waits)",
+    ["tier"],
+)
+TIER_SERVED_SHARE = Gauge(
+    "tierq_tier_served_token_share",
+    "Share (0 to 1) of the tokens served over SHARE_WINDOW_S that went to the tier, as the "
+    "dispatch policy counts them to hold the minimum shares",
+    ["tier"],
+)
+TIER_MIN_SHARE = Gauge(
+    "tierq_tier_min_share", "The tier's configured minimum share (MIN_SHARE_*)", ["tier"]
+)
+TIER_SLO = Gauge(
+    "tierq_tier_slo_seconds", "The tier's configured SLO, from admission (SLO_*_S)", ["tier"]
+)
+WORKER_SLOTS = Gauge(
+    "tierq_worker_slots",
+    "Engine slots of each live worker: used (jobs in its inbox) or free",
+    ["worker", "state"],
+)
+# The workers' (workers/observe.py).
+JOBS_STARTED = Counter(
+    "tierq_jobs_started_total", "Jobs that started running (first delivery)", ["tier"]
+)
+JOBS_STARTED_WITHIN_SLO = Counter(
+    "tierq_jobs_started_within_slo_total",
+    "Jobs that started within their tier's SLO from admission; over tierq_jobs_started_total: "
+    "the SLO attainment",
+    ["tier"],
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "tierq_time_per_output_token_seconds",
+    "A run's time per output token after the first (decode speed as its client sees it)",
+    ["tier"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+END_TO_END = Histogram(
+    "tierq_end_to_end_latency_seconds",
+    "From admission to the job's end in a worker (succeeded or failed)",
+    ["tier"],
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 21600, 86400),
+)
+PREEMPTIONS = Counter(
+    "tierq_preemptions_total",
+    "Runs the dispatcher preempted for interactive work (aborted, back at the head of their "
+    "tier); preemptions inside the engine are not counted here",
+    ["tier"],
+)
+DEAD_LETTERS = Counter(
+    "tierq_jobs_dead_lettered_total",
+    "Jobs failed for good after MAX_DELIVERIES deliveries",
+    ["tier"],
+)
 FILES_UPLOADED_BYTES = Counter("tierq_files_uploaded_bytes_total", "Bytes uploaded to /v1/files")
 
 TENANT_REGISTRY = CollectorRegistry()
@@ -145,3 +220,70 @@ def count_tokens_served(tenant_id: str, tier: str, prompt: int, completion: int)
     label = tenant_label(tenant_id)
     TENANT_TOKENS_SERVED.labels(label, tier, "prompt").inc(prompt)
     TENANT_TOKENS_SERVED.labels(label, tier, "completion").inc(completion)
+
+
+def _each_tier() -> None:
+    """Every tier's series exist from the start, at 0: a rate over a tier that has not yet
+    seen its first job (a preemption, a dead letter) reads 0, not nothing."""
+    for tier in TIER_ORDER:
+        for series in (
+            JOBS_SUBMITTED,
+            JOBS_DISPATCHED,
+            JOBS_STARTED,
+            JOBS_STARTED_WITHIN_SLO,
+            PREEMPTIONS,
+            DEAD_LETTERS,
+            QUEUE_WAIT,
+            TTFT,
+            TIME_PER_OUTPUT_TOKEN,
+            END_TO_END,
+        ):
+            series.labels(tier.value)
+        for status in ("succeeded", "failed"):
+            JOBS_FINISHED.labels(tier.value, status)
+
+
+_each_tier()
+
+
+# --- several processes behind one endpoint ---------------------------------------------
+# A Celery worker's pool, or `tierq api --workers N`, count in several processes. With
+# PROMETHEUS_MULTIPROC_DIR in their environment (prometheus_client reads it as it is first
+# imported) each writes its values to files there, and whichever serves an endpoint sums
+# them all. Those files do not say which registry a series came from: the per-tenant ones
+# are told apart by their names.
+TENANT_PREFIX = "tierq_tenant_"
+
+
+def multiprocess() -> bool:
+    """True when this process's values live in PROMETHEUS_MULTIPROC_DIR's files."""
+    return values.ValueClass is not values.MutexValue
+
+
+class Filtered(Collector):
+    """Another collector's families: the per-tenant ones only, or all the others."""
+
+    def __init__(self, inner: Collector, tenants: bool) -> None:
+        self.inner = inner
+        self.tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.inner.collect():
+            if family.name.startswith(TENANT_PREFIX) == self.tenants:
+                yield family
+
+
+def summed_registry(folder: str, tenants: bool) -> CollectorRegistry:
+    """Every process's values under `folder`, summed: the per-tenant series or the rest."""
+    out = CollectorRegistry()
+    out.register(Filtered(MultiProcessCollector(None, folder), tenants))
+    return out
+
+
+def exposed(tenants: bool, folder: str | None) -> CollectorRegistry:
+    """What an endpoint serves: the per-tenant series (`tenants`) or the others — this
+    process's own, or, in multiprocess mode (`folder`: PROMETHEUS_MULTIPROC_DIR), those of
+    every process writing there."""
+    if folder is not None and multiprocess():
+        return summed_registry(folder, tenants)
+    return TENANT_REGISTRY if tenants else REGISTRY

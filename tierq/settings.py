@@ -76,6 +76,15 @@ class Settings(BaseSettings):
     # Distinct tenants the per-tenant metrics of one process name by id; the rest are
     # counted under tenant="other", so the series stay bounded however many tenants exist.
     tenant_metrics_max: int = Field(default=100, ge=0)
+    # Where the dispatcher's, a worker's and a Celery worker's metrics ports listen
+    # (`--metrics-port`, CELERY_METRICS_PORT): 0.0.0.0 where Prometheus scrapes them from
+    # another host or container (docker-compose.yml).
+    metrics_host: str = "127.0.0.1"
+    # A Celery worker serves Prometheus here (all interfaces; unset: not at all), summing
+    # its pool's processes through prometheus_client's multiprocess mode: it needs
+    # PROMETHEUS_MULTIPROC_DIR, an empty folder of its own, set in its environment.
+    celery_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    prometheus_multiproc_dir: Path | None = None
 
     # --- admin and billing ------------------------------------------------------------
     # The admin API's bearer key. Unset: `tierq run` makes one (STATE_DIR/admin-api-key);
@@ -275,6 +284,24 @@ class Settings(BaseSettings):
     @property
     def embedded_redis_socket(self) -> Path:
         return (self.state_dir / "redis.sock").resolve()
+
+    @property
+    def tier_slo_s(self) -> dict[str, float]:
+        """Each tier's SLO (its deadline from admission), by tier name."""
+        return {
+            "interactive": self.slo_interactive_s,
+            "standard": self.slo_standard_s,
+            "batch": self.slo_batch_s,
+        }
+
+    @property
+    def tier_min_share(self) -> dict[str, float]:
+        """Each tier's minimum share of served tokens while backlogged (interactive: 0)."""
+        return {
+            "interactive": 0.0,
+            "standard": self.min_share_standard,
+            "batch": self.min_share_batch,
+        }
 
     @property
     def celery_broker_url(self) -> str:

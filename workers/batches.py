@@ -43,6 +43,7 @@ from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 from tierq.states import BatchStatus, JobStatus
+from tierq.tiers import Tier
 from workers import batch_lease, batch_output
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,10 @@ class BatchRunner:
                 await self.advance(batch_id)
             except Exception:
                 log.exception("advancing batch %s failed; the next tick retries", batch_id)
+        async with self.db.session() as s:
+            lines = await batch_repo.line_states(s)
+        for state, n in lines.items():
+            metrics.BATCH_LINES.labels(state).set(n)
 
     async def advance(self, batch_id: str) -> None:
         await self.r.delete(self.names.batch_poke(batch_id))  # later requests start anew
@@ -215,6 +220,7 @@ class BatchRunner:
             for job in queued:
                 with tracing.batch_line(msg := job.to_message(), batch_trace):
                     await enqueue(self.r, self.names, msg)
+            metrics.JOBS_SUBMITTED.labels(Tier.BATCH.value).inc(len(queued))  # lines admitted
             outstanding += len(queued)
             async with self.db.session() as s:
                 current = await batch_repo.get_batch(s, batch.id)

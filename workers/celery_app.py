@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from celery import Celery, signals
+from celery.signals import worker_init
 from kombu import Queue
 
 from tierq import logs
@@ -70,3 +71,11 @@ app.conf.update(
         },
     },
 )
+
+
+@worker_init.connect
+def _serve_metrics(**_: object) -> None:
+    """CELERY_METRICS_PORT: the pool's metrics, served by the main process."""
+    from workers.celery_metrics import serve
+
+    serve(settings)

@@ -62,6 +62,7 @@ from tierq.redis_names import WORKER_GROUP, RedisNames
 from tierq.settings import Settings
 from tierq.states import JobStatus
 from tierq.tiers import vllm_priority
+from workers import observe
 from workers.claims import Claims
 from workers.engine.base import Engine, EngineDead, EngineRequestError, EngineWrapper
 from workers.streaming import EventPublisher
@@ -125,6 +126,7 @@ class Outcome:
     completion_tokens: int = 0  # of the job so far: earlier runs' and this one's
     token_ids: list[int] = dataclasses.field(default_factory=list)  # the same tokens' ids
     resumed: int = 0  # of those, the tokens earlier runs generated (this one resumed after)
+    first_token_at: float | None = None  # when this run streamed its first text
 
     @property
     def served(self) -> int:
@@ -599,6 +601,7 @@ class Worker:
         wait = time.time() - msg.enqueued_at
         metrics.QUEUE_WAIT.labels(job.tier.value).observe(wait)
         self._sample("wait", job.tier.value, wait)
+        observe.count_start(self.settings, job)
         return await self._generate(job, msg, already)
 
     async def _claim(self, msg: JobMessage) -> tuple[JobRecord, int] | str:
@@ -688,7 +691,8 @@ class Worker:
                     # same replacement goes to followers and to the result.
                     chunk = dataclasses.replace(chunk, text=chunk.text.replace("\x00", "\ufffd"))
                 if first:
-                    ttft = time.time() - msg.enqueued_at
+                    out.first_token_at = time.time()
+                    ttft = out.first_token_at - msg.enqueued_at
                     metrics.TTFT.labels(job.tier.value).observe(ttft)
                     self._sample("ttft", job.tier.value, ttft)
                     first = False
@@ -770,6 +774,8 @@ class Worker:
         # first (a cancel, a later delivery), and the kind says which.
         if settled is not None and not await settled(msg, out, kind, delivery):
             kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
+        if kind == "failed" and out.kind == "retry":  # its last delivery failed it
+            metrics.DEAD_LETTERS.labels(msg.tier.value).inc()
         if kind == "cancelled" and job is not None and out.served > 0:
             await self._retrying("bill cancelled", lambda: self._bill_cancelled(msg, out))
         if entry_id is not None:
@@ -798,6 +804,9 @@ class Worker:
         ended = await self._retrying("fail job" if kind == "failed" else "finish job", write)
         if ended is None:
             return False
+        observe.count_end(
+            msg.tier, msg.enqueued_at, out.first_token_at, out.completion_tokens - out.resumed
+        )
         if kind == "failed":
             metrics.JOBS_FINISHED.labels(msg.tier.value, "failed").inc()
         else:
@@ -834,6 +843,8 @@ class Worker:
             # The engine did not say which tokens it generated (or they cannot be resumed
             # after): the next run generates them again.
             metrics.PREEMPTED_TOKENS_WASTED.inc(out.completion_tokens - out.resumed)
+        if preempted:
+            metrics.PREEMPTIONS.labels(msg.tier.value).inc()
         again = dataclasses.replace(msg, preemptions=msg.preemptions + preempted)
         await self._retrying(
             "enqueue",

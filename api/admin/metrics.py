@@ -1,4 +1,5 @@
-"""`GET /admin/metrics`: the per-tenant Prometheus series of this API process.
+"""`GET /admin/metrics`: the per-tenant Prometheus series of this API process (of every
+API process, summed, under `tierq api --workers N`).
 
 They name tenants and their volumes, so they are not on the open `/metrics`; the admin
 router this is included in takes the ADMIN_API_KEY.
@@ -10,11 +11,14 @@ from fastapi import APIRouter, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from api.deps import SettingsDep
 from tierq import metrics
 
 router = APIRouter()
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def tenant_metrics() -> Response:
-    return Response(generate_latest(metrics.TENANT_REGISTRY), media_type=CONTENT_TYPE_LATEST)
+async def tenant_metrics(settings: SettingsDep) -> Response:
+    folder = settings.prometheus_multiproc_dir
+    registry = metrics.exposed(tenants=True, folder=str(folder) if folder else None)
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

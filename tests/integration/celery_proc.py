@@ -25,8 +25,10 @@ def child_env(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 class CeleryWorker:
-    def __init__(self, settings: Settings, **env: str) -> None:
+    def __init__(self, settings: Settings, pool: str = "solo", **env: str) -> None:
+        """`pool`: Celery's `--pool`; `prefork` runs tasks in two child processes."""
         self.settings = settings
+        self.pool = pool
         defaults = {"RECONCILE_GRACE_S": "2", "RECONCILE_INTERVAL_S": "2", "BATCH_TICK_S": "0.5"}
         self.env = child_env(settings, **{**defaults, **env})
         self.proc: subprocess.Popen[bytes] | None = None
@@ -43,7 +45,8 @@ class CeleryWorker:
                     "workers.celery_app",
                     "worker",
                     "-B",
-                    "--pool=solo",
+                    f"--pool={self.pool}",
+                    *(["--concurrency=2"] if self.pool == "prefork" else []),
                     "--loglevel=INFO",
                     "-s",
                     str(Path(self.settings.state_dir) / "beat-schedule"),
