@@ -74,6 +74,16 @@ def _server(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
     ]
 
 
+async def _served(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    """The request spans of that name, once there is one: a request's span ends after its
+    response was sent, so the client may have read it all before the span is exported."""
+    deadline = time.monotonic() + 10
+    while not (found := _server(exporter, name)):
+        assert time.monotonic() < deadline, f"no {name} span"
+        await asyncio.sleep(0.05)
+    return found
+
+
 def _parent_id(s: ReadableSpan) -> int | None:
     return s.parent.span_id if s.parent is not None else None
 
@@ -115,7 +125,7 @@ async def test_a_job_is_one_trace_from_the_request_to_its_last_sse_event(
     )
     (request,) = [
         s
-        for s in _server(spans, "HTTP POST /v1/jobs")
+        for s in await _served(spans, "HTTP POST /v1/jobs")
         if (s.attributes or {}).get("http.response.status_code") == 202
     ]
     trace_id = request.context.trace_id
@@ -148,7 +158,7 @@ async def test_a_job_is_one_trace_from_the_request_to_its_last_sse_event(
     sse = found["tierq.sse"]
     assert sse.end_time is not None and sse.end_time >= engine.events[0].timestamp
     # The events request is a trace of its own, which the job's SSE span links to.
-    (follow,) = _server(spans, "HTTP GET /v1/jobs/{job_id}/events")
+    (follow,) = await _served(spans, "HTTP GET /v1/jobs/{job_id}/events")
     assert follow.context.trace_id != trace_id
     assert [link.context.span_id for link in sse.links] == [follow.context.span_id]
     # What Redis keeps for followers is the request's context, sampled.
@@ -182,11 +192,7 @@ async def test_a_streamed_openai_request_continues_the_clients_trace(
         chunks = [x async for x in resp.aiter_lines() if x.startswith("data: ")]
     assert chunks[-1] == "data: [DONE]"
     found = await _wait_for(spans, job_id, {"tierq.admission", "tierq.run", "tierq.sse"})
-    deadline = time.monotonic() + 10
-    while not _server(spans, "HTTP POST /v1/chat/completions"):
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
-    (request,) = _server(spans, "HTTP POST /v1/chat/completions")
+    (request,) = await _served(spans, "HTTP POST /v1/chat/completions")
     assert f"{request.context.trace_id:032x}" == CLIENT_TRACE
     assert request.parent is not None and f"{request.parent.span_id:016x}" == CLIENT_SPAN
     for name in ("tierq.admission", "tierq.queue_wait", "tierq.run", "tierq.sse"):
@@ -210,7 +216,7 @@ async def test_batch_lines_are_traces_of_their_own_linked_to_their_batch(
     )
     (created,) = [
         s
-        for s in _server(spans, "HTTP POST /v1/batches")
+        for s in await _served(spans, "HTTP POST /v1/batches")
         if (s.attributes or {}).get("http.response.status_code") == 200
     ]
     runner = BatchRunner(running.settings, running.db, running.r)
