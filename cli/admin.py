@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.options import URL_OPTION, platform_url
+from client.http import error_message
 from tierq.settings import get_settings
 
 admin_app = typer.Typer(no_args_is_help=True, help="Tenants, keys, quotas and usage.")
@@ -46,11 +47,7 @@ def _call(url: str | None, key: str | None, method: str, path: str, **kwargs: An
         **kwargs,
     )
     if resp.status_code >= 400:
-        try:
-            message = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = resp.text
-        typer.echo(f"error {resp.status_code}: {message}", err=True)
+        typer.echo(f"error {resp.status_code}: {error_message(resp)}", err=True)
         raise typer.Exit(1)
     return resp.json()
 

@@ -18,6 +18,7 @@ from rich.text import Text
 
 from cli.admin import ADMIN_KEY, admin_key_of
 from cli.options import URL_OPTION, platform_url
+from client.http import error_message
 
 
 def _secs(v: float | None) -> str:
@@ -132,11 +133,7 @@ def fetch(client: httpx.Client, url: str, key: str) -> dict[str, Any]:
         url.rstrip("/") + "/admin/overview", headers={"Authorization": f"Bearer {key}"}
     )
     if resp.status_code >= 400:
-        try:
-            message = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = resp.text
-        raise RuntimeError(f"error {resp.status_code}: {message}")
+        raise RuntimeError(f"error {resp.status_code}: {error_message(resp)}")
     body: dict[str, Any] = resp.json()
     return body
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from client.http import error_message
 from tierq.settings import Settings
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -40,10 +41,7 @@ class BatchClient:
 
     def _ok(self, resp: httpx.Response) -> dict[str, Any]:
         if resp.status_code >= 400:
-            try:
-                message = resp.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = resp.text
+            message = error_message(resp)
             raise RuntimeError(f"{resp.request.method} {resp.request.url.path}: {message}")
         body: dict[str, Any] = resp.json()
         return body
