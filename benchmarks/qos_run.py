@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -49,19 +48,12 @@ class InstrumentedEngine(EngineWrapper):
         self.trace = trace
         self.active = 0
 
-    async def generate(
-        self,
-        request_id: str,
-        messages: list[dict[str, Any]] | None,
-        prompt: str | None,
-        params: dict[str, Any],
-        priority: int,
-        resume: Sequence[int] = (),
+    async def observe(
+        self, request_id: str, resume: Sequence[int], run: AsyncIterator[Chunk]
     ) -> AsyncIterator[Chunk]:
         self.trace.called.setdefault(request_id, time.monotonic())
         self.active += 1
         counted_prompt = False
-        run = self.inner.generate(request_id, messages, prompt, params, priority, resume)
         try:
             async for chunk in self.trace.decode.counted(request_id, resume, run):
                 now = time.monotonic()

@@ -223,17 +223,10 @@ class CountingEngine(EngineWrapper):
         """Preemptions for priority inside the engine (the simulated engine counts them)."""
         return int(getattr(self.inner, "preemptions", 0))
 
-    async def generate(
-        self,
-        request_id: str,
-        messages: list[dict[str, Any]] | None,
-        prompt: str | None,
-        params: dict[str, Any],
-        priority: int,
-        resume: Sequence[int] = (),
+    async def observe(
+        self, request_id: str, resume: Sequence[int], run: AsyncIterator[Chunk]
     ) -> AsyncIterator[Chunk]:
         generated = 0
-        run = self.inner.generate(request_id, messages, prompt, params, priority, resume)
         async for chunk in self.tally.decode.counted(request_id, resume, run):
             if generated == 0:
                 self.tally.runs += 1

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
@@ -276,8 +275,10 @@ class _NulEngine(EngineWrapper):
     def __init__(self, inner: Engine) -> None:
         super().__init__(inner, "nul")
 
-    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Chunk]:
-        async for chunk in self.inner.generate(*args, **kwargs):
+    async def observe(
+        self, request_id: str, resume: Sequence[int], run: AsyncIterator[Chunk]
+    ) -> AsyncIterator[Chunk]:
+        async for chunk in run:
             yield dataclasses.replace(chunk, text=chunk.text.replace("tok", "\x00"))
 
 

@@ -38,19 +38,11 @@ class Ledgered(EngineWrapper):
         self.ledger = ledger
         self.resumed: list[int] = []  # len(resume) of each run
 
-    async def generate(
-        self,
-        request_id: str,
-        messages: list[dict[str, Any]] | None,
-        prompt: str | None,
-        params: dict[str, Any],
-        priority: int,
-        resume: Sequence[int] = (),
+    def observe(
+        self, request_id: str, resume: Sequence[int], run: AsyncIterator[Chunk]
     ) -> AsyncIterator[Chunk]:
         self.resumed.append(len(resume))
-        run = self.inner.generate(request_id, messages, prompt, params, priority, resume)
-        async for chunk in self.ledger.counted(request_id, resume, run):
-            yield chunk
+        return self.ledger.counted(request_id, resume, run)
 
 
 async def _generating(engine: SimulatedEngine, job_id: str, tokens: int) -> None:
@@ -199,10 +191,11 @@ class _FailsOnce(EngineWrapper):
         super().__init__(inner, "fails-once")
         self.failed: set[str] = set()
 
-    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Chunk]:
-        request_id = args[0]
+    async def observe(
+        self, request_id: str, resume: Sequence[int], run: AsyncIterator[Chunk]
+    ) -> AsyncIterator[Chunk]:
         n = 0
-        async for chunk in self.inner.generate(*args, **kwargs):
+        async for chunk in run:
             yield chunk
             n += chunk.new_tokens
             if n >= 30 and request_id not in self.failed:

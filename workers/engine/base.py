@@ -76,12 +76,32 @@ class Engine(Protocol):
 
 
 class EngineWrapper:
-    """An engine around another one (fault injection, instrumentation): everything but
-    `generate` goes to the inner engine unchanged."""
+    """An engine around another one (fault injection, instrumentation): everything goes to
+    the inner engine unchanged, and each run's chunks pass through `observe`, which a
+    wrapper overrides to watch, change or cut them."""
 
     def __init__(self, inner: Engine, name: str) -> None:
         self.inner = inner
         self.name = name
+
+    def generate(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]] | None,
+        prompt: str | None,
+        params: dict[str, Any],
+        priority: int,
+        resume: Sequence[int] = (),
+    ) -> AsyncIterator[Chunk]:
+        run = self.inner.generate(request_id, messages, prompt, params, priority, resume)
+        return self.observe(request_id, resume, run)
+
+    def observe(
+        self, request_id: str, resume: Sequence[int], run: AsyncIterator[Chunk]
+    ) -> AsyncIterator[Chunk]:
+        """The chunks of one run of the request (continuing after `resume`), as the worker
+        gets them; the inner engine's own by default. The run starts when first iterated."""
+        return run
 
     @property
     def preempts_for_priority(self) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 from workers.engine.base import Chunk, Engine, EngineDead, EngineRequestError, EngineWrapper
 
@@ -69,14 +68,8 @@ class FaultyEngine(EngineWrapper):
             raise EngineDead("injected: the engine died")
         raise RuntimeError("injected: an unknown engine error")
 
-    async def generate(
-        self,
-        request_id: str,
-        messages: list[dict[str, Any]] | None,
-        prompt: str | None,
-        params: dict[str, Any],
-        priority: int,
-        resume: Sequence[int] = (),
+    async def observe(
+        self, request_id: str, resume: Sequence[int], run: AsyncIterator[Chunk]
     ) -> AsyncIterator[Chunk]:
         if self.dead:
             raise EngineDead("the engine was killed by fault injection")
@@ -85,9 +78,7 @@ class FaultyEngine(EngineWrapper):
         if fault is not None and after == 0:
             self._raise(fault)
         n = 0
-        async for chunk in self.inner.generate(
-            request_id, messages, prompt, params, priority, resume
-        ):
+        async for chunk in run:
             if self.dead:
                 raise EngineDead("the engine was killed by fault injection")
             yield chunk
