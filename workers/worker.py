@@ -644,6 +644,15 @@ class Worker:
                 self.progress_source,
             )
             saved = None
+        if saved is not None and job.batch_id is None and already < len(saved.text):
+            # Followers lack part of what was kept (Redis lost the replay buffer meanwhile,
+            # and nobody could restore it): the event numbers they hold no longer match
+            # what a resumed run would write, so it starts again and streams as the first
+            # run did, each delta past what they have.
+            log.warning(
+                "job %s: its followers lack part of its kept progress; it starts again", job.id
+            )
+            saved = None
         if saved is not None:
             # An earlier run stopped unfinished (preempted, handed back): continue after
             # what it generated, decoding none of it again.
@@ -654,12 +663,7 @@ class Worker:
             out.token_ids = list(saved.token_ids)
             log.info("job %s resumes after %d generated tokens", job.id, out.resumed)
             metrics.RESUMED_TOKENS.inc(out.resumed)
-        emitted = already
-        if produced > emitted and job.batch_id is None:
-            # What the stopped run generated beyond what reached followers (deltas still
-            # queued when it stopped, refused once this delivery claimed the job).
-            self.publisher.delta(job.id, text_parts[0][emitted:])
-            emitted = produced
+        emitted = max(already, produced)
         if out.resumed and out.resumed >= int(params.get("max_tokens", 256)):
             out.text, out.finish_reason = "".join(text_parts), "length"
             return out  # it had generated everything: nothing is left to run
@@ -753,9 +757,10 @@ class Worker:
         event, the bill of a cancelled run, the inbox entry and the slot."""
         delivery = job.deliveries if job is not None else None
         kind = out.kind
-        if kind in ("succeeded", "retry", "failed"):
-            # Its deltas reach Redis before the database calls it finished: a follower that
-            # sees it finished there finds every delta in the replay buffer.
+        if kind in ("succeeded", "retry", "failed", "preempted", "handed_back"):
+            # Its deltas reach Redis before the database calls it finished (a follower that
+            # sees it finished there finds every delta in the replay buffer) or puts it back
+            # (the next delivery finds what followers have, and resumes after it).
             await self.publisher.flush(msg.job_id)
         if kind == "retry":
             failed_deliveries = job.deliveries - job.preemptions if job is not None else 0

@@ -161,12 +161,14 @@ async def test_a_job_with_penalties_starts_again_and_says_what_was_wasted(
     assert ledger.wasted() >= 20
 
 
-async def test_kept_progress_that_never_reached_followers_is_streamed_first(
+async def test_kept_progress_its_followers_never_saw_is_not_resumed_after(
     platform: Platform, tenant_key: str
 ) -> None:
-    """The stopped run's last deltas may not have reached Redis (refused once the next
-    delivery claimed the job): the next run streams the kept text beyond what followers
-    have before its own, so they see no gap."""
+    """Redis lost the job's replay buffer and nobody restored it: followers lack what was
+    kept, and the event numbers they hold no longer match what a resumed run would write
+    (one delta for the kept text, where the first run wrote many: a follower's next events
+    would be dropped as seen). The job starts again and streams as the first run did: the
+    follower's text is whole."""
     ledger = DecodeLedger()
     async with client(platform.url, tenant_key) as c:
         job_id = (await c.post("/v1/jobs", json=LONG)).json()["id"]
@@ -181,7 +183,7 @@ async def test_kept_progress_that_never_reached_followers_is_streamed_first(
         events = await asyncio.wait_for(follower, 30)
     assert done["result"]["text"] == WHOLE and done["usage"]["completion_tokens"] == MAX_TOKENS
     assert "".join(e["data"]["text"] for e in events if e["event"] == "delta") == WHOLE
-    assert engine.resumed == [40] and ledger.generated[job_id] == MAX_TOKENS - 40
+    assert engine.resumed == [0] and ledger.generated[job_id] == MAX_TOKENS
 
 
 class _FailsOnce(EngineWrapper):
