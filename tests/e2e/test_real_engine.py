@@ -266,7 +266,9 @@ async def test_a_batch_job_preempted_inside_vllm_finishes_with_the_text_it_has_a
     full engine when an interactive job arrives. tierq's scheduler preempts it inside vLLM
     (the worker's log says so); it resumes once a slot frees, is never re-queued, and ends
     with the very text and token count it had alone."""
-    probe = {**STORY, "tier": "batch", "max_tokens": 48}
+    # Long enough (about 25 s in a full engine here) that the interactive job surely arrives
+    # while it runs; greedy, and ended by its length, not by a near-tie of EOS.
+    probe = {**STORY, "tier": "batch", "max_tokens": 128}
     filler = {**STORY, "tier": "batch", "max_tokens": 400, "temperature": 0.8, "ignore_eos": True}
     async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
         alone = await wait_for(c, (await c.post("/v1/jobs", json=probe)).json()["id"], timeout=240)
@@ -278,10 +280,22 @@ async def test_a_batch_job_preempted_inside_vllm_finishes_with_the_text_it_has_a
         probe_id = (await c.post("/v1/jobs", json=probe)).json()["id"]
         first = await read_sse(c, f"/v1/jobs/{probe_id}/events", limit=1)
         assert first[0]["event"] == "delta"  # it runs: the newest of 16 in a full engine
+        started = time.monotonic()
         chat = (await c.post("/v1/jobs", json=PARIS)).json()["id"]
         chat_first = await read_sse(c, f"/v1/jobs/{chat}/events", limit=1)
+        waited = time.monotonic() - started
         assert chat_first[0]["event"] == "delta"
-        assert (await c.get(f"/v1/jobs/{probe_id}")).json()["status"] == "running"
+        status = (await c.get(f"/v1/jobs/{probe_id}")).json()["status"]
+        worker_log = (pg_platform.state_dir / "logs" / "worker.log").read_text()
+        assert status == "running", (
+            f"the interactive job's first token came {waited:.1f} s after it was sent, when "
+            f"the probe was {status}; the worker's log of preemptions and of the two jobs:\n"
+            + "\n".join(
+                line
+                for line in worker_log.splitlines()[-400:]
+                if "preempt" in line or probe_id in line or chat in line
+            )
+        )
         done = await wait_for(c, probe_id, timeout=600)
         for job_id in fillers:  # leave the engine empty for the tests after this one
             await c.post(f"/v1/jobs/{job_id}/cancel")
