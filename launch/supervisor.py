@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from services.bootstrap import ensure_tenant_key, write_secret
 from tierq.redis_names import RedisNames
@@ -42,17 +44,24 @@ class Child:
     log_path: Path | None
     pid_path: Path
     cpus: set[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of the platform's
+    # Emptied before every start: a Celery worker's PROMETHEUS_MULTIPROC_DIR, where values
+    # left by an earlier run would be added in.
+    fresh_dir: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
 
     def start(self, env: dict[str, str]) -> None:
+        if self.fresh_dir is not None:
+            shutil.rmtree(self.fresh_dir, ignore_errors=True)
+            self.fresh_dir.mkdir(parents=True)
         out: Any = None
         if self.log_path is not None:
             out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         self.proc = subprocess.Popen(
             self.argv,
-            env=env,
+            env={**env, **self.env},
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # its own process group: vLLM's engine core goes with it
@@ -86,6 +95,73 @@ def aux_cpus(settings: Settings) -> set[int] | None:
     return {cores[-1]} if len(cores) >= 2 else None
 
 
+@dataclass(frozen=True)
+class MetricsPorts:
+    """The metrics ports of the processes `tierq run` starts: RUN_METRICS_PORT and the four
+    after it."""
+
+    dispatcher: int
+    worker: int
+    worker_tenants: int
+    celery_worker: int
+    celery_reconciler: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> MetricsPorts | None:
+        first = settings.run_metrics_port
+        return None if first is None else cls(*range(first, first + 5))
+
+
+def prometheus_config(settings: Settings, admin_key_file: Path | None) -> dict[str, Any]:
+    """A Prometheus configuration that scrapes everything `tierq run` started (the same jobs
+    as deploy/prometheus/prometheus.yml, on this machine's ports); the per-tenant series
+    (the admin API's /admin/metrics, the worker's tenant port) with the admin key."""
+    ports = MetricsPorts.of(settings)
+    assert ports is not None
+    host = settings.metrics_host if settings.metrics_host != "0.0.0.0" else "127.0.0.1"
+    api = settings.api_host if settings.api_host != "0.0.0.0" else "127.0.0.1"
+
+    def job(name: str, target: str, **extra: Any) -> dict[str, Any]:
+        return {"job_name": name, **extra, "static_configs": [{"targets": [target]}]}
+
+    jobs = [
+        job("api", f"{api}:{settings.api_port}", metrics_path="/metrics"),
+        job("dispatcher", f"{host}:{ports.dispatcher}"),
+        job("worker", f"{host}:{ports.worker}"),
+        job("worker-tenants", f"{host}:{ports.worker_tenants}"),
+        job("celery", f"{host}:{ports.celery_worker}"),
+        job("celery-reconciler", f"{host}:{ports.celery_reconciler}"),
+    ]
+    if admin_key_file is not None:
+        auth = {"type": "Bearer", "credentials_file": str(admin_key_file.resolve())}
+        jobs.insert(
+            1,
+            job(
+                "api-tenants",
+                f"{api}:{settings.api_port}",
+                metrics_path="/admin/metrics",
+                authorization=auth,
+            ),
+        )
+    return {
+        "global": {"scrape_interval": "15s", "evaluation_interval": "15s"},
+        "scrape_configs": jobs,
+    }
+
+
+def write_prometheus_config(settings: Settings, admin_key: str | None) -> Path:
+    """STATE_DIR/prometheus.yml (and the admin key it reads, mode 0600, when there is one):
+    `prometheus --config.file=<it>` scrapes the platform `tierq run` started."""
+    key_file = None
+    if admin_key:
+        key_file = settings.state_dir / "prometheus-admin-key"
+        write_secret(key_file, admin_key)
+    path = settings.state_dir / "prometheus.yml"
+    text = yaml.safe_dump(prometheus_config(settings, key_file), sort_keys=False)
+    path.write_text(f"# Written by `tierq run` (RUN_METRICS_PORT) at each start.\n{text}")
+    return path
+
+
 def components(settings: Settings, logs: Path | None) -> list[Child]:
     py = sys.executable
     celery = [py, "-m", "celery", "-A", "workers.celery_app"]
@@ -96,19 +172,37 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
     pinned = aux_cpus(settings)
     names = RedisNames(settings.redis_prefix)
 
-    def child(name: str, argv: list[str]) -> Child:
+    ports = MetricsPorts.of(settings)
+
+    def child(name: str, argv: list[str], metrics_port: int | None = None) -> Child:
         log_path = None if logs is None else logs / f"{name}.log"
         # The worker is never pinned: vLLM places its engine threads itself.
         cpus = pinned if name != "worker" else None
-        return Child(name, argv, log_path, pids / f"{name}.pid", cpus)
+        c = Child(name, argv, log_path, pids / f"{name}.pid", cpus)
+        if metrics_port is not None and argv[1:3] == ["-m", "celery"]:
+            # A Celery worker sums its pool's processes through files in a folder of its own.
+            c.fresh_dir = (settings.state_dir / "metrics" / name).resolve()
+            c.env = {
+                "CELERY_METRICS_PORT": str(metrics_port),
+                "PROMETHEUS_MULTIPROC_DIR": str(c.fresh_dir),
+            }
+        elif metrics_port is not None:
+            c.argv = [*argv, "--metrics-port", str(metrics_port)]
+        return c
 
+    worker = child("worker", [py, "-m", "cli.main", "worker"], ports.worker if ports else None)
+    if ports is not None:
+        worker.argv += ["--tenant-metrics-port", str(ports.worker_tenants)]
     return [
         child("api", [py, "-m", "cli.main", "api"]),
-        child("dispatcher", [py, "-m", "cli.main", "dispatcher"]),
-        child("worker", [py, "-m", "cli.main", "worker"]),
+        child(
+            "dispatcher", [py, "-m", "cli.main", "dispatcher"], ports.dispatcher if ports else None
+        ),
+        worker,
         child(
             "celery-worker",
             [*celery, "worker", "--pool=solo", "--loglevel=INFO", "-Q", names.celery_queue],
+            ports.celery_worker if ports else None,
         ),
         # The reconciler on its own queue and process: batch work never delays it.
         child(
@@ -123,6 +217,7 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
                 "-n",
                 "reconciler@%h",
             ],
+            ports.celery_reconciler if ports else None,
         ),
         child(
             "celery-beat",
@@ -181,6 +276,10 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
     key_file = settings.dev_key_file
     key = asyncio.run(ensure_tenant_key(child_settings, "dev", key_file))
 
+    prometheus_file = None
+    if settings.run_metrics_port is not None:
+        scrape_key = env.get("ADMIN_API_KEY") or settings.admin_api_key
+        prometheus_file = write_prometheus_config(settings, scrape_key)
     children = components(settings, logs)
     stopping = False
 
@@ -222,6 +321,8 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
             if not announced and _ready(base):
                 announced = True
                 _announce(base, key, key_file)
+                if prometheus_file is not None:
+                    _announce_metrics(settings, prometheus_file)
             elif not announced and time.monotonic() > ready_deadline:
                 log.error(
                     "the platform did not become ready in %.0f s; see %s",
@@ -255,6 +356,18 @@ def _announce(base: str, key: str, key_file: Path) -> None:
         f"OpenAI clients: base_url={base}/v1 with the same key. The admin API's key is in "
         f"{key_file.parent / 'admin-api-key'} (unless ADMIN_API_KEY is set).\n\n"
         "Ctrl-C stops everything.\n",
+        flush=True,
+    )
+
+
+def _announce_metrics(settings: Settings, prometheus_file: Path) -> None:
+    ports = MetricsPorts.of(settings)
+    assert ports is not None
+    print(
+        f"Metrics on {settings.metrics_host}: dispatcher :{ports.dispatcher}, worker "
+        f":{ports.worker} (per tenant :{ports.worker_tenants}), Celery :{ports.celery_worker}, "
+        f"reconciler :{ports.celery_reconciler}; the API's on /metrics.\n"
+        f"  prometheus --config.file={prometheus_file}\n",
         flush=True,
     )
 

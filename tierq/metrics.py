@@ -139,8 +139,15 @@ END_TO_END = Histogram(
 PREEMPTIONS = Counter(
     "tierq_preemptions_total",
     "Runs the dispatcher preempted for interactive work (aborted, back at the head of their "
-    "tier); preemptions inside the engine are not counted here",
+    "tier); preemptions inside an engine are tierq_engine_preemptions_total",
     ["tier"],
+)
+ENGINE_PREEMPTIONS = Counter(
+    "tierq_engine_preemptions_total",
+    "Requests a worker's engine preempted inside itself (out of its running set, back to its "
+    "waiting queue with their output kept; only their KV cache is recomputed): for a better "
+    "tier's request (tierq's scheduler, ENGINE_PREEMPTION) or for KV-cache room. The job "
+    "is not re-queued",
 )
 DEAD_LETTERS = Counter(
     "tierq_jobs_dead_lettered_total",

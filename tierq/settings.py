@@ -85,6 +85,11 @@ class Settings(BaseSettings):
     # PROMETHEUS_MULTIPROC_DIR, an empty folder of its own, set in its environment.
     celery_metrics_port: int | None = Field(default=None, ge=1, le=65535)
     prometheus_multiproc_dir: Path | None = None
+    # `tierq run` serves the metrics of the processes it starts on this port and the four
+    # after it, on METRICS_HOST: the dispatcher, the worker, the worker's per-tenant series,
+    # the Celery worker, the reconciler; and writes a Prometheus configuration that scrapes
+    # them and the API to STATE_DIR/prometheus.yml. Unset: none (the API's /metrics only).
+    run_metrics_port: int | None = Field(default=None, ge=1, le=65531)
 
     # --- admin and billing ------------------------------------------------------------
     # The admin API's bearer key. Unset: `tierq run` makes one (STATE_DIR/admin-api-key);

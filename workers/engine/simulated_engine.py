@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierq import metrics
 from tierq.messages import PREFIX_CHARS, prefix_key
 from tierq.token_count import PromptCounter
 from workers.engine.base import Chunk, EngineDead, EngineRequestError, resumed_params
@@ -265,6 +266,7 @@ class SimulatedEngine:
             victim.next_decode_eligible_step = 0
             self._waiting.append(victim)
             self.preemptions += 1
+            metrics.ENGINE_PREEMPTIONS.inc()
         if victims:
             self._waiting.sort()
 

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from tierq import metrics
 from tierq.settings import Settings
 from workers.engine.base import Chunk, EngineDead, EngineRequestError, resumed_params
 from workers.engine.vllm_args import worker_engine_args
@@ -44,6 +45,33 @@ def request_error_code(message: str) -> str:
     return "context_length_exceeded" if any(k in lowered for k in too_long) else "invalid_request"
 
 
+def _preemption_counter() -> type:
+    """A vLLM stat logger that counts the requests vLLM preempted inside the engine
+    (tierq_engine_preemptions_total), from the statistics each engine step reports. A custom
+    stat logger turns those on (vLLM then also serves its own vllm:* series in this
+    process's registry, on the worker's metrics port); its periodic log lines stay off."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class PreemptionCounter(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if iteration_stats is not None and iteration_stats.num_preempted_reqs:
+                metrics.ENGINE_PREEMPTIONS.inc(iteration_stats.num_preempted_reqs)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return PreemptionCounter
+
+
 class VllmEngine:
     name = "vllm"
 
@@ -57,7 +85,10 @@ class VllmEngine:
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._llm = AsyncLLM.from_engine_args(worker_engine_args(self.settings, self.tiering))
+        self._llm = AsyncLLM.from_engine_args(
+            worker_engine_args(self.settings, self.tiering),
+            stat_loggers=[_preemption_counter()],
+        )
         self._tokenizer = self._llm.get_tokenizer()
 
     def render(self, messages: list[dict[str, Any]] | None, prompt: str | None) -> str:
