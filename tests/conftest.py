@@ -14,7 +14,8 @@ import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -34,6 +35,9 @@ from workers.engine.base import Engine
 from workers.engine.simulated_engine import CostModel, SimulatedEngine
 from workers.engine.vllm_scheduler import Tiering
 from workers.worker import Worker
+
+if TYPE_CHECKING:
+    from selenium.webdriver.remote.webdriver import WebDriver
 
 PG_ADMIN_URL = os.environ.get(
     "TIERQ_TEST_PG_ADMIN_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
@@ -232,3 +236,13 @@ async def tenant_key(settings: Settings, db: Database) -> str:
 @pytest.fixture
 async def other_tenant_key(settings: Settings, db: Database) -> str:
     return await ensure_tenant_key(settings, f"other-{uuid.uuid4().hex[:8]}", None)
+
+
+@pytest.fixture
+async def browser(tmp_path: Path) -> AsyncIterator[WebDriver]:
+    """A headless Chromium cut off from every host but 127.0.0.1 (tests/browser.py)."""
+    from tests.browser import chrome
+
+    driver = await asyncio.to_thread(chrome, tmp_path)
+    yield driver
+    await asyncio.to_thread(driver.quit)

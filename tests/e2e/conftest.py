@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ class LivePlatform:
     output: Path
     database_url: str | None
     redis_prefix: str = "tierq"
+    metrics_port: int | None = None  # RUN_METRICS_PORT: the dispatcher's; +1 the worker's
 
     def pid_of(self, component: str) -> int:
         return int((self.state_dir / "pids" / f"{component}.pid").read_text())
@@ -100,6 +102,7 @@ def start_platform(tmp: Path, env_extra: dict[str, str]) -> LivePlatform:
         output,
         env_extra.get("DATABASE_URL"),
         env_extra.get("REDIS_PREFIX", "tierq"),
+        int(env_extra["RUN_METRICS_PORT"]) if "RUN_METRICS_PORT" in env_extra else None,
     )
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
@@ -117,19 +120,21 @@ def start_platform(tmp: Path, env_extra: dict[str, str]) -> LivePlatform:
     return live
 
 
-@pytest.fixture(scope="module")
-def pg_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatform]:
-    """`tierq run` against the real PostgreSQL (a database of its own) and Redis."""
+@contextlib.contextmanager
+def pg_live(tmp: Path, env_extra: dict[str, str] | None = None) -> Iterator[LivePlatform]:
+    """`tierq run` against the real PostgreSQL (a database of its own) and Redis (a prefix
+    of its own); afterwards nothing it started may be left running."""
     name = f"tierq_e2e_{uuid.uuid4().hex[:8]}"
     asyncio.run(pg_admin_sql(f'CREATE DATABASE "{name}"'))
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     migrations.upgrade(url)
     live = start_platform(
-        tmp_path_factory.mktemp("pg-platform"),
+        tmp,
         {
             "DATABASE_URL": url,
             "REDIS_URL": REDIS_TEST_URL,
             "REDIS_PREFIX": f"tierq-e2e-{uuid.uuid4().hex[:8]}",
+            **(env_extra or {}),
         },
     )
     try:
@@ -139,3 +144,28 @@ def pg_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatfo
         live.kill_everything()
         asyncio.run(pg_admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     assert left == [], f"processes left behind: {left}"
+
+
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive ports free on 127.0.0.1 (RUN_METRICS_PORT's five)."""
+    for _ in range(50):
+        first = free_port()
+        if first + n > 65535:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + n):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def pg_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatform]:
+    """`tierq run` against the real PostgreSQL and Redis, serving its metrics ports."""
+    env = {"RUN_METRICS_PORT": str(free_ports(5))}
+    with pg_live(tmp_path_factory.mktemp("pg-platform"), env) as live:
+        yield live

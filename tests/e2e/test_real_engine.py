@@ -16,6 +16,7 @@ import re
 import signal
 import time
 
+import httpx
 import psutil
 import pytest
 import redis.asyncio as aioredis
@@ -307,6 +308,13 @@ async def test_a_batch_job_preempted_inside_vllm_finishes_with_the_text_it_has_a
     assert history == ["queued", "running", "succeeded"] and len(usage) == 1
     worker_log = (pg_platform.state_dir / "logs" / "worker.log").read_text()
     assert f"tierq: preempted request {probe_id}" in worker_log
+    # Counted from vLLM's own statistics, on the worker's metrics port.
+    assert pg_platform.metrics_port is not None
+    async with httpx.AsyncClient() as h:
+        port = pg_platform.metrics_port + 1
+        worker_metrics = (await h.get(f"http://127.0.0.1:{port}/metrics")).text
+    preempted = re.search(r"^tierq_engine_preemptions_total (\S+)$", worker_metrics, re.M)
+    assert preempted and float(preempted.group(1)) >= 1, worker_metrics[-2000:]
 
 
 async def test_a_job_preempted_midway_resumes_after_its_tokens_with_the_text_it_has_alone(

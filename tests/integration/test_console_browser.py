@@ -1,5 +1,5 @@
 """The operator console and `/docs` in a real headless browser: Debian's Chromium and
-chromedriver (`.ci/run` installs them) driven by Selenium, against the in-process platform
+chromedriver (tests/browser.py) driven by Selenium, against the in-process platform
 (real uvicorn, PostgreSQL and Redis, the simulated engine) and a real Celery worker.
 
 The browser reaches nothing but 127.0.0.1 (`--host-resolver-rules`): a page that needs
@@ -11,22 +11,24 @@ tmp_path (`console-*.png`, `docs.png`).
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
-from selenium import webdriver
-from selenium.common.exceptions import StaleElementReferenceException
-from selenium.webdriver.chrome.options import Options
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import WebDriverWait
 
+from tests.browser import (
+    batch_cell,
+    click_twice,
+    errors_in,
+    off_loop,
+    requested_urls,
+    rows,
+    sign_in,
+    text_of,
+    until,
+)
 from tests.conftest import Platform
 from tests.helpers import admin, new_tenant
 from tests.integration.batch_helpers import jsonl, line, sdk, submit
@@ -34,92 +36,6 @@ from tests.integration.celery_proc import CeleryWorker
 from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-T = TypeVar("T")
-
-
-def chrome(tmp_path: Path) -> WebDriver:
-    if not (shutil.which(CHROMEDRIVER) and shutil.which(CHROMIUM)):
-        pytest.fail(
-            "Chromium and chromedriver are missing: `.ci/run` installs them "
-            "(apt-get install -y chromium chromium-driver)"
-        )
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for arg in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--window-size=1400,1700",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-        # The network cut off: every host name but 127.0.0.1 fails to resolve.
-        "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
-    ):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    return webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
-
-
-@pytest.fixture
-async def browser(tmp_path: Path) -> AsyncIterator[WebDriver]:
-    driver = await asyncio.to_thread(chrome, tmp_path)
-    yield driver
-    await asyncio.to_thread(driver.quit)
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    return await asyncio.to_thread(fn, *args)
-
-
-def until(driver: WebDriver, check: Callable[[WebDriver], Any], timeout: float = 20) -> Any:
-    """WebDriverWait, with rows the page redraws under it (every poll) tolerated."""
-    wait = WebDriverWait(
-        driver, timeout, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,)
-    )
-    return wait.until(check)
-
-
-def errors_in(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [e for e in log if e.get("level") == "SEVERE"]
-
-
-def requested_urls(driver: WebDriver) -> list[str]:
-    """Every URL the browser asked the network for since the last call (the performance
-    log): http(s) and websockets, not its own chrome:// pages, data: or blob: URLs."""
-    urls = []
-    for entry in driver.get_log("performance"):
-        message = json.loads(entry["message"])["message"]
-        if message["method"] == "Network.requestWillBeSent":
-            url = str(message["params"]["request"]["url"])
-            if url.startswith(("http:", "https:", "ws:", "wss:")):
-                urls.append(url)
-    return urls
-
-
-def text_of(driver: WebDriver, css: str) -> str:
-    return str(driver.find_element(By.CSS_SELECTOR, css).text)
-
-
-def sign_in(driver: WebDriver, key: str) -> None:
-    field = driver.find_element(By.ID, "admin-key")
-    field.clear()
-    field.send_keys(key)
-    driver.find_element(By.ID, "sign-in").click()
-
-
-def click_twice(driver: WebDriver, button_id: str) -> None:
-    """A destructive action: the first click arms the button, the second confirms it."""
-    for _ in range(2):
-        until(driver, lambda d: d.find_element(By.ID, button_id).click() or True)
-        time.sleep(0.2)
 
 
 async def test_the_console_shows_the_platform_and_suspends_a_tenant(
@@ -235,32 +151,6 @@ async def _console_scenario(platform: Platform, driver: WebDriver, tmp_path: Pat
     assert all(u.startswith(platform.url + "/") for u in urls), urls
 
 
-def fill_quota(driver: WebDriver, tenant_id: str, limits: dict[str, str]) -> None:
-    until(driver, lambda d: d.find_element(By.ID, f"quota-{tenant_id}").click() or True)
-    form = until(driver, lambda d: d.find_element(By.ID, "quota-form"))
-    until(driver, lambda d: form.is_displayed())
-    for name, value in limits.items():
-        field = form.find_element(By.NAME, name)
-        field.clear()
-        field.send_keys(value)
-    form.find_element(By.ID, "quota-save").click()
-    until(driver, lambda d: not form.is_displayed())
-
-
-def rows(driver: WebDriver, table: str) -> list[Any]:
-    return list(driver.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr[data-{table[:-1]}]"))
-
-
-def batch_cell(driver: WebDriver, batch_id: str) -> str | None:
-    """The progress bar's label of the batch's row ("done / total (percent)"), if shown."""
-    try:
-        row = driver.find_elements(By.CSS_SELECTOR, f'tr[data-batch="{batch_id}"] .bar .label')
-        text = str(row[0].text) if row else ""
-        return text if " / " in text else None  # a dash while validating (no total yet)
-    except StaleElementReferenceException:
-        return None
-
-
 async def test_docs_render_with_the_network_cut_off(
     platform: Platform, browser: WebDriver, tmp_path: Path
 ) -> None:
@@ -282,3 +172,15 @@ async def test_docs_render_with_the_network_cut_off(
     )
     assert sources and all(s.startswith(platform.url) for s in sources), sources
     assert errors_in(await off_loop(browser.get_log, "browser")) == []
+
+
+def fill_quota(driver: WebDriver, tenant_id: str, limits: dict[str, str]) -> None:
+    until(driver, lambda d: d.find_element(By.ID, f"quota-{tenant_id}").click() or True)
+    form = until(driver, lambda d: d.find_element(By.ID, "quota-form"))
+    until(driver, lambda d: form.is_displayed())
+    for name, value in limits.items():
+        field = form.find_element(By.NAME, name)
+        field.clear()
+        field.send_keys(value)
+    form.find_element(By.ID, "quota-save").click()
+    until(driver, lambda d: not form.is_displayed())
