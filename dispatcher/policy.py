@@ -148,6 +148,24 @@ class ServedWindow:
 
 
 PASSED_OVER_KEPT = 1024  # past this many, the counts of jobs no longer queued are dropped
+# Virtual counters kept per tier for tenants with nothing queued there. Past this many, a
+# counter at or below the backlogged tenants' smallest is forgotten (its tenant would be
+# lifted to that floor on its return anyway), then, if still too many, the smallest ones.
+IDLE_COUNTERS_KEPT = 4096
+
+
+def _forget_idle(counters: dict[str, float], backlogged: set[str], floor: float) -> None:
+    """Bound the virtual counters of tenants with nothing queued (a dispatcher serves any
+    number of tenants over its life, and its snapshot carries every counter). Those at or
+    below `floor` lose nothing by going: a returning tenant is lifted to the floor. Past
+    `IDLE_COUNTERS_KEPT` still, the smallest go first: the least credit forgiven."""
+    idle = [(v, t) for t, v in counters.items() if t not in backlogged]
+    for v, t in idle:
+        if v <= floor:
+            del counters[t]
+    left = sorted((v, t) for v, t in idle if v > floor)
+    for _, t in left[: max(0, len(left) - IDLE_COUNTERS_KEPT)]:
+        del counters[t]
 
 
 class TierqPolicy:
@@ -308,6 +326,8 @@ class _TierPicker:
         for tenant in backlogged - known:  # newly backlogged: no credit for idle time
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
         policy._backlogged[tier] = backlogged
+        if len(self.counters) > len(backlogged) + IDLE_COUNTERS_KEPT:
+            _forget_idle(self.counters, backlogged, floor)
         self.fair = [(self.counters.get(t, 0.0), t) for t in self.queues]
         heapq.heapify(self.fair)
         slo = policy.config.slo_s.get(tier)

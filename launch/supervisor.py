@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ from workers.engine.vllm_build import vllm_cpu_build
 log = logging.getLogger("tierq.run")
 
 STOP_TIMEOUT_S = 20.0
+# The copy of an operator's ADMIN_API_KEY that STATE_DIR/prometheus.yml reads.
+PROMETHEUS_KEY_COPY = "prometheus-admin-key"
 READY_TIMEOUT_S = 600.0
 
 
@@ -55,7 +57,7 @@ class Child:
     def start(self, env: dict[str, str]) -> None:
         if self.fresh_dir is not None:
             shutil.rmtree(self.fresh_dir, ignore_errors=True)
-            self.fresh_dir.mkdir(parents=True)
+            self.fresh_dir.mkdir(parents=True, exist_ok=True)
         out: Any = None
         if self.log_path is not None:
             out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
@@ -112,14 +114,23 @@ class MetricsPorts:
         return None if first is None else cls(*range(first, first + 5))
 
 
+def _reachable(host: str) -> str:
+    """Where a scraper on this machine reaches a server listening on `host`."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 def prometheus_config(settings: Settings, admin_key_file: Path | None) -> dict[str, Any]:
     """A Prometheus configuration that scrapes everything `tierq run` started (the same jobs
-    as deploy/prometheus/prometheus.yml, on this machine's ports); the per-tenant series
-    (the admin API's /admin/metrics, the worker's tenant port) with the admin key."""
+    as deploy/prometheus/prometheus.yml, on this machine's ports). The admin API's per-tenant
+    series (/admin/metrics) are scraped with the admin key; the worker's per-tenant port has
+    no authentication (it listens on METRICS_HOST: keep it off public networks)."""
     ports = MetricsPorts.of(settings)
     assert ports is not None
-    host = settings.metrics_host if settings.metrics_host != "0.0.0.0" else "127.0.0.1"
-    api = settings.api_host if settings.api_host != "0.0.0.0" else "127.0.0.1"
+    host, api = _reachable(settings.metrics_host), _reachable(settings.api_host)
 
     def job(name: str, target: str, **extra: Any) -> dict[str, Any]:
         return {"job_name": name, **extra, "static_configs": [{"targets": [target]}]}
@@ -150,12 +161,19 @@ def prometheus_config(settings: Settings, admin_key_file: Path | None) -> dict[s
 
 
 def write_prometheus_config(settings: Settings, admin_key: str | None) -> Path:
-    """STATE_DIR/prometheus.yml (and the admin key it reads, mode 0600, when there is one):
-    `prometheus --config.file=<it>` scrapes the platform `tierq run` started."""
+    """STATE_DIR/prometheus.yml: `prometheus --config.file=<it>` scrapes the platform `tierq
+    run` started. The admin API's per-tenant series are scraped with the admin key: the
+    file `tierq run` keeps it in when it made the key, else (ADMIN_API_KEY) a copy, mode
+    0600, rewritten at each start and removed by a start without RUN_METRICS_PORT."""
     key_file = None
-    if admin_key:
-        key_file = settings.state_dir / "prometheus-admin-key"
-        write_secret(key_file, admin_key)
+    copy = settings.state_dir / PROMETHEUS_KEY_COPY
+    made = settings.admin_key_file
+    if admin_key and made.is_file() and made.read_text().strip() == admin_key:
+        key_file = made
+        copy.unlink(missing_ok=True)
+    elif admin_key:
+        key_file = copy
+        write_secret(copy, admin_key)
     path = settings.state_dir / "prometheus.yml"
     text = yaml.safe_dump(prometheus_config(settings, key_file), sort_keys=False)
     path.write_text(f"# Written by `tierq run` (RUN_METRICS_PORT) at each start.\n{text}")
@@ -234,6 +252,16 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
 
 def run_platform(settings: Settings, verbose: bool = False) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
+    ports = MetricsPorts.of(settings)
+    if ports is not None and settings.api_port in astuple(ports):
+        log.error(
+            "RUN_METRICS_PORT %d takes ports %d-%d, API_PORT %d among them: choose another",
+            settings.run_metrics_port,
+            ports.dispatcher,
+            ports.celery_reconciler,
+            settings.api_port,
+        )
+        return 2
     state = settings.state_dir
     state.mkdir(parents=True, exist_ok=True)
     logs = None if verbose else state / "logs"
@@ -276,10 +304,17 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
     key_file = settings.dev_key_file
     key = asyncio.run(ensure_tenant_key(child_settings, "dev", key_file))
 
+    # Metrics ports and multiprocess folders are given per process (RUN_METRICS_PORT), never
+    # inherited: one folder shared by every process would add up their counts, and one
+    # CELERY_METRICS_PORT would be bound by both Celery workers.
+    for name in ("PROMETHEUS_MULTIPROC_DIR", "CELERY_METRICS_PORT"):
+        env.pop(name, None)
     prometheus_file = None
     if settings.run_metrics_port is not None:
         scrape_key = env.get("ADMIN_API_KEY") or settings.admin_api_key
         prometheus_file = write_prometheus_config(settings, scrape_key)
+    else:
+        (state / PROMETHEUS_KEY_COPY).unlink(missing_ok=True)
     children = components(settings, logs)
     stopping = False
 

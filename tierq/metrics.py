@@ -147,7 +147,8 @@ ENGINE_PREEMPTIONS = Counter(
     "Requests a worker's engine preempted inside itself (out of its running set, back to its "
     "waiting queue with their output kept; only their KV cache is recomputed): for a better "
     "tier's request (tierq's scheduler, ENGINE_PREEMPTION) or for KV-cache room. The job "
-    "is not re-queued",
+    "is not re-queued. Counted when the request runs again (vLLM reports it with the "
+    "request's next output); one aborted while preempted is not counted",
 )
 DEAD_LETTERS = Counter(
     "tierq_jobs_dead_lettered_total",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -69,7 +70,7 @@ class LivePlatform:
 
 
 def start_platform(tmp: Path, env_extra: dict[str, str]) -> LivePlatform:
-    port = free_port()
+    port = int(env_extra.get("API_PORT") or free_port())
     state = tmp / "state"
     env = {
         **os.environ,
@@ -147,11 +148,10 @@ def pg_live(tmp: Path, env_extra: dict[str, str] | None = None) -> Iterator[Live
 
 
 def free_ports(n: int) -> int:
-    """The first of `n` consecutive ports free on 127.0.0.1 (RUN_METRICS_PORT's five)."""
-    for _ in range(50):
-        first = free_port()
-        if first + n > 65535:
-            continue
+    """The first of `n` consecutive ports free on 127.0.0.1 (RUN_METRICS_PORT's five and the
+    API's), below the ephemeral range, where no outgoing connection takes one meanwhile."""
+    for _ in range(200):
+        first = random.randrange(20000, 32000 - n)
         with contextlib.ExitStack() as held:
             try:
                 for port in range(first, first + n):
@@ -163,9 +163,14 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
+def metrics_ports() -> dict[str, str]:
+    """RUN_METRICS_PORT's five ports and, after them, API_PORT: six that do not collide."""
+    first = free_ports(6)
+    return {"RUN_METRICS_PORT": str(first), "API_PORT": str(first + 5)}
+
+
 @pytest.fixture(scope="module")
 def pg_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatform]:
     """`tierq run` against the real PostgreSQL and Redis, serving its metrics ports."""
-    env = {"RUN_METRICS_PORT": str(free_ports(5))}
-    with pg_live(tmp_path_factory.mktemp("pg-platform"), env) as live:
+    with pg_live(tmp_path_factory.mktemp("pg-platform"), metrics_ports()) as live:
         yield live

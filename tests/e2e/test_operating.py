@@ -46,7 +46,7 @@ from tests.browser import (
 )
 from tests.conftest import free_port
 from tests.dashboards import dashboard_metric_names
-from tests.e2e.conftest import LivePlatform, free_ports, pg_live
+from tests.e2e.conftest import LivePlatform, metrics_ports, pg_live
 from tests.helpers import client, wait_for
 from tests.integration.batch_helpers import jsonl, line, submit
 
@@ -57,7 +57,7 @@ ADMIN_KEY = f"e2e-admin-{uuid.uuid4().hex}"
 
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatform]:
-    env = {"RUN_METRICS_PORT": str(free_ports(5)), "ADMIN_API_KEY": ADMIN_KEY}
+    env = {**metrics_ports(), "ADMIN_API_KEY": ADMIN_KEY}
     with pg_live(tmp_path_factory.mktemp("ops-platform"), env) as live:
         yield live
 
@@ -160,12 +160,24 @@ async def test_prometheus_scrapes_every_process_and_holds_every_series_the_dashb
                 if wanted <= held and all(t["health"] == "up" for t in targets):
                     break
                 await asyncio.sleep(0.5)
+            # Each process's own series, through its own port (its job's label).
+            own = {}
+            for job, name in (
+                ("dispatcher", "tierq_queue_depth"),
+                ("worker", "tierq_engine_preemptions_total"),
+                # vLLM's own, in the worker ("vllm:" names; "vllm_" as OpenMetrics has them)
+                ("worker", "vllm[:_]num_requests_running"),
+                ("celery", "tierq_batch_lines"),
+                ("api", "tierq_jobs_refused_total"),
+            ):
+                selector = f'{{__name__=~"{name}", job="{job}"}}'
+                found = await p.get("/api/v1/series", params={"match[]": selector})
+                own[(job, name)] = len(found.json()["data"])
     down = [(t["labels"]["job"], t["lastError"]) for t in targets if t["health"] != "up"]
     assert not down, down
     assert {t["labels"]["job"] for t in targets} == jobs
     assert wanted <= held, f"not in Prometheus: {sorted(wanted - held)}"
-    # Each process's own series reached it through its own port.
-    assert {"tierq_queue_depth", "tierq_engine_preemptions_total", "tierq_batch_lines"} <= held
+    assert all(own.values()), own
 
 
 def _workers_text(driver: WebDriver) -> str:
@@ -233,8 +245,10 @@ class Terminal:
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.master], [], [], 0.2)
             if ready:
-                with contextlib.suppress(OSError):  # EIO once the process has gone
+                try:
                     self.output += os.read(self.master, 65536)
+                except OSError:  # EIO: the process has gone, and nothing more will come
+                    break
             text = self.output.decode(errors="replace")
             if predicate(text):
                 return text

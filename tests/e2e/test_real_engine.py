@@ -271,6 +271,7 @@ async def test_a_batch_job_preempted_inside_vllm_finishes_with_the_text_it_has_a
     # while it runs; greedy, and ended by its length, not by a near-tie of EOS.
     probe = {**STORY, "tier": "batch", "max_tokens": 128}
     filler = {**STORY, "tier": "batch", "max_tokens": 400, "temperature": 0.8, "ignore_eos": True}
+    preempted_before = await _engine_preemptions(pg_platform)
     async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
         alone = await wait_for(c, (await c.post("/v1/jobs", json=probe)).json()["id"], timeout=240)
         assert alone["status"] == "succeeded"
@@ -309,12 +310,17 @@ async def test_a_batch_job_preempted_inside_vllm_finishes_with_the_text_it_has_a
     worker_log = (pg_platform.state_dir / "logs" / "worker.log").read_text()
     assert f"tierq: preempted request {probe_id}" in worker_log
     # Counted from vLLM's own statistics, on the worker's metrics port.
-    assert pg_platform.metrics_port is not None
+    assert await _engine_preemptions(pg_platform) >= preempted_before + 1
+
+
+async def _engine_preemptions(live: LivePlatform) -> float:
+    """tierq_engine_preemptions_total on the worker's metrics port (RUN_METRICS_PORT + 1)."""
+    assert live.metrics_port is not None
     async with httpx.AsyncClient() as h:
-        port = pg_platform.metrics_port + 1
-        worker_metrics = (await h.get(f"http://127.0.0.1:{port}/metrics")).text
-    preempted = re.search(r"^tierq_engine_preemptions_total (\S+)$", worker_metrics, re.M)
-    assert preempted and float(preempted.group(1)) >= 1, worker_metrics[-2000:]
+        text = (await h.get(f"http://127.0.0.1:{live.metrics_port + 1}/metrics")).text
+    found = re.search(r"^tierq_engine_preemptions_total (\S+)$", text, re.M)
+    assert found, text[-2000:]
+    return float(found.group(1))
 
 
 async def test_a_job_preempted_midway_resumes_after_its_tokens_with_the_text_it_has_alone(

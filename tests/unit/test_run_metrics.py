@@ -10,11 +10,24 @@ import stat
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
-from launch.supervisor import MetricsPorts, components, write_prometheus_config
+from launch.supervisor import (
+    PROMETHEUS_KEY_COPY,
+    MetricsPorts,
+    components,
+    run_platform,
+    write_prometheus_config,
+)
 from tests.dashboards import PROMETHEUS
 from tierq.settings import Settings
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RUN_METRICS_PORT", "API_PORT", "API_HOST", "METRICS_HOST", "ADMIN_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def _settings(tmp_path: Path, **kw: object) -> Settings:
@@ -86,6 +99,7 @@ def test_the_prometheus_configuration_scrapes_everything_and_is_valid(tmp_path: 
     compose = {j["job_name"] for j in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]}
     assert compose <= set(targets)
     key_file = Path(doc["scrape_configs"][1]["authorization"]["credentials_file"])
+    assert key_file == (tmp_path / PROMETHEUS_KEY_COPY).resolve()  # an operator's key: a copy
     assert key_file.read_text().strip() == "the-admin-key"
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     checked = _promtool("check", "config", str(path))
@@ -103,3 +117,34 @@ def test_the_compose_prometheus_configuration_is_valid() -> None:
     # --syntax-only: its admin key file exists only inside the prometheus container.
     checked = _promtool("check", "config", "--syntax-only", str(PROMETHEUS))
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_key_tierq_run_made_is_read_where_it_is_not_copied(tmp_path: Path) -> None:
+    settings = _settings(tmp_path, run_metrics_port=9201)
+    settings.admin_key_file.write_text("made-by-tierq-run\n")
+    (tmp_path / PROMETHEUS_KEY_COPY).write_text("a stale copy\n")
+    doc = yaml.safe_load(write_prometheus_config(settings, "made-by-tierq-run").read_text())
+    tenants = next(j for j in doc["scrape_configs"] if j["job_name"] == "api-tenants")
+    assert tenants["authorization"]["credentials_file"] == str(settings.admin_key_file.resolve())
+    assert not (tmp_path / PROMETHEUS_KEY_COPY).exists()
+
+
+@pytest.mark.parametrize(
+    ("host", "target"),
+    [("0.0.0.0", "127.0.0.1:9201"), ("::", "[::1]:9201"), ("::1", "[::1]:9201")],
+)
+def test_targets_are_where_a_local_scraper_reaches_them(
+    tmp_path: Path, host: str, target: str
+) -> None:
+    settings = _settings(tmp_path, run_metrics_port=9201, metrics_host=host)
+    doc = yaml.safe_load(write_prometheus_config(settings, None).read_text())
+    dispatcher = next(j for j in doc["scrape_configs"] if j["job_name"] == "dispatcher")
+    assert dispatcher["static_configs"][0]["targets"] == [target]
+
+
+def test_ports_that_take_in_the_api_port_are_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    settings = _settings(tmp_path / "state", run_metrics_port=7998, api_port=8000)
+    assert run_platform(settings) == 2
+    assert not (tmp_path / "state").exists()  # nothing made, nothing started

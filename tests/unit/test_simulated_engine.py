@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import time
 
+from prometheus_client import REGISTRY
+
 from workers.engine.simulated_engine import CostModel, SimulatedEngine
 
 # Fast and budget-bound: 32 tokens a step, one slot left for the interactive request.
@@ -81,10 +83,16 @@ async def _interactive_behind_full_slots(priority_steps: bool) -> tuple[float, l
     return ttft / (COST.step_s(4) + 32 * COST.prefill_s_per_token), outputs, engine.preemptions
 
 
+def _engine_preemptions() -> float:
+    return REGISTRY.get_sample_value("tierq_engine_preemptions_total") or 0.0
+
+
 async def test_an_interactive_request_preempts_a_batch_one_which_still_finishes_whole() -> None:
+    counted = _engine_preemptions()
     tiered, outputs, preemptions = await _interactive_behind_full_slots(priority_steps=True)
     assert tiered < 3, tiered  # the step under way, then its own
     assert outputs == [60, 60, 60, 60] and preemptions == 1
+    assert _engine_preemptions() == counted + 1  # tierq_engine_preemptions_total, as vLLM's
     stock, outputs, preemptions = await _interactive_behind_full_slots(priority_steps=False)
     assert stock > 20, stock  # it waited for a batch request to finish (60 decode steps)
     assert outputs == [60, 60, 60, 60] and preemptions == 0

@@ -474,3 +474,24 @@ def test_the_step_budget_follows_interactive_work_in_vllms_scheduler(
     for out in e.run(10):
         assert out.total_num_scheduled_tokens <= 64
     assert e.scheduler.full_budget == e.scheduler.max_num_scheduled_tokens == 512
+
+
+def test_vllms_preemptions_are_counted_from_its_step_statistics() -> None:
+    """The worker's vLLM stat logger adds each step's preempted requests to
+    tierq_engine_preemptions_total (vLLM's own IterationStats, as its engine reports them)."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.stats import IterationStats
+
+    from workers.engine.vllm_engine import _preemption_counter
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("tierq_engine_preemptions_total") or 0.0
+
+    logger = _preemption_counter()(vllm_config=None)
+    before = counted()
+    stats = IterationStats()
+    stats.num_preempted_reqs = 2
+    logger.record(None, stats)
+    logger.record(None, None)  # a step that reported no iteration statistics
+    logger.record(None, IterationStats())  # one without a preemption
+    assert counted() == before + 2
