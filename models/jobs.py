@@ -18,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from models import spend
+from models.db import Database
 from models.pages import after_anchor
 from models.prices import cost_of
 from models.records import JobHead, JobRecord, Progress
@@ -134,6 +135,19 @@ async def get_job_head(s: AsyncSession, job_id: str, tenant_id: str) -> JobHead 
     stmt = select(Job.status).where(Job.id == job_id, Job.tenant_id == tenant_id)
     status = (await s.execute(stmt)).scalar_one_or_none()
     return None if status is None else JobHead(job_id, tenant_id, JobStatus(status))
+
+
+async def job_head(db: Database, job_id: str, tenant_id: str) -> JobHead | None:
+    """`get_job_head` in one round trip where it can be: on PostgreSQL one statement on a raw
+    connection (no session, no BEGIN/ROLLBACK, no pre-ping). Every SSE connect reads it, and
+    a stream storm opens thousands."""
+    if db.raw is None:
+        async with db.session() as s:
+            return await get_job_head(s, job_id, tenant_id)
+    row = await db.raw.fetchrow(
+        "SELECT status FROM jobs WHERE id = $1 AND tenant_id = $2", job_id, tenant_id
+    )
+    return None if row is None else JobHead(job_id, tenant_id, JobStatus(row["status"]))
 
 
 async def statuses(s: AsyncSession, job_ids: Sequence[str]) -> dict[str, JobStatus]:

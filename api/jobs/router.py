@@ -115,8 +115,7 @@ async def job_events(
     settings: SettingsDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> Response:
-    async with db.session() as s:
-        job = await job_repo.get_job_head(s, job_id, tenant.id)
+    job = await job_repo.job_head(db, job_id, tenant.id)
     if job is None:
         raise not_found("job", job_id)
     last_seq = 0
