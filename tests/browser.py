@@ -113,3 +113,30 @@ def batch_cell(driver: WebDriver, batch_id: str) -> str | None:
         return text if " / " in text else None  # a dash while validating (no total yet)
     except StaleElementReferenceException:
         return None
+
+
+async def follow_batch(
+    driver: WebDriver, batch_id: str, total: int, timeout_s: float, shot: Path | None = None
+) -> list[int]:
+    """Watch the batch's row as the page redraws it until it shows `total` of `total` done
+    and `completed`; the done counts seen, in order (each must not go back). `shot`: a
+    screenshot taken at the third count seen."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cell = await off_loop(batch_cell, driver, batch_id)
+        if cell and (not seen or seen[-1] != cell):
+            seen.append(cell)
+            if len(seen) == 3 and shot is not None:
+                await off_loop(driver.save_screenshot, str(shot))
+        if cell and cell.startswith(f"{total} / {total}"):
+            break
+        await asyncio.sleep(0.3)
+    done = [int(c.split(" / ")[0]) for c in seen]
+    assert done and done[-1] == total, seen
+    assert done == sorted(done), seen
+    row = f'tr[data-batch="{batch_id}"]'
+    await off_loop(
+        until, driver, lambda d: "completed" in d.find_element(By.CSS_SELECTOR, row).text, 60
+    )
+    return done

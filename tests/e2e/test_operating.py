@@ -35,8 +35,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from tests.browser import (
-    batch_cell,
     errors_in,
+    follow_batch,
     off_loop,
     requested_urls,
     rows,
@@ -200,26 +200,7 @@ async def test_the_console_follows_the_running_platform_in_a_browser(
 
     # A batch on the real engine: the page follows its progress, to its end.
     batch = await submit(_sdk(ops), jsonl([line(f"c-{i}", max_tokens=24) for i in range(12)]))
-    seen: list[str] = []
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        cell = await off_loop(batch_cell, browser, batch.id)
-        if cell and (not seen or seen[-1] != cell):
-            seen.append(cell)
-        if cell and cell.startswith("12 / 12"):
-            break
-        await asyncio.sleep(0.3)
-    done = [int(c.split(" / ")[0]) for c in seen]
-    assert done and done[-1] == 12, seen
-    assert done == sorted(done), seen
-    await off_loop(
-        until,
-        browser,
-        lambda d: (
-            "completed" in d.find_element(By.CSS_SELECTOR, f'tr[data-batch="{batch.id}"]').text
-        ),
-        60,
-    )
+    await follow_batch(browser, batch.id, 12, 240)
     await off_loop(browser.save_screenshot, str(tmp_path / "console-tierq-run.png"))
     assert errors_in(await off_loop(browser.get_log, "browser")) == []
     urls = await off_loop(requested_urls, browser)

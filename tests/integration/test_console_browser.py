@@ -11,7 +11,6 @@ tmp_path (`console-*.png`, `docs.png`).
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from tests.browser import (
-    batch_cell,
     click_twice,
     errors_in,
+    follow_batch,
     off_loop,
     requested_urls,
     rows,
@@ -82,29 +81,8 @@ async def _console_scenario(platform: Platform, driver: WebDriver, tmp_path: Pat
     batch = await submit(
         sdk(platform, key), jsonl([line(f"l-{i}", max_tokens=16) for i in range(48)])
     )
-    seen: list[str] = []
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        cell = await off_loop(batch_cell, driver, batch.id)
-        if cell and (not seen or seen[-1] != cell):
-            seen.append(cell)
-            if len(seen) == 3:
-                await off_loop(driver.save_screenshot, str(tmp_path / "console-batch.png"))
-        if cell and cell.startswith("48 / 48"):
-            break
-        await asyncio.sleep(0.3)
-    done = [int(c.split(" / ")[0]) for c in seen]
-    assert done and done[-1] == 48, seen
-    assert len([d for d in done if 0 < d < 48]) >= 2, seen  # seen part-way, more than once
-    assert done == sorted(done), seen
-    await off_loop(
-        until,
-        driver,
-        lambda d: (
-            "completed" in d.find_element(By.CSS_SELECTOR, f'tr[data-batch="{batch.id}"]').text
-        ),
-        30,
-    )
+    done = await follow_batch(driver, batch.id, 48, 90, tmp_path / "console-batch.png")
+    assert len([d for d in done if 0 < d < 48]) >= 2, done  # seen part-way, more than once
 
     # Set a quota from the page's form; the admin API has it, the page shows its headroom.
     await off_loop(fill_quota, driver, tenant_id, {"requests_per_minute": "100"})
