@@ -406,6 +406,8 @@ class Worker:
                     continue
                 job_id = str(msg["data"])
                 if job_id not in self._tasks:
+                    if msg["channel"] == preempt:  # addressed to this worker, yet not here
+                        log.info("not preempting job %s: it does not run here", job_id)
                     continue
                 if msg["channel"] == preempt:
                     log.info("preempting job %s", job_id)

@@ -235,6 +235,20 @@ class Terminal:
                 return text
         raise AssertionError(f"not seen in {timeout} s:\n{self.output.decode()[-4000:]}")
 
+    def wait(self, timeout: float) -> int:
+        """The process's exit status, reading what it writes meanwhile: a process whose
+        terminal nobody reads blocks in its next write (Rich draws a last frame on exit)."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            assert time.monotonic() < deadline, f"still running after {timeout} s"
+            ready, _, _ = select.select([self.master], [], [], 0.2)
+            if ready:
+                try:
+                    self.output += os.read(self.master, 65536)
+                except OSError:  # EIO: the process has gone
+                    break
+        return self.proc.wait(5)
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -260,6 +274,6 @@ async def test_tierq_top_refreshes_in_a_terminal_and_stops_on_ctrl_c(ops: LivePl
         # Its row's completed/failed/total, once it is done.
         await asyncio.to_thread(term.read_until, lambda t: "5/0/5" in t, 60)
         os.killpg(term.proc.pid, signal.SIGINT)  # Ctrl-C, as the terminal sends it
-        assert await asyncio.to_thread(term.proc.wait, 15) == 0
+        assert await asyncio.to_thread(term.wait, 15) == 0
     finally:
         term.close()
