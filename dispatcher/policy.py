@@ -192,11 +192,14 @@ class TierqPolicy:
 
     def snapshot(self) -> dict[str, Any]:
         """What a failover must keep: served tokens per tier over the window (the minimum
-        shares) and each tier's tenants' virtual counters (fairness), as plain JSON."""
+        shares), each tier's tenants' virtual counters (fairness), and how often each queued
+        job was passed over for placement (so the look-ahead's bound holds across leaders),
+        as plain JSON."""
         return {
             "window": self.window.snapshot(),
             "counters": {t.value: dict(c) for t, c in self.counters.items()},
             "backlogged": {t.value: sorted(b) for t, b in self._backlogged.items()},
+            "passed_over": dict(self.passed_over),
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -210,6 +213,7 @@ class TierqPolicy:
         for tier in TIER_ORDER:
             self.counters[tier] = {k: float(v) for k, v in counters.get(tier.value, {}).items()}
             self._backlogged[tier] = set(backlogged.get(tier.value, []))
+        self.passed_over = {k: int(v) for k, v in state.get("passed_over", {}).items()}
 
     # --- decisions ----------------------------------------------------------------------
     def assign(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from collections import Counter, defaultdict
 
 from hypothesis import given
@@ -116,6 +117,27 @@ def test_a_job_is_passed_over_lookahead_times_at_most_over_all_rounds() -> None:
     fresh = TierqPolicy(PolicyConfig(min_share={}, affinity_lookahead=3))
     got = fresh.assign(_queues([_job("a"), *[_job("b") for _ in range(6)]]), many, 1.0)
     assert [a.job.prefix for a in got][:4] == ["b", "b", "b", "a"]
+
+
+def test_a_new_leader_keeps_the_passed_over_bound_of_the_old_one() -> None:
+    """The counts travel in the policy's snapshot (JSON, as the dispatcher saves it): a job
+    passed over three times by the old leader is not passed over again by the new one."""
+    slots, _, _ = _two_workers_one_slot_on_bs_worker()
+    config = PolicyConfig(min_share={}, affinity_lookahead=3)
+    old = TierqPolicy(config)
+    head = _job("a")
+    behind = [_job("b") for _ in range(6)]
+    placed: list[QueuedJob] = []
+    for round_no in range(3):
+        waiting = [j for j in [head, *behind] if j not in placed]
+        placed += [a.job for a in old.assign(_queues(waiting), slots, float(round_no))]
+    assert placed == behind[:3]
+    new = TierqPolicy(config)
+    new.restore(json.loads(json.dumps(old.snapshot())))
+    waiting = [j for j in [head, *behind] if j not in placed]
+    assert new.assign(_queues(waiting), slots, 3.0)[0].job == head
+    fresh = TierqPolicy(config)  # without the counts it would pass the head over again
+    assert fresh.assign(_queues(waiting), slots, 3.0)[0].job != head
 
 
 def test_the_prefix_key_is_the_start_of_the_input() -> None:
