@@ -197,7 +197,7 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
         # The worker is never pinned: vLLM places its engine threads itself.
         cpus = pinned if name != "worker" else None
         c = Child(name, argv, log_path, pids / f"{name}.pid", cpus)
-        if metrics_port is not None and argv[1:3] == ["-m", "celery"]:
+        if metrics_port is not None and argv[: len(celery)] == celery:
             # A Celery worker sums its pool's processes through files in a folder of its own.
             c.fresh_dir = (settings.state_dir / "metrics" / name).resolve()
             c.env = {

@@ -48,7 +48,7 @@ from tests.conftest import free_port
 from tests.dashboards import dashboard_metric_names
 from tests.e2e.conftest import LivePlatform, metrics_ports, pg_live
 from tests.helpers import client, wait_for
-from tests.integration.batch_helpers import jsonl, line, submit
+from tests.integration.batch_helpers import finished, jsonl, line, submit
 
 pytestmark = pytest.mark.e2e
 
@@ -64,17 +64,6 @@ def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatform]:
 
 def _sdk(live: LivePlatform) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=f"{live.url}/v1", api_key=live.key, max_retries=0, timeout=120)
-
-
-async def _batch_done(live: LivePlatform, batch_id: str, timeout: float = 240) -> Any:
-    sdk = _sdk(live)
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = await sdk.batches.retrieve(batch_id)
-        if batch.status in ("completed", "failed", "expired", "cancelled"):
-            return batch
-        assert time.monotonic() < deadline, f"batch still {batch.status}"
-        await asyncio.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -147,7 +136,7 @@ async def test_prometheus_scrapes_every_process_and_holds_every_series_the_dashb
             assert refused.status_code == 400, refused.text
             for job_id in ids:
                 assert (await wait_for(c, job_id, timeout=120))["status"] == "succeeded"
-        assert (await _batch_done(ops, batch.id)).status == "completed"
+        assert (await finished(_sdk(ops), batch.id, None, 240)).status == "completed"
 
         wanted = dashboard_metric_names()
         held: set[str] = set()
@@ -221,32 +210,34 @@ class Terminal:
         os.close(replica)
         self.output = b""
 
+    def _read(self) -> bool:
+        """What the process wrote within 0.2 s, added to `output`; False once it has gone
+        (EIO: nothing more will come)."""
+        ready, _, _ = select.select([self.master], [], [], 0.2)
+        if ready:
+            try:
+                self.output += os.read(self.master, 65536)
+            except OSError:
+                return False
+        return True
+
     def read_until(self, predicate: Any, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.master], [], [], 0.2)
-            if ready:
-                try:
-                    self.output += os.read(self.master, 65536)
-                except OSError:  # EIO: the process has gone, and nothing more will come
-                    break
+            alive = self._read()
             text = self.output.decode(errors="replace")
             if predicate(text):
                 return text
+            if not alive:
+                break
         raise AssertionError(f"not seen in {timeout} s:\n{self.output.decode()[-4000:]}")
 
     def wait(self, timeout: float) -> int:
         """The process's exit status, reading what it writes meanwhile: a process whose
         terminal nobody reads blocks in its next write (Rich draws a last frame on exit)."""
         deadline = time.monotonic() + timeout
-        while self.proc.poll() is None:
+        while self.proc.poll() is None and self._read():
             assert time.monotonic() < deadline, f"still running after {timeout} s"
-            ready, _, _ = select.select([self.master], [], [], 0.2)
-            if ready:
-                try:
-                    self.output += os.read(self.master, 65536)
-                except OSError:  # EIO: the process has gone
-                    break
         return self.proc.wait(5)
 
     def close(self) -> None:
@@ -270,7 +261,7 @@ async def test_tierq_top_refreshes_in_a_terminal_and_stops_on_ctrl_c(ops: LivePl
         # Something new on the platform shows up in the frames that follow, without a restart.
         batch = await submit(_sdk(ops), jsonl([line(f"t-{i}") for i in range(5)]))
         await asyncio.to_thread(term.read_until, lambda t: batch.id in t, 60)
-        assert (await _batch_done(ops, batch.id)).status == "completed"
+        assert (await finished(_sdk(ops), batch.id, None, 240)).status == "completed"
         # Its row's completed/failed/total, once it is done.
         await asyncio.to_thread(term.read_until, lambda t: "5/0/5" in t, 60)
         os.killpg(term.proc.pid, signal.SIGINT)  # Ctrl-C, as the terminal sends it

@@ -345,12 +345,7 @@ async def test_a_job_preempted_midway_resumes_after_its_tokens_with_the_text_it_
             # again if the run is not put back within 5 s, as long as the job runs.
             for _ in range(3):
                 assert await r.publish(names.preempt_channel(worker_id), job_id) == 1
-                for _ in range(25):
-                    await asyncio.sleep(0.2)
-                    history, _ = await _history_and_usage(pg_platform.database_url, job_id)
-                    if len(history) > 2:
-                        break
-                if len(history) > 2:
+                if await _put_back(pg_platform.database_url, job_id, within_s=5.0):
                     break
         finally:
             await r.aclose()
@@ -373,6 +368,17 @@ async def test_a_job_preempted_midway_resumes_after_its_tokens_with_the_text_it_
     kept = re.findall(rf"job {job_id} resumes after (\d+) generated tokens", worker_log)
     assert len(runs) == 2 and len(kept) == 1 and runs[0] == int(kept[0]) > 0, (runs, kept)
     assert sum(runs) == alone["usage"]["completion_tokens"]  # no token generated twice
+
+
+async def _put_back(database_url: str | None, job_id: str, within_s: float) -> bool:
+    """Whether the job's run was put back (a transition after queued, running) in time."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        history, _ = await _history_and_usage(database_url, job_id)
+        if len(history) > 2:
+            return True
+    return False
 
 
 async def _worker_of(database_url: str | None, job_id: str) -> str:

@@ -51,15 +51,19 @@ async def submit(client: AsyncOpenAI, data: bytes, endpoint: str = CHAT) -> Any:
 
 
 async def finished(
-    client: AsyncOpenAI, batch_id: str, celery: CeleryWorker, timeout: float = 90
+    client: AsyncOpenAI, batch_id: str, celery: CeleryWorker | None, timeout: float = 90
 ) -> Any:
+    """The batch once it has ended. `celery`: the test's own Celery worker, which must stay
+    up meanwhile (None where a platform such as `tierq run` runs its own)."""
     deadline = time.monotonic() + timeout
     while True:
         batch = await client.batches.retrieve(batch_id)
         if batch.status in ("completed", "failed", "expired", "cancelled"):
             return batch
-        assert celery.proc is not None and celery.proc.poll() is None, celery.output()
-        assert time.monotonic() < deadline, f"batch still {batch.status}:\n{celery.output()}"
+        output = "" if celery is None else celery.output()
+        if celery is not None:
+            assert celery.proc is not None and celery.proc.poll() is None, output
+        assert time.monotonic() < deadline, f"batch still {batch.status}:\n{output}"
         await asyncio.sleep(0.2)
 
 
