@@ -388,7 +388,9 @@ def bench_chaos(
 @bench_app.command("isolation")
 def bench_isolation(
     duration: float = typer.Option(
-        60.0, help="Seconds of load: the quiet tenant alone, then noise."
+        90.0,
+        help="Seconds of load: the quiet tenant alone (25 %), beside a good neighbour "
+        "(25 %), then under the noise.",
     ),
     seed: int = typer.Option(0, help="Seeds the noisy tenant's workload."),
     engine: str = typer.Option("simulated", help="simulated (default) or vllm (the real one)."),
@@ -397,12 +399,19 @@ def bench_isolation(
         2.0, help="The quiet tenant's interactive requests per second."
     ),
     job_rate: float = typer.Option(10.0, help="The noisy tenant's job submissions per second."),
+    noisy_nice: int = typer.Option(
+        10,
+        min=0,
+        max=19,
+        help="The noisy tenant's client's niceness: it stands for clients on machines of "
+        "their own (0: it competes with the platform for this machine's CPU).",
+    ),
     settle: float = typer.Option(60.0, help="After the load: how long leftovers may take."),
     keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the processes' logs."),
 ) -> None:
-    """A noisy tenant within its allowance against a quiet one: interactive TTFT alone and
-    under the noise, Redis peaks, server errors, unbilled tokens (simulated engine by
-    default); prints one JSON line last."""
+    """A noisy tenant within its allowance against a quiet one: interactive TTFT alone,
+    beside the same tenant behaving well, and under its noise, Redis peaks, server errors,
+    unbilled tokens (simulated engine by default); prints one JSON line last."""
     from benchmarks.isolation import IsolationConfig, run_isolation
 
     setup_logging("INFO")
@@ -414,6 +423,7 @@ def bench_isolation(
         streams=streams,
         quiet_rate=quiet_rate,
         job_rate=job_rate,
+        noisy_nice=noisy_nice,
         settle_s=settle,
         keep_logs=keep_logs,
     )

@@ -28,8 +28,12 @@ FIELDS = (
     "engine",
     "duration_s",
     "interactive_ttft_p95_alone_s",
+    "interactive_ttft_p95_neighbour_s",
     "interactive_ttft_p95_noise_s",
     "ttft_ratio",
+    "ttft_ratio_neighbour",
+    "ttft_ratio_vs_neighbour",
+    "other_tenant_running_mean",
     "redis_peak_memory_mb",
     "redis_peak_clients",
     "db_pool_waits",
@@ -49,7 +53,12 @@ async def test_noise_causes_no_server_error_and_every_token_is_billed() -> None:
     assert all(name in result for name in FIELDS), summary
     assert result["engine"].startswith("simulated"), summary
     quiet, noisy, bounds = result["quiet_requests"], result["noisy"], result["bounds"]
-    assert quiet["alone"] > 0 and quiet["noise"] > 0, summary
+    assert quiet["alone"] > 0 and quiet["neighbour"] > 0 and quiet["noise"] > 0, summary
+    # The good neighbour's jobs ran, and were followed to their end over SSE.
+    assert noisy["neighbour"].get("submitted", 0) > 0, summary
+    assert noisy["neighbour"].get("followed to done", 0) > 0, summary
+    assert result["other_tenant_running_mean"]["alone"] == 0, summary
+    assert result["other_tenant_running_mean"]["neighbour"] > 0, summary
     assert noisy["streams_opened"] > 0 and noisy["jobs_accepted"] > 0, summary
     assert noisy["batches_created"] > 0 and noisy["files_uploaded"] > 0, summary
     # 12 uploads of 8 MiB against a 64 MiB quota: past it, refused with 413.
