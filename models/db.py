@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import event, exc
+from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -45,29 +46,62 @@ def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
         # Several processes share the embedded SQLite file: WAL lets readers run beside the
         # one writer, and busy_timeout makes a writer wait for the lock instead of failing.
         engine = create_async_engine(url, connect_args={"timeout": 30}, **kwargs)
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=30000")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.close()
-            # Let SQLAlchemy, not the driver, begin transactions (see _begin).
-            dbapi_conn.isolation_level = None
-
-        @event.listens_for(engine.sync_engine, "begin")
-        def _begin(conn: Any) -> None:
-            # Take the write lock up front: two deferred transactions that both read, then
-            # both write, deadlock in SQLite (one fails at once with "database is locked");
-            # immediate ones queue on busy_timeout instead.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-
+        sqlite_pragmas(engine.sync_engine)
         return engine
     kwargs.setdefault("pool_size", 10)
     kwargs.setdefault("max_overflow", 20)
     kwargs.setdefault("pool_pre_ping", True)
     return create_async_engine(url, **kwargs)
+
+
+def sqlite_pragmas(engine: Engine) -> None:
+    """Every connection to the embedded SQLite file, through aiosqlite or the standard
+    library's driver (models/admission_sqlite.py), set up alike."""
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+        # Let SQLAlchemy, not the driver, begin transactions (see _begin).
+        dbapi_conn.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        # Take the write lock up front: two deferred transactions that both read, then
+        # both write, deadlock in SQLite (one fails at once with "database is locked");
+        # immediate ones queue on busy_timeout instead.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+T = TypeVar("T")
+
+
+class LocalWriter:
+    """A synchronous connection to an SQLite file, used on one thread of its own: a hot
+    path's whole transaction is one hop there and back (models/admission_sqlite.py), where
+    aiosqlite makes each statement one."""
+
+    def __init__(self, url: str) -> None:
+        # The async URL's file, through the standard library's driver.
+        self.engine: Engine = create_engine(
+            url.replace("+aiosqlite", "", 1), connect_args={"timeout": 30}, pool_size=1
+        )
+        sqlite_pragmas(self.engine)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierq-sqlite-writer")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(engine, *args)` on the writer's thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, fn, self.engine, *args)
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(RuntimeError):  # already shut down
+            await loop.run_in_executor(self._thread, self.engine.dispose)
+        self._thread.shutdown(wait=False)
 
 
 class Unavailable(ConnectionError):
@@ -204,8 +238,12 @@ class Database:
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         # The hot path's raw connections (PostgreSQL): as many as the pool's base size.
         self.raw: RawPool | None = None
+        # The hot path's own connection and thread on an SQLite file.
+        self.local: LocalWriter | None = None
         if url.startswith("postgresql"):
             self.raw = RawPool(url, kwargs.get("pool_size", 10), kwargs.get("pool_timeout", 30.0))
+        elif url.startswith("sqlite") and ":memory:" not in url:
+            self.local = LocalWriter(url)
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
@@ -226,4 +264,6 @@ class Database:
     async def close(self) -> None:
         if self.raw is not None:
             await self.raw.close()
+        if self.local is not None:
+            await self.local.close()
         await self.engine.dispose()

@@ -80,7 +80,7 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
     now = utcnow()
     if new.idempotency_key is None:
         # Nothing can conflict: two plain INSERTs, without a savepoint or the ORM's flush.
-        values = _row_values(new, new_id("job"), now)
+        values = row_values(new, new_id("job"), now)
         await s.execute(insert(Job).values(values))
         await s.execute(
             insert(JobTransition).values(job_id=values["id"], status=values["status"], at=now)
@@ -105,10 +105,10 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
 
 def new_row(new: NewJob, job_id: str, now: datetime) -> Job:
     """The row of a job just admitted (queued, never delivered)."""
-    return Job(**_row_values(new, job_id, now))
+    return Job(**row_values(new, job_id, now))
 
 
-def _row_values(new: NewJob, job_id: str, now: datetime) -> dict[str, Any]:
+def row_values(new: NewJob, job_id: str, now: datetime) -> dict[str, Any]:
     return {
         "id": job_id,
         "tenant_id": new.tenant_id,

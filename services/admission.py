@@ -38,7 +38,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from models import admission
+from models import admission, admission_sqlite
 from models import jobs as job_repo
 from models import prices as price_repo
 from models import quotas as quota_repo
@@ -220,12 +220,15 @@ async def submit(
     async with _gated(gate, tenant.id), admitting as span:
         job = None
         created, counted = True, False
-        if db.raw is not None:  # PostgreSQL: one round trip admits the job
+        # PostgreSQL: one round trip admits the job; an SQLite file: one thread hop, for a
+        # request without an Idempotency-Key (models/admission_sqlite.py).
+        fast = db.raw is not None or (db.local is not None and idempotency_key is None)
+        if fast:
             quotas = _quotas_seen.recent((tenant.id, tier))
             if not quotas:
                 metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
-                job, quotas = await _admit_fast(db.raw, settings, tenant, key_id, new)
-            if job is None and quotas:
+                job, quotas = await _admit_fast(db, settings, tenant, key_id, new)
+            if job is None and quotas and db.raw is not None:
                 new, counted = await _counted(settings, new, messages, body), True
                 metrics.ADMISSION_STATEMENTS.labels(path="quotas").inc()
                 job = await _admit_with_quotas(db.raw, settings, tenant, key_id, new)
@@ -292,20 +295,18 @@ async def _counted(
 
 
 async def _admit_fast(
-    raw: RawPool, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
+    db: Database, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
 ) -> tuple[JobRecord | None, bool]:
-    """The job, admitted by one statement (models/admission.py), and whether quotas apply
-    to its tier; no job when they do (they are checked elsewhere) or when the
-    Idempotency-Key was used before (the exact path answers)."""
-    outcome = await admission.admit(
-        raw,
-        new_id("job"),
-        new,
-        key_id,
-        utcnow(),
-        settings.default_max_queued,
-        settings.batch_discount,
-    )
+    """The job, admitted by one statement (models/admission.py) or one hop to SQLite's
+    writer (models/admission_sqlite.py), and whether quotas apply to its tier; no job when
+    they do (they are checked elsewhere) or when the Idempotency-Key was used before (the
+    exact path answers)."""
+    args = (new_id("job"), new, key_id, utcnow(), settings.default_max_queued)
+    if db.raw is not None:
+        outcome = await admission.admit(db.raw, *args, settings.batch_discount)
+    else:
+        assert db.local is not None
+        outcome = await admission_sqlite.admit(db.local, *args, settings.batch_discount)
     if outcome.job is not None:
         return outcome.job, False
     if outcome.quotas:

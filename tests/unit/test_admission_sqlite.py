@@ -1,0 +1,170 @@
+"""Admission's fast path on an SQLite file (models/admission_sqlite.py): one transaction
+on a thread of its own, answering as `models.admission.admit` does on PostgreSQL — the
+same prices as the ORM path, the tenant's status and the key's as of its transaction,
+quotas and the queue bound sent back to the exact path with nothing written — and the
+rows it writes read back by the ORM exactly as it answered them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from decimal import Decimal
+from pathlib import Path
+
+import migrations
+from models import admission_sqlite
+from models import jobs as job_repo
+from models import prices as price_repo
+from models import quotas as quota_repo
+from models import tenants as tenant_repo
+from models.admission import Outcome
+from models.db import Database
+from models.records import JobRecord
+from models.tables import utcnow
+from tierq.ids import new_id
+from tierq.tiers import Tier
+
+MODEL = "m"
+DISCOUNT = Decimal("0.5")
+
+
+async def _database(tmp_path: Path) -> Database:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'admission.db'}"
+    await asyncio.to_thread(migrations.upgrade, url)
+    db = Database(url)
+    assert db.local is not None  # a file: the fast path is there
+    return db
+
+
+async def _tenant(db: Database) -> tuple[str, str]:
+    async with db.transaction() as s:
+        tenant = await tenant_repo.create_tenant(s, new_id("name"))
+        key = await tenant_repo.issue_key(s, tenant.id)
+    return tenant.id, key.id
+
+
+def _new(tenant_id: str, tier: Tier = Tier.STANDARD) -> job_repo.NewJob:
+    return job_repo.NewJob(
+        tenant_id=tenant_id,
+        tier=tier,
+        model=MODEL,
+        messages=[{"role": "user", "content": "héllo"}],
+        prompt=None,
+        params={"max_tokens": 8, "temperature": 0.0},
+        metadata={"k": "v"},
+        reserved_tokens=42,
+    )
+
+
+async def _admit(
+    db: Database, tenant_id: str, key_id: str | None, tier: Tier = Tier.STANDARD, bound: int = 0
+) -> Outcome:
+    assert db.local is not None
+    return await admission_sqlite.admit(
+        db.local, new_id("job"), _new(tenant_id, tier), key_id, utcnow(), bound, DISCOUNT
+    )
+
+
+async def _counts(db: Database, tenant_id: str) -> dict[tuple[str, str], int]:
+    async with db.session() as s:
+        return await job_repo.tenant_job_counts(s, tenant_id)
+
+
+async def test_admitted_jobs_read_back_as_answered_at_the_prices_of_the_orm_path(
+    tmp_path: Path,
+) -> None:
+    db = await _database(tmp_path)
+    async with db.transaction() as s:
+        await price_repo.set_price(s, MODEL, "standard", Decimal("0.37"), Decimal("1.1"))
+        await price_repo.set_price(s, MODEL, "interactive", Decimal("2.50"), Decimal("1.1"))
+    tenant_id, key_id = await _tenant(db)
+    for tier in Tier:
+        outcome = await _admit(db, tenant_id, key_id, tier)
+        job = outcome.job
+        assert job is not None and outcome.status == "active" and not outcome.quotas
+        async with db.session() as s:
+            expected = await price_repo.current_price(s, MODEL, tier, DISCOUNT)
+            stored = await job_repo.get_job(s, job.id)
+        assert expected is not None
+        assert (job.input_price, job.output_price) == (
+            expected.input_per_million,
+            expected.output_per_million,
+        )
+        assert isinstance(stored, JobRecord)
+        assert stored == job  # every field, as the ORM reads the row back
+        assert stored.messages == [{"role": "user", "content": "héllo"}]
+    assert await _counts(db, tenant_id) == {(t.value, "queued"): 1 for t in Tier}
+    # A model without a price costs nothing.
+    async with db.transaction() as s:
+        other = await tenant_repo.create_tenant(s, "other")
+    assert db.local is not None
+    unpriced = dataclasses.replace(_new(other.id), model="x")
+    free = await admission_sqlite.admit(
+        db.local, new_id("job"), unpriced, None, utcnow(), 0, DISCOUNT
+    )
+    assert free.job is not None and (free.job.input_price, free.job.output_price) == (0, 0)
+    await db.close()
+
+
+async def test_a_suspended_tenant_a_revoked_key_and_quotas_write_nothing(
+    tmp_path: Path,
+) -> None:
+    db = await _database(tmp_path)
+    tenant_id, key_id = await _tenant(db)
+    async with db.transaction() as s:
+        await tenant_repo.revoke_key(s, key_id)
+    revoked = await _admit(db, tenant_id, key_id)
+    assert revoked.job is None and revoked.status == tenant_repo.REVOKED
+    unknown = await _admit(db, tenant_id, "key_unknown")
+    assert unknown.job is None and unknown.status == tenant_repo.REVOKED
+    async with db.transaction() as s:
+        await tenant_repo.update_tenant(s, tenant_id, status="suspended")
+    suspended = await _admit(db, tenant_id, None)
+    assert suspended.job is None and suspended.status == "suspended"
+    missing = await _admit(db, "ten_missing", None)
+    assert missing.job is None and missing.status is None
+    assert await _counts(db, tenant_id) == {}
+
+    limited, _key = await _tenant(db)
+    async with db.transaction() as s:  # max_running alone is the dispatcher's: not here
+        await quota_repo.set_quota(s, limited, "*", max_running=2)
+    assert (await _admit(db, limited, None)).job is not None
+    async with db.transaction() as s:
+        await quota_repo.set_quota(s, limited, "batch", token_budget=100)
+    sent_back = await _admit(db, limited, None, Tier.BATCH)
+    assert sent_back.job is None and sent_back.quotas and sent_back.status == "active"
+    assert (await _admit(db, limited, None, Tier.STANDARD)).job is not None  # not its tier
+    assert await _counts(db, limited) == {("standard", "queued"): 2}
+    await db.close()
+
+
+async def test_the_queue_bound_holds_under_a_concurrent_burst_on_one_thread(
+    tmp_path: Path,
+) -> None:
+    """64 admissions at once against a bound of 40: exactly 40 admitted (each reads the
+    count under the write lock), each with its transition; every statement ran on the
+    writer's one thread."""
+    db = await _database(tmp_path)
+    tenant_id, key_id = await _tenant(db)
+    threads: set[str] = set()
+    assert db.local is not None
+    run = db.local._thread.submit
+
+    def seen(fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return run(lambda: (threads.add(threading.current_thread().name), fn(*args, **kwargs))[1])
+
+    db.local._thread.submit = seen  # type: ignore[method-assign]
+    outcomes = await asyncio.gather(*(_admit(db, tenant_id, key_id, bound=40) for _ in range(64)))
+    admitted = [o.job for o in outcomes if o.job is not None]
+    refused = [o for o in outcomes if o.job is None]
+    assert len(admitted) == 40 and len(refused) == 24
+    assert all(o.queued == 40 and o.status == "active" for o in refused)
+    assert await _counts(db, tenant_id) == {("standard", "queued"): 40}
+    async with db.session() as s:
+        for job in admitted:
+            assert job is not None
+            history = await job_repo.transitions(s, job.id)
+            assert [status for status, *_ in history] == ["queued"]
+    assert len(threads) == 1 and next(iter(threads)).startswith("tierq-sqlite-writer")
+    await db.close()
