@@ -10,7 +10,9 @@ much after the first and the whole run ends that much later.
 Here the same checks run as `models.admission.ADMIT` makes them on PostgreSQL, for a tenant
 without quotas for the job's tier and a request without an Idempotency-Key (everything
 else takes the exact path), in one `BEGIN IMMEDIATE` transaction on a connection of their
-own, on one thread of their own: one hop per admission. SQLite's write lock, taken at
+own, on one thread of their own: one hop per admission, and the admissions that arrive
+while one transaction runs share the next one's COMMIT (models.db.LocalWriter: under
+load the WAL's fsync is most of what a commit costs). SQLite's write lock, taken at
 BEGIN, is what PostgreSQL's row locks are there: every read after it sees every commit
 before it, and nothing commits beside it, so a suspension or a revocation that committed
 first refuses the job, one that comes later waits for it. Nothing is written unless the
@@ -26,7 +28,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Engine, exists, func, insert, literal, or_, select
+from sqlalchemy import Connection, exists, func, insert, literal, or_, select
 
 from models import jobs
 from models import quotas as quota_repo
@@ -58,7 +60,7 @@ async def admit(
 
 
 def _admit(
-    engine: Engine,
+    conn: Connection,
     job_id: str,
     new: NewJob,
     key_id: str | None,
@@ -66,57 +68,56 @@ def _admit(
     default_max_queued: int,
     batch_discount: Decimal,
 ) -> Outcome:
+    """In the writer's transaction (LocalWriter: BEGIN IMMEDIATE, SQLite's write lock,
+    held since before the first read)."""
     tier = new.tier.value
-    with engine.begin() as conn:  # BEGIN IMMEDIATE (sqlite_pragmas): the write lock
-        status = conn.execute(
-            select(Tenant.status).where(Tenant.id == new.tenant_id)
-        ).scalar_one_or_none()
-        key_ok = True
-        if key_id is not None:
-            key = conn.execute(
-                select(ApiKey.revoked_at).where(
-                    ApiKey.id == key_id, ApiKey.tenant_id == new.tenant_id
-                )
-            ).one_or_none()
-            key_ok = key is not None and key[0] is None
-        limited = or_(*(getattr(Quota, f).is_not(None) for f in quota_repo.ADMISSION_FIELDS))
-        quotas = bool(
-            conn.execute(
-                select(
-                    exists().where(
-                        Quota.tenant_id == new.tenant_id,
-                        Quota.tier.in_((quota_repo.ALL_TIERS, tier)),
-                        limited,
-                    )
-                )
-            ).scalar()
-        )
-        waiting = (
-            select(literal(1))
-            .where(
-                Job.tenant_id == new.tenant_id,
-                Job.status == JobStatus.QUEUED.value,
-                Job.batch_id.is_(None),
-            )
-            .limit(default_max_queued)
-            .subquery()
-        )
-        queued = int(conn.execute(select(func.count()).select_from(waiting)).scalar() or 0)
-        admitted = (
-            status == "active"
-            and key_ok
-            and not quotas
-            and (default_max_queued == 0 or queued < default_max_queued)
-        )
-        if not admitted:
-            return Outcome(None, status, key_ok, quotas, queued)
-        price_in, price_out = _price(conn, new.model, new.tier, batch_discount)
-        priced = replace(new, input_price=price_in, output_price=price_out)
-        values = jobs.row_values(priced, job_id, created_at)
-        conn.execute(insert(Job).values(values))
+    status = conn.execute(
+        select(Tenant.status).where(Tenant.id == new.tenant_id)
+    ).scalar_one_or_none()
+    key_ok = True
+    if key_id is not None:
+        key = conn.execute(
+            select(ApiKey.revoked_at).where(ApiKey.id == key_id, ApiKey.tenant_id == new.tenant_id)
+        ).one_or_none()
+        key_ok = key is not None and key[0] is None
+    limited = or_(*(getattr(Quota, f).is_not(None) for f in quota_repo.ADMISSION_FIELDS))
+    quotas = bool(
         conn.execute(
-            insert(JobTransition).values(job_id=job_id, status=values["status"], at=created_at)
+            select(
+                exists().where(
+                    Quota.tenant_id == new.tenant_id,
+                    Quota.tier.in_((quota_repo.ALL_TIERS, tier)),
+                    limited,
+                )
+            )
+        ).scalar()
+    )
+    waiting = (
+        select(literal(1))
+        .where(
+            Job.tenant_id == new.tenant_id,
+            Job.status == JobStatus.QUEUED.value,
+            Job.batch_id.is_(None),
         )
+        .limit(default_max_queued)
+        .subquery()
+    )
+    queued = int(conn.execute(select(func.count()).select_from(waiting)).scalar() or 0)
+    admitted = (
+        status == "active"
+        and key_ok
+        and not quotas
+        and (default_max_queued == 0 or queued < default_max_queued)
+    )
+    if not admitted:
+        return Outcome(None, status, key_ok, quotas, queued)
+    price_in, price_out = _price(conn, new.model, new.tier, batch_discount)
+    priced = replace(new, input_price=price_in, output_price=price_out)
+    values = jobs.row_values(priced, job_id, created_at)
+    conn.execute(insert(Job).values(values))
+    conn.execute(
+        insert(JobTransition).values(job_id=job_id, status=values["status"], at=created_at)
+    )
     return Outcome(
         JobRecord.from_row(jobs.new_row(priced, job_id, created_at)),
         status,
@@ -126,7 +127,9 @@ def _admit(
     )
 
 
-def _price(conn: Any, model: str, tier: Tier, batch_discount: Decimal) -> tuple[Decimal, Decimal]:
+def _price(
+    conn: Connection, model: str, tier: Tier, batch_discount: Decimal
+) -> tuple[Decimal, Decimal]:
     """The price in force as `ADMIT` finds it: the tier's latest; for the batch tier
     without one, the standard tier's times 1 - BATCH_DISCOUNT; else nothing (0)."""
 

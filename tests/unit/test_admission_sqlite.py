@@ -12,6 +12,8 @@ import threading
 from decimal import Decimal
 from pathlib import Path
 
+from sqlalchemy import Connection, event
+
 import migrations
 from models import admission_sqlite
 from models import jobs as job_repo
@@ -167,4 +169,46 @@ async def test_the_queue_bound_holds_under_a_concurrent_burst_on_one_thread(
             history = await job_repo.transitions(s, job.id)
             assert [status for status, *_ in history] == ["queued"]
     assert len(threads) == 1 and next(iter(threads)).startswith("tierq-sqlite-writer")
+    await db.close()
+
+
+async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alone(
+    tmp_path: Path,
+) -> None:
+    """LocalWriter's group commit: 64 writes at once take far fewer COMMITs than 64; a
+    write that inserted a row and then raised leaves nothing, its neighbours in the same
+    transaction stand, and its caller gets the error."""
+    db = await _database(tmp_path)
+    tenant_id, _key = await _tenant(db)
+    local = db.local
+    assert local is not None
+    commits = 0
+
+    def counted(_conn: object) -> None:
+        nonlocal commits
+        commits += 1
+
+    event.listen(local.engine, "commit", counted)
+    outcomes = await asyncio.gather(*(_admit(db, tenant_id, None) for _ in range(64)))
+    assert all(o.job is not None for o in outcomes)
+    assert commits < 32, commits
+
+    class Boom(Exception):
+        pass
+
+    def admit_then_raise(conn: Connection) -> None:
+        admission_sqlite._admit(conn, "job_doomed", _new(tenant_id), None, utcnow(), 0, DISCOUNT)
+        raise Boom
+
+    results = await asyncio.gather(
+        _admit(db, tenant_id, None),
+        local.run(admit_then_raise),
+        _admit(db, tenant_id, None),
+        return_exceptions=True,
+    )
+    assert isinstance(results[1], Boom)
+    assert all(isinstance(r, Outcome) and r.job is not None for r in (results[0], results[2]))
+    async with db.session() as s:
+        assert await job_repo.get_job(s, "job_doomed") is None
+    assert await _counts(db, tenant_id) == {("standard", "queued"): 66}
     await db.close()
