@@ -102,23 +102,34 @@ class LocalWriter:
         self._pending: list[_Write] = []
         self._lock = threading.Lock()
         self._scheduled = False
+        self._closed = False
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(connection, *args)` on the writer's thread, inside a transaction; its
-        value once that transaction committed."""
+        value once that transaction committed. A write whose caller was cancelled before
+        its turn is not run."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
         with self._lock:
+            if self._closed:
+                raise Unavailable("the database writer is closed")
             self._pending.append(_Write(fn, args, done, loop))
             schedule, self._scheduled = not self._scheduled, True
         if schedule:
-            self._thread.submit(self._drain)
+            try:
+                self._thread.submit(self._drain)
+            except RuntimeError as exc:  # shut down meanwhile: nothing waits forever
+                with self._lock:
+                    stranded, self._pending, self._scheduled = self._pending, [], False
+                for write in stranded:
+                    _answer(write, None, Unavailable(f"the database writer is closed: {exc}"))
         return await done
 
     def _drain(self) -> None:
         with self._lock:
             group, self._pending = self._pending, []
             self._scheduled = False
+        group = [write for write in group if not write.done.cancelled()]
         answers: list[tuple[_Write, Any, BaseException | None]] = []
         try:
             with self.engine.begin() as conn:
@@ -126,14 +137,20 @@ class LocalWriter:
                     try:
                         with conn.begin_nested():
                             answers.append((write, write.fn(conn, *write.args), None))
-                    except Exception as exc:  # that write alone is rolled back
+                    except Exception as exc:  # that write alone is rolled back...
+                        if not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
+                            # ...unless SQLite rolled the whole transaction back itself (a
+                            # full disk, an I/O error): then no write of the group stands.
+                            raise
                         answers.append((write, None, exc))
         except Exception as exc:  # BEGIN or COMMIT failed: nothing of the group is written
             answers = [(write, None, exc) for write in group]
         for write, value, error in answers:
-            write.loop.call_soon_threadsafe(_settle, write.done, value, error)
+            _answer(write, value, error)
 
     async def close(self) -> None:
+        with self._lock:
+            self._closed = True
         loop = asyncio.get_running_loop()
         with contextlib.suppress(RuntimeError):  # already shut down
             await loop.run_in_executor(self._thread, self.engine.dispose)
@@ -146,6 +163,13 @@ class _Write:
     args: tuple[Any, ...]
     done: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
+
+
+def _answer(write: _Write, value: Any, error: BaseException | None) -> None:
+    """Hand the caller its answer on its own event loop; one whose loop has closed hears
+    nothing, and the others are still answered."""
+    with contextlib.suppress(RuntimeError):
+        write.loop.call_soon_threadsafe(_settle, write.done, value, error)
 
 
 def _settle(done: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
@@ -284,6 +308,15 @@ async def _discard(conn: Any) -> None:
         conn.terminate()
 
 
+def _sqlite_file(url: str) -> bool:
+    """Whether an SQLite URL names a file that a second connection opens too (an in-memory
+    database is one per connection)."""
+    from sqlalchemy.engine import make_url
+
+    name = make_url(url).database or ""
+    return name not in ("", ":memory:") and "mode=memory" not in url
+
+
 class Database:
     def __init__(self, url: str, **kwargs: Any) -> None:
         self.url = url
@@ -295,7 +328,7 @@ class Database:
         self.local: LocalWriter | None = None
         if url.startswith("postgresql"):
             self.raw = RawPool(url, kwargs.get("pool_size", 10), kwargs.get("pool_timeout", 30.0))
-        elif url.startswith("sqlite") and ":memory:" not in url:
+        elif url.startswith("sqlite") and _sqlite_file(url):
             self.local = LocalWriter(url)
 
     @asynccontextmanager

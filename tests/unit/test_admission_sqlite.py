@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+from collections.abc import Awaitable
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Connection, event
 
@@ -21,7 +23,7 @@ from models import prices as price_repo
 from models import quotas as quota_repo
 from models import tenants as tenant_repo
 from models.admission import Outcome
-from models.db import Database
+from models.db import Database, LocalWriter, Unavailable
 from models.records import JobRecord
 from models.tables import utcnow
 from tierq.ids import new_id
@@ -66,6 +68,17 @@ async def _admit(
     return await admission_sqlite.admit(
         db.local, new_id("job"), _new(tenant_id, tier), key_id, utcnow(), bound, DISCOUNT
     )
+
+
+async def _one_group(local: LocalWriter, *writes: Awaitable[Any]) -> list[Any]:
+    """The writes' answers (or errors), the writer held busy until all are queued: they
+    make one group, in the order given."""
+    held = threading.Event()
+    local._thread.submit(held.wait, 10)
+    gathered = asyncio.gather(*writes, return_exceptions=True)
+    await asyncio.sleep(0.2)
+    held.set()
+    return list(await gathered)
 
 
 async def _counts(db: Database, tenant_id: str) -> dict[tuple[str, str], int]:
@@ -175,9 +188,10 @@ async def test_the_queue_bound_holds_under_a_concurrent_burst_on_one_thread(
 async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alone(
     tmp_path: Path,
 ) -> None:
-    """LocalWriter's group commit: 64 writes at once take far fewer COMMITs than 64; a
-    write that inserted a row and then raised leaves nothing, its neighbours in the same
-    transaction stand, and its caller gets the error."""
+    """LocalWriter's group commit: 64 writes at once take far fewer COMMITs than 64. With
+    the writer held busy, three writes make one group: the one that inserted a row and
+    then raised leaves nothing, the writes before and after it in the same transaction
+    stand, and its caller gets its error."""
     db = await _database(tmp_path)
     tenant_id, _key = await _tenant(db)
     local = db.local
@@ -200,15 +214,58 @@ async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alo
         admission_sqlite._admit(conn, "job_doomed", _new(tenant_id), None, utcnow(), 0, DISCOUNT)
         raise Boom
 
-    results = await asyncio.gather(
-        _admit(db, tenant_id, None),
-        local.run(admit_then_raise),
-        _admit(db, tenant_id, None),
-        return_exceptions=True,
+    commits = 0
+    results = await _one_group(
+        local, _admit(db, tenant_id, None), local.run(admit_then_raise), _admit(db, tenant_id, None)
     )
+    assert commits == 1  # one group, one transaction
     assert isinstance(results[1], Boom)
     assert all(isinstance(r, Outcome) and r.job is not None for r in (results[0], results[2]))
     async with db.session() as s:
         assert await job_repo.get_job(s, "job_doomed") is None
     assert await _counts(db, tenant_id) == {("standard", "queued"): 66}
     await db.close()
+
+
+async def test_a_group_sqlite_rolled_back_whole_answers_every_write_with_the_error(
+    tmp_path: Path,
+) -> None:
+    """Where SQLite rolls the whole transaction back itself (a full disk, an I/O error;
+    here a write that does it), no write of the group stands, so none is answered as
+    written — the one before it included."""
+    db = await _database(tmp_path)
+    tenant_id, _key = await _tenant(db)
+    local = db.local
+    assert local is not None
+
+    def roll_back_all(conn: Connection) -> None:
+        conn.exec_driver_sql("ROLLBACK")
+        raise OSError("disk I/O error")
+
+    results = await _one_group(
+        local, _admit(db, tenant_id, None), local.run(roll_back_all), _admit(db, tenant_id, None)
+    )
+    assert all(isinstance(r, Exception) for r in results), results
+    assert await _counts(db, tenant_id) == {}
+    # The writer goes on: the next write has a transaction of its own.
+    assert (await _admit(db, tenant_id, None)).job is not None
+    await db.close()
+
+
+async def test_a_closed_writer_refuses_at_once_and_memory_databases_have_none(
+    tmp_path: Path,
+) -> None:
+    db = await _database(tmp_path)
+    tenant_id, _key = await _tenant(db)
+    await db.close()
+    for _ in range(2):  # neither waits forever
+        try:
+            await asyncio.wait_for(_admit(db, tenant_id, None), 5)
+        except Unavailable:
+            pass
+        else:
+            raise AssertionError("a closed writer admitted a job")
+    for url in ("sqlite+aiosqlite://", "sqlite+aiosqlite:///:memory:"):
+        memory = Database(url)
+        assert memory.local is None
+        await memory.close()

@@ -1,0 +1,105 @@
+"""Which way `services.admission.submit` admits on the embedded SQLite file, against real
+Redis: a plain request by the writer's one hop (path "fast"), a request with an
+Idempotency-Key and a tenant with quotas by the exact ORM path, a suspended tenant refused
+with nothing written — and every admitted job on its tier's stream."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+import migrations
+from models import jobs as job_repo
+from models import quotas as quota_repo
+from models import tenants as tenant_repo
+from models.db import Database
+from models.records import TenantRecord
+from services import admission
+from services.requests import JobCreate, Refused
+from tests.conftest import REDIS_TEST_URL
+from tierq import metrics
+from tierq.redis_names import RedisNames
+from tierq.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+def _path(path: str) -> float:
+    return metrics.ADMISSION_STATEMENTS.labels(path=path)._value.get()
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[tuple[Database, aioredis.Redis, RedisNames]]:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'tierq.db'}"
+    await asyncio.to_thread(migrations.upgrade, url)
+    db = Database(url)
+    r = aioredis.Redis.from_url(REDIS_TEST_URL)
+    names = RedisNames(prefix=f"test-sqlite-{uuid.uuid4().hex[:8]}")
+    try:
+        yield db, r, names
+    finally:
+        keys = [k async for k in r.scan_iter(f"{names.prefix}:*")]
+        if keys:
+            await r.delete(*keys)
+        await r.aclose()
+        await db.close()
+
+
+async def _tenant(db: Database) -> TenantRecord:
+    async with db.transaction() as s:
+        return await tenant_repo.create_tenant(s, uuid.uuid4().hex)
+
+
+async def test_each_request_takes_its_path_and_lands_on_the_stream(
+    env: tuple[Database, aioredis.Redis, RedisNames],
+) -> None:
+    db, r, names = env
+    assert db.local is not None and db.raw is None
+    settings = Settings(database_url=str(db.url))
+    body = JobCreate.model_validate(CHAT)
+
+    async def submit(tenant: TenantRecord, key: str | None = None) -> str:
+        job, created = await admission.submit(db, r, names, settings, tenant, body, key)
+        assert created
+        return job.id
+
+    plain = await _tenant(db)
+    fast, exact = _path("fast"), _path("exact")
+    await submit(plain)
+    assert (_path("fast"), _path("exact")) == (fast + 1, exact)
+    # An Idempotency-Key: the exact path (which answers a replay as the same job).
+    keyed = await submit(plain, "k-1")
+    again, created = await admission.submit(db, r, names, settings, plain, body, "k-1")
+    assert again.id == keyed and not created
+    assert (_path("fast"), _path("exact")) == (fast + 1, exact + 2)
+
+    limited = await _tenant(db)
+    async with db.transaction() as s:
+        await quota_repo.set_quota(s, limited.id, "*", requests_per_minute=2)
+    await submit(limited)  # the fast path finds the quota, the exact path admits
+    await submit(limited)
+    with pytest.raises(Refused) as refused:
+        await submit(limited)
+    assert (refused.value.status, refused.value.code) == (429, "rate_limit_exceeded")
+
+    suspended = await _tenant(db)
+    async with db.transaction() as s:
+        await tenant_repo.update_tenant(s, suspended.id, status="suspended")
+    with pytest.raises(Refused) as refused:
+        await submit(suspended)  # authenticated before the suspension committed
+    assert (refused.value.status, refused.value.code) == (403, "tenant_suspended")
+
+    async with db.session() as s:
+        assert await job_repo.tenant_job_counts(s, plain.id) == {("standard", "queued"): 2}
+        assert await job_repo.tenant_job_counts(s, limited.id) == {("standard", "queued"): 2}
+        assert await job_repo.tenant_job_counts(s, suspended.id) == {}
+    assert await r.xlen(names.tier_stream("standard", plain.id)) == 2
+    assert await r.xlen(names.tier_stream("standard", limited.id)) == 2
+    assert await r.xlen(names.tier_stream("standard", suspended.id)) == 0
