@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -124,6 +125,7 @@ class IsolationConfig:
     # The other tenant's client runs at this niceness (0: as the platform): it stands for
     # clients on machines of their own, and on this one takes a quarter of the CPU.
     noisy_nice: int = 10
+    api_workers: int = 1  # API processes behind the one port (`tierq api --workers`)
     max_streams_per_tenant: int = 256
     file_quota_mb: int = 64
     max_files_per_tenant: int = 24
@@ -852,7 +854,17 @@ async def run_isolation(base: Settings, cfg: IsolationConfig) -> dict[str, Any]:
         base, "isolation", cfg.engine, REDIS_PREFIX, tag, cfg.keep_logs
     ) as p:
         env = _env(cfg, p.settings, p.admin_key)
-        p.start(*platform_children(p.settings, p.logs, env, 1, lambda i, n: {"WORKER_ID": n}))
+        children, envs = platform_children(
+            p.settings, p.logs, env, 1, lambda i, n: {"WORKER_ID": n}
+        )
+        if cfg.api_workers > 1:
+            children = [
+                dataclasses.replace(c, argv=[*c.argv, "--workers", str(cfg.api_workers)])
+                if c.name == "api"
+                else c
+                for c in children
+            ]
+        p.start(children, envs)
         await p.wait_ready()
         log.info("ready in %.1f s", time.monotonic() - wall_start)
         result = await _drive(cfg, p)
@@ -1270,7 +1282,7 @@ async def _figures(
         "bounds": {
             "max_streams_per_tenant": cfg.max_streams_per_tenant,
             "redis_max_connections": settings.redis_max_connections,
-            "api_processes": 1,
+            "api_processes": cfg.api_workers,
             "api_db_pool": settings.db_pool_size + settings.db_max_overflow,
             "admission_concurrency_per_tenant": settings.admission_concurrency_per_tenant,
             "redis_clients_per_name_peak": peak_named,

@@ -406,6 +406,9 @@ def bench_isolation(
         help="The noisy tenant's client's niceness: it stands for clients on machines of "
         "their own (0: it competes with the platform for this machine's CPU).",
     ),
+    api_workers: int = typer.Option(
+        1, min=1, help="API processes behind the one port (`tierq api --workers`)."
+    ),
     settle: float = typer.Option(60.0, help="After the load: how long leftovers may take."),
     keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the processes' logs."),
 ) -> None:
@@ -424,6 +427,7 @@ def bench_isolation(
         quiet_rate=quiet_rate,
         job_rate=job_rate,
         noisy_nice=noisy_nice,
+        api_workers=api_workers,
         settle_s=settle,
         keep_logs=keep_logs,
     )
