@@ -56,6 +56,10 @@ def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
     return create_async_engine(url, **kwargs)
 
 
+# An execution option: the transaction only reads (on SQLite, a deferred BEGIN).
+READ_ONLY = "tierq_read_only"
+
+
 def sqlite_pragmas(engine: Engine) -> None:
     """Every connection to the embedded SQLite file, through aiosqlite or the standard
     library's driver (models/admission_sqlite.py), set up alike."""
@@ -72,10 +76,16 @@ def sqlite_pragmas(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Any) -> None:
-        # Take the write lock up front: two deferred transactions that both read, then
-        # both write, deadlock in SQLite (one fails at once with "database is locked");
-        # immediate ones queue on busy_timeout instead.
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # A transaction that may write takes the write lock up front: two deferred ones
+        # that both read, then both write, deadlock in SQLite (one fails at once with
+        # "database is locked"); immediate ones queue on busy_timeout instead. One that
+        # only reads (Database.session) takes none: in WAL mode it reads a snapshot beside
+        # the writer, where an immediate one would queue behind every write and hold the
+        # lock from every writer while it reads.
+        if conn.get_execution_options().get(READ_ONLY):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 T = TypeVar("T")
@@ -322,6 +332,10 @@ class Database:
         self.url = url
         self.engine = make_engine(url, **kwargs)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        # Sessions that only read: `session()` (nothing in it is ever committed).
+        self._reads = async_sessionmaker(
+            self.engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False
+        )
         # The hot path's raw connections (PostgreSQL): as many as the pool's base size.
         self.raw: RawPool | None = None
         # The hot path's own connection and thread on an SQLite file.
@@ -333,7 +347,9 @@ class Database:
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
-        async with self.sessions() as s:
+        """A session to read in: whatever it writes is never committed (writes belong in
+        `transaction()`); on SQLite it takes no write lock."""
+        async with self._reads() as s:
             yield s
 
     @asynccontextmanager
@@ -345,6 +361,7 @@ class Database:
         from sqlalchemy import text
 
         async with self.engine.connect() as conn:
+            conn = await conn.execution_options(**{READ_ONLY: True})
             await conn.execute(text("SELECT 1"))
 
     async def close(self) -> None:
