@@ -26,17 +26,17 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
 
 from sqlalchemy import Connection, exists, func, insert, literal, or_, select
+from sqlalchemy.orm import Session
 
-from models import jobs
+from models import jobs, prices
 from models import quotas as quota_repo
 from models.admission import Outcome
 from models.db import LocalWriter
 from models.jobs import NewJob
 from models.records import JobRecord
-from models.tables import ApiKey, Job, JobTransition, Price, Quota, Tenant
+from models.tables import ApiKey, Job, JobTransition, Quota, Tenant
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 
@@ -130,23 +130,15 @@ def _admit(
 def _price(
     conn: Connection, model: str, tier: Tier, batch_discount: Decimal
 ) -> tuple[Decimal, Decimal]:
-    """The price in force as `ADMIT` finds it: the tier's latest; for the batch tier
-    without one, the standard tier's times 1 - BATCH_DISCOUNT; else nothing (0)."""
-
-    def latest(of: str) -> Any:
-        return conn.execute(
-            select(Price.input_per_million, Price.output_per_million)
-            .where(Price.model == model, Price.tier == of)
-            .order_by(Price.effective_at.desc(), Price.id.desc())
-            .limit(1)
-        ).one_or_none()
-
-    row = latest(tier.value)
-    if row is not None:
-        return Decimal(row[0]), Decimal(row[1])
-    if tier == Tier.BATCH:
-        base = latest(Tier.STANDARD.value)
-        if base is not None:
-            keep = Decimal(1) - batch_discount
-            return Decimal(base[0]) * keep, Decimal(base[1]) * keep
-    return Decimal(0), Decimal(0)
+    """The price in force, by the rule `models.prices.current_price` applies (nothing
+    priced: 0)."""
+    with Session(bind=conn) as s:  # joins the writer's transaction; reads only
+        own = s.execute(prices.latest_query(model, tier.value)).scalar_one_or_none()
+        standard = None
+        if own is None and tier == Tier.BATCH:
+            query = prices.latest_query(model, Tier.STANDARD.value)
+            standard = s.execute(query).scalar_one_or_none()
+        found = prices.in_force(model, tier, own, standard, batch_discount)
+    if found is None:
+        return Decimal(0), Decimal(0)
+    return found.input_per_million, found.output_per_million

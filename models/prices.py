@@ -8,7 +8,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from models.records import as_utc, unix
@@ -65,12 +65,38 @@ async def set_price(
     return PriceRecord(model, tier, input_per_million, output_per_million, as_utc(row.effective_at))
 
 
-async def _latest(s: AsyncSession, model: str, tier: str, as_of: datetime | None) -> Price | None:
+def latest_query(model: str, tier: str, as_of: datetime | None = None) -> Select[Price]:
+    """The tier's newest price (as of `as_of`, if given): one row or none."""
     stmt = select(Price).where(Price.model == model, Price.tier == tier)
     if as_of is not None:
         stmt = stmt.where(Price.effective_at <= as_of)
-    stmt = stmt.order_by(Price.effective_at.desc(), Price.id.desc()).limit(1)
-    return (await s.execute(stmt)).scalar_one_or_none()
+    return stmt.order_by(Price.effective_at.desc(), Price.id.desc()).limit(1)
+
+
+def in_force(
+    model: str, tier: Tier, own: Price | None, standard: Price | None, batch_discount: Decimal
+) -> PriceRecord | None:
+    """The price in force from the tier's newest row (`own`) and, for the batch tier
+    without one, the standard tier's (`standard`), less `batch_discount` (a fraction)."""
+    if own is not None:
+        return PriceRecord(
+            own.model,
+            own.tier,
+            own.input_per_million,
+            own.output_per_million,
+            as_utc(own.effective_at),
+        )
+    if tier == Tier.BATCH and standard is not None:
+        keep = Decimal(1) - batch_discount
+        return PriceRecord(
+            model,
+            tier.value,
+            standard.input_per_million * keep,
+            standard.output_per_million * keep,
+            as_utc(standard.effective_at),
+            derived=True,
+        )
+    return None
 
 
 async def current_price(
@@ -80,30 +106,13 @@ async def current_price(
     batch_discount: Decimal,
     as_of: datetime | None = None,
 ) -> PriceRecord | None:
-    """The price in force (at `as_of`, default now); the batch tier without a price of its
-    own pays the standard tier's less `batch_discount` (a fraction)."""
-    row = await _latest(s, model, tier.value, as_of)
-    if row is not None:
-        return PriceRecord(
-            row.model,
-            row.tier,
-            row.input_per_million,
-            row.output_per_million,
-            as_utc(row.effective_at),
-        )
-    if tier == Tier.BATCH:
-        base = await _latest(s, model, Tier.STANDARD.value, as_of)
-        if base is not None:
-            keep = Decimal(1) - batch_discount
-            return PriceRecord(
-                model,
-                tier.value,
-                base.input_per_million * keep,
-                base.output_per_million * keep,
-                as_utc(base.effective_at),
-                derived=True,
-            )
-    return None
+    """The price in force (at `as_of`, default now): `in_force`."""
+    own = (await s.execute(latest_query(model, tier.value, as_of))).scalar_one_or_none()
+    standard = None
+    if own is None and tier == Tier.BATCH:
+        query = latest_query(model, Tier.STANDARD.value, as_of)
+        standard = (await s.execute(query)).scalar_one_or_none()
+    return in_force(model, tier, own, standard, batch_discount)
 
 
 async def current_prices(s: AsyncSession) -> list[PriceRecord]:

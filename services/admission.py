@@ -301,12 +301,19 @@ async def _admit_fast(
     writer (models/admission_sqlite.py), and whether quotas apply to its tier; no job when
     they do (they are checked elsewhere) or when the Idempotency-Key was used before (the
     exact path answers)."""
-    args = (new_id("job"), new, key_id, utcnow(), settings.default_max_queued)
+    args = (
+        new_id("job"),
+        new,
+        key_id,
+        utcnow(),
+        settings.default_max_queued,
+        settings.batch_discount,
+    )
     if db.raw is not None:
-        outcome = await admission.admit(db.raw, *args, settings.batch_discount)
+        outcome = await admission.admit(db.raw, *args)
     else:
         assert db.local is not None
-        outcome = await admission_sqlite.admit(db.local, *args, settings.batch_discount)
+        outcome = await admission_sqlite.admit(db.local, *args)
     if outcome.job is not None:
         return outcome.job, False
     if outcome.quotas:
