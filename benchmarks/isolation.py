@@ -292,10 +292,11 @@ class Noise:
                             self.neighbour["refused"] += 1
                             await asyncio.sleep(1.0)
                             continue
-                        self.jobs.append(resp.json()["id"])
+                        job_id = resp.json()["id"]
+                        self.jobs.append(job_id)
                         self.neighbour["submitted"] += 1
                         headers = {**_auth(self.key), "Accept": "text/event-stream"}
-                        path = f"/v1/jobs/{resp.json()['id']}/events"
+                        path = f"/v1/jobs/{job_id}/events"
                         async with self.client.stream("GET", path, headers=headers) as events:
                             if not await self.tally.answer_stream("neighbour_stream", events):
                                 self.neighbour["stream refused"] += 1
