@@ -329,6 +329,15 @@ async def test_a_job_run_twice_streams_and_finishes_once(
         follower = asyncio.create_task(read_sse(c, f"/v1/jobs/{job_id}/events"))
         await read_sse(c, f"/v1/jobs/{job_id}/events", limit=5)  # under way on `first`
         await platform.start_worker("second", cost=slower)
+        # Placement reads the workers' heartbeats: until `second` has written its first,
+        # the duplicate would go to `first`, which holds the job and lets it go (a CI run
+        # once lost that race).
+        names = platform.dispatcher.names
+        for _ in range(250):
+            if await platform.r.hget(names.workers, "second") is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert await platform.r.hget(names.workers, "second") is not None
         async with platform.db.session() as s:
             record = await job_repo.get_job(s, job_id)
         assert record is not None
