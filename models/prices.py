@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, Protocol
 
-from sqlalchemy import Select, select
+from sqlalchemy import ColumnElement, Select, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from models.records import as_utc, unix
@@ -65,16 +65,38 @@ async def set_price(
     return PriceRecord(model, tier, input_per_million, output_per_million, as_utc(row.effective_at))
 
 
-def latest_query(model: str, tier: str, as_of: datetime | None = None) -> Select[Price]:
-    """The tier's newest price (as of `as_of`, if given): one row or none."""
+def latest_query(
+    model: str | ColumnElement[str], tier: str | ColumnElement[str], as_of: datetime | None = None
+) -> Select[Price]:
+    """The tier's newest price (as of `as_of`, if given): one row or none. The model and the
+    tier may be bound parameters (a statement built once: models/admission_sqlite.py)."""
     stmt = select(Price).where(Price.model == model, Price.tier == tier)
     if as_of is not None:
         stmt = stmt.where(Price.effective_at <= as_of)
     return stmt.order_by(Price.effective_at.desc(), Price.id.desc()).limit(1)
 
 
+class PriceRow(Protocol):
+    """A row of `prices`: the ORM's `Price`, or a row of `latest_query` read through Core."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def tier(self) -> str: ...
+    @property
+    def input_per_million(self) -> Decimal: ...
+    @property
+    def output_per_million(self) -> Decimal: ...
+    @property
+    def effective_at(self) -> datetime: ...
+
+
 def in_force(
-    model: str, tier: Tier, own: Price | None, standard: Price | None, batch_discount: Decimal
+    model: str,
+    tier: Tier,
+    own: PriceRow | None,
+    standard: PriceRow | None,
+    batch_discount: Decimal,
 ) -> PriceRecord | None:
     """The price in force from the tier's newest row (`own`) and, for the batch tier
     without one, the standard tier's (`standard`), less `batch_discount` (a fraction)."""

@@ -143,6 +143,11 @@ class Settings(BaseSettings):
     # where a step lasts as long as its token count; 0 (off) on GPUs.
     interactive_step_tokens: int | None = None
     interactive_step_hold_s: float = 5.0
+    # vLLM's engine-core process waits for its model worker's result of each step by
+    # spinning on sched_yield(); on a CPU host that spinner takes a core's worth of time from
+    # the engine's compute or from the platform's own processes. True: it blocks instead
+    # (workers/engine/quiet_waits.py). None: on for the CPU build, vLLM's spin on GPUs.
+    engine_quiet_waits: bool | None = None
     # Failure-path tests and `tierq bench chaos` only: the fraction of requests that a
     # fault-injecting wrapper around the engine fails (workers/engine/faulty_engine.py), seeded.
     engine_fault_rate: float = 0.0

@@ -4,7 +4,8 @@
 joiner, cancel of a long job, prompts past the context refused by the engine itself, a
 worker killed with SIGKILL mid-job (its engine process dies with it; the job finishes on
 the restarted worker), an engine that dies under a live worker, interactive work behind
-a full engine, and the official `openai` SDK (chat, streaming, a small batch) against it.
+a full engine, the engine core waiting for its steps without spinning, and the official
+`openai` SDK (chat, streaming, a small batch) against it.
 """
 
 from __future__ import annotations
@@ -106,6 +107,31 @@ async def test_cancel_aborts_a_long_running_job(pg_platform: LivePlatform) -> No
     assert events[-1]["event"] == "done" and events[-1]["data"]["status"] == "cancelled"
     assert after["status"] == "cancelled" and after["result"] is None
     assert nxt["status"] == "succeeded"
+
+
+async def test_the_engine_core_waits_for_each_step_without_spinning(
+    pg_platform: LivePlatform,
+) -> None:
+    """vLLM's engine core reads each step's result from its model worker through a
+    shared-memory ring; left alone it spins on sched_yield() meanwhile (half a core or more
+    here). On the CPU build the worker has it block instead (workers/engine/quiet_waits.py):
+    while one long job decodes, the engine core's process takes a small part of a core."""
+    (core,) = [
+        p for p in _engine_processes(pg_platform.pid_of("worker")) if "EngineCor" in p.name()
+    ]
+    async with client(pg_platform.url, pg_platform.key, timeout=180) as c:
+        job = (
+            await c.post("/v1/jobs", json={**STORY, "max_tokens": 1500, "temperature": 1.0})
+        ).json()
+        await read_sse(c, f"/v1/jobs/{job['id']}/events", limit=3)  # decoding now
+        before, started = core.cpu_times(), time.monotonic()
+        await asyncio.sleep(3)
+        after, wall = core.cpu_times(), time.monotonic() - started
+        running = (await c.get(f"/v1/jobs/{job['id']}")).json()["status"]
+        await c.post(f"/v1/jobs/{job['id']}/cancel")
+    assert running == "running"  # it decoded all along
+    busy = (after.user + after.system - before.user - before.system) / wall
+    assert busy < 0.3, f"the engine core took {busy:.0%} of a core while one job decoded"
 
 
 def _engine_processes(pid: int) -> list[psutil.Process]:

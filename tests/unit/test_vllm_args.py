@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from tierq.settings import Settings
-from workers.engine.vllm_args import command_line, engine_environment, engine_kwargs
+from workers.engine.vllm_args import (
+    command_line,
+    engine_core_config,
+    engine_environment,
+    engine_kwargs,
+)
 
 
 def _settings(**values: object) -> Settings:
@@ -50,3 +55,13 @@ def test_the_command_line_says_the_same() -> None:
 def test_the_environment_names_the_kv_cache() -> None:
     env = engine_environment(_settings(cpu_kvcache_space_gib=3))
     assert env == {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "3"}
+
+
+def test_the_engine_core_waits_quietly_on_the_cpu_build_unless_told_otherwise() -> None:
+    from workers.engine.quiet_waits import CONFIG_KEY, wanted
+    from workers.engine.vllm_build import vllm_cpu_build
+
+    assert wanted(engine_core_config(Settings())) == vllm_cpu_build()
+    assert wanted(engine_core_config(Settings(engine_quiet_waits=True)))
+    assert engine_core_config(Settings(engine_quiet_waits=False)) == {}
+    assert CONFIG_KEY not in engine_core_config(Settings(engine_quiet_waits=False))

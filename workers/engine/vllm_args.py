@@ -4,9 +4,10 @@ The worker's engine (`vllm_engine.py`), `tierq calibrate` and every benchmark th
 vLLM beside the platform (`bench overhead`'s offline `LLM`, `bench batch`'s `run_batch`
 child, `bench serve`'s `vllm serve`) build their engine from `engine_kwargs`, so that a
 benchmark compares against an engine configured as the worker's is. The worker's own
-additions (priority scheduling, tierq's scheduler inside vLLM) are `worker_engine_args`,
-which `bench serve` gives `vllm serve` too; what a measurement needs (calibration's batch
-sizes, no prefix cache) is passed as overrides, in the open.
+additions (priority scheduling, tierq's scheduler inside vLLM, quiet waits in its engine
+core) are `worker_engine_args`, which `bench serve` gives `vllm serve` too; what a
+measurement needs (calibration's batch sizes, no prefix cache) is passed as overrides, in
+the open.
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ def engine_kwargs(settings: Settings, **overrides: Any) -> dict[str, Any]:
     return kwargs
 
 
+def engine_core_config(settings: Settings) -> dict[str, Any]:
+    """What tierq's scheduler classes set up in vLLM's engine-core process beyond the tiers
+    (`additional_config`): quiet waits (workers/engine/quiet_waits.py) where wanted."""
+    from workers.engine.quiet_waits import CONFIG_KEY
+    from workers.engine.vllm_build import vllm_cpu_build
+
+    quiet = settings.engine_quiet_waits
+    if quiet is None:
+        quiet = vllm_cpu_build()
+    return {CONFIG_KEY: True} if quiet else {}
+
+
 def worker_engine_args(settings: Settings, tiering: Tiering, stock_scheduler: bool = False) -> Any:
     """The AsyncEngineArgs of the worker's engine (and the environment vLLM reads): priority
     scheduling, tierq's scheduler unless ENGINE_PRIORITY_STEPS is off or `stock_scheduler`
@@ -70,7 +83,7 @@ def worker_engine_args(settings: Settings, tiering: Tiering, stock_scheduler: bo
             settings,
             scheduling_policy="priority",
             scheduler_cls=TIERED_SCHEDULER if tiered else STOCK_SCHEDULER,
-            additional_config=tiering.to_config(),
+            additional_config={**tiering.to_config(), **engine_core_config(settings)},
             disable_log_stats=True,
         )
     )

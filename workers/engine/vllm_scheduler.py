@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from workers.engine import quiet_waits
 from workers.engine.parent_death import die_with_parent
 
 if TYPE_CHECKING:
@@ -332,6 +333,16 @@ def _tiered(base: type) -> type:
     return Tiered
 
 
+def _settle(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """What tierq sets up in vLLM's engine-core process, where its scheduler is built: the
+    process dies with the worker, and (if the worker asked) waits for its model worker
+    without spinning (workers/engine/quiet_waits.py)."""
+    die_with_parent()
+    config = kwargs.get("vllm_config", args[0] if args else None)
+    if quiet_waits.wanted(getattr(config, "additional_config", None)):
+        quiet_waits.quiet_waits()
+
+
 def _vllm_scheduler(args: tuple[Any, ...], kwargs: dict[str, Any]) -> type:
     """The scheduler class vLLM itself would pick for this configuration (the async one
     where async scheduling is on, as on GPUs)."""
@@ -347,18 +358,17 @@ def _vllm_scheduler(args: tuple[Any, ...], kwargs: dict[str, Any]) -> type:
 
 class TieredScheduler:
     """What vLLM instantiates (in its engine-core process): the tiered version of the
-    scheduler vLLM would pick. Being built there, it also ties that process's life to
-    the worker's (workers/engine/parent_death.py)."""
+    scheduler vLLM would pick. Being built there, it also settles that process (`_settle`)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        die_with_parent()
+        _settle(args, kwargs)
         return _tiered(_vllm_scheduler(args, kwargs))(*args, **kwargs)
 
 
 class StockScheduler:
     """vLLM's own scheduler, unchanged (ENGINE_PRIORITY_STEPS=false), built through the same
-    hook so that the engine-core process dies with the worker in this mode too."""
+    hook so that the engine-core process is settled the same way in this mode too."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        die_with_parent()
+        _settle(args, kwargs)
         return _vllm_scheduler(args, kwargs)(*args, **kwargs)
