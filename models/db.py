@@ -11,13 +11,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event, exc
+from sqlalchemy import Connection, Engine, create_engine, event, exc
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.orm import Session
 
 
 def is_unavailable(error: BaseException) -> bool:
@@ -191,6 +192,14 @@ def _settle(done: asyncio.Future[Any], value: Any, error: BaseException | None) 
         done.set_result(value)
 
 
+def _in_session(conn: Connection, fn: Callable[..., T], *args: Any) -> T:
+    """On the writer's thread: `fn` with an ORM session in the writer's transaction."""
+    with Session(bind=conn, join_transaction_mode="create_savepoint") as s:
+        value = fn(s, *args)
+        s.commit()  # releases the session's savepoint; the writer commits the transaction
+        return value
+
+
 class Unavailable(ConnectionError):
     """The database could not be reached through a raw connection (`RawPool`); answered
     503 like SQLAlchemy's own connection errors (`is_unavailable`)."""
@@ -356,6 +365,18 @@ class Database:
     async def transaction(self) -> AsyncIterator[AsyncSession]:
         async with self.sessions() as s, s.begin():
             yield s
+
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(session, *args)` with a synchronous ORM session, in a transaction of its own
+        as far as it can tell. On an SQLite file that is one hop to the writer's thread
+        (`LocalWriter`: it shares a COMMIT with the writes that arrive meanwhile, in a
+        savepoint of its own), where `transaction()` would hold SQLite's one write lock —
+        every process's writes wait for it — across a hop per statement, each waiting for
+        this process's event loop. Elsewhere, `transaction()` and `run_sync`."""
+        if self.local is not None:
+            return await self.local.run(_in_session, fn, *args)
+        async with self.transaction() as s:
+            return await s.run_sync(fn, *args)
 
     async def ping(self) -> None:
         from sqlalchemy import text

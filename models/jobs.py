@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import and_, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from models import spend
 from models.db import Database
@@ -203,6 +204,24 @@ async def _transition(
     """Move a job to `dst` if it is in one of `sources` (and, given `delivery`, if that is
     still its latest delivery: a stale run of a job delivered again cannot move it);
     None when it was not."""
+    return await s.run_sync(
+        lambda sync: transition(
+            sync, job_id, dst, sources=sources, detail=detail, delivery=delivery, **values
+        )
+    )
+
+
+def transition(
+    s: Session,
+    job_id: str,
+    dst: JobStatus,
+    *,
+    sources: Sequence[JobStatus] | None = None,
+    detail: str | None = None,
+    delivery: int | None = None,
+    **values: Any,
+) -> JobRecord | None:
+    """`_transition` with a synchronous session (`Database.write`)."""
     allowed = [src.value for src in (sources if sources is not None else sources_for(dst))]
     if dst in TERMINAL:
         values.setdefault("progress", None)  # nothing more resumes after it
@@ -214,9 +233,9 @@ async def _transition(
         .where(*where)
         .values(status=dst.value, **values)
         .returning(Job)
-        .execution_options(synchronize_session=False)
+        .execution_options(synchronize_session=False, populate_existing=True)
     )
-    row = (await s.execute(stmt)).scalar_one_or_none()
+    row = s.execute(stmt).scalar_one_or_none()
     if row is None:
         return None
     s.add(JobTransition(job_id=job_id, status=dst.value, at=utcnow(), detail=detail))
@@ -226,17 +245,24 @@ async def _transition(
 async def start_job(
     s: AsyncSession, job_id: str, worker_id: str, max_deliveries: int
 ) -> JobRecord | None:
+    """`claim_job` in the session's transaction."""
+    return await s.run_sync(claim_job, job_id, worker_id, max_deliveries)
+
+
+def claim_job(s: Session, job_id: str, worker_id: str, max_deliveries: int) -> JobRecord | None:
     """Claim a job for a worker: queued -> running, or running -> running on redelivery.
 
     Returns the job to run, or None when it must not run (finished, cancelled, unknown,
     or dead-lettered here because it was delivered more than `max_deliveries` times, not
-    counting the deliveries that ended in a preemption).
+    counting the deliveries that ended in a preemption). Synchronous, so that on SQLite
+    the whole claim is one hop to the writer's thread (`Database.write`).
     """
-    current = await get_job(s, job_id)
+    found = s.execute(select(Job).where(Job.id == job_id)).scalar_one_or_none()
+    current = None if found is None else JobRecord.from_row(found)
     if current is None or current.status not in (JobStatus.QUEUED, JobStatus.RUNNING):
         return None
     if current.deliveries - current.preemptions >= max_deliveries:
-        dead = await _transition(
+        dead = transition(
             s,
             job_id,
             JobStatus.FAILED,
@@ -261,9 +287,9 @@ async def start_job(
         )
         .values(status=JobStatus.RUNNING.value, **values)
         .returning(Job)
-        .execution_options(synchronize_session=False)
+        .execution_options(synchronize_session=False, populate_existing=True)
     )
-    row = (await s.execute(stmt)).scalar_one_or_none()
+    row = s.execute(stmt).scalar_one_or_none()
     if row is None:  # someone else moved it meanwhile
         return None
     s.add(

@@ -1,12 +1,17 @@
-"""Claims of many jobs in one transaction (workers/claims.py), on a SQLite file: a burst goes
-in few transactions, each claim as `start_job` alone would answer it, and a claim that fails
-fails alone."""
+"""Claims of many jobs at once (workers/claims.py): on an SQLite file each claim is one hop
+to the database's writer thread and a burst shares few COMMITs; on PostgreSQL a burst goes
+in few transactions. Either way each claim gets the answer `claim_job` alone would give,
+and a claim that fails fails alone."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+
+import pytest
+from sqlalchemy import event, text
 
 import migrations
 from models import jobs as job_repo
@@ -17,10 +22,24 @@ from tierq.tiers import Tier
 from workers.claims import Claims
 
 
-async def _database(tmp_path: Path, jobs: int) -> tuple[Database, list[str]]:
-    url = f"sqlite+aiosqlite:///{tmp_path / 'claims.db'}"
-    await asyncio.to_thread(migrations.upgrade, url)
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def database(
+    request: pytest.FixtureRequest, tmp_path: Path, pg_database: str
+) -> AsyncIterator[Database]:
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path / 'claims.db'}"
+        await asyncio.to_thread(migrations.upgrade, url)
+    else:
+        url = pg_database
     db = Database(url)
+    if request.param == "postgresql":
+        async with db.transaction() as s:
+            await s.execute(text("TRUNCATE tenants CASCADE"))
+    yield db
+    await db.close()
+
+
+async def _jobs(db: Database, jobs: int) -> list[str]:
     async with db.transaction() as s:
         tenant = await tenant_repo.create_tenant(s, "t")
         new = job_repo.NewJob(
@@ -31,46 +50,65 @@ async def _database(tmp_path: Path, jobs: int) -> tuple[Database, list[str]]:
             prompt="x",
             params={"max_tokens": 3},
         )
-        ids = [(await job_repo.create_job(s, new))[0].id for _ in range(jobs)]
-    return db, ids
+        return [(await job_repo.create_job(s, new))[0].id for _ in range(jobs)]
 
 
 async def test_a_burst_of_claims_shares_transactions_and_each_gets_its_own_answer(
-    tmp_path: Path,
+    database: Database,
 ) -> None:
-    db, ids = await _database(tmp_path, 30)
+    db = database
+    ids = await _jobs(db, 30)
     claims = Claims(db, "w1", max_deliveries=3)
-    transactions = 0
-    begin = db.transaction
+    commits = 0
 
-    def counting() -> Any:
-        nonlocal transactions
-        transactions += 1
-        return begin()
+    def counted(*_: Any) -> None:
+        nonlocal commits
+        commits += 1
 
-    db.transaction = counting  # type: ignore[method-assign]
+    engine = db.local.engine if db.local is not None else db.engine.sync_engine
+    event.listen(engine, "commit", counted)
     try:
         got = await asyncio.gather(*(claims.claim(i) for i in [*ids, "unknown"]))
     finally:
-        db.transaction = begin  # type: ignore[method-assign]
+        event.remove(engine, "commit", counted)
     assert [g.id for g in got[:-1] if g is not None] == ids and got[-1] is None
     assert all(g.deliveries == 1 and g.worker_id == "w1" for g in got[:-1] if g is not None)
-    assert transactions <= 2  # the first alone, the rest together
-    await db.close()
+    assert 1 <= commits <= 2  # the first alone, the rest together
+    async with db.session() as s:  # committed, with their transitions
+        for job_id in ids:
+            job = await job_repo.get_job(s, job_id)
+            assert job is not None and job.status.value == "running"
+        history = await s.execute(
+            text("SELECT count(*) FROM job_transitions WHERE status = 'running'")
+        )
+        assert history.scalar() == len(ids)
+    # A second claim of the same delivery does not run it again.
+    again = await claims.claim(ids[0])
+    assert again is not None and again.deliveries == 2
 
 
-async def test_a_claim_that_fails_fails_alone(tmp_path: Path) -> None:
-    db, ids = await _database(tmp_path, 5)
+async def test_a_claim_that_fails_fails_alone(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = database
+    ids = await _jobs(db, 5)
     claims = Claims(db, "w1", max_deliveries=3)
-    start = claims._start
+    claim = job_repo.claim_job
 
-    async def broken(s: Any, job_id: str) -> JobRecord | None:
+    def broken(s: Any, job_id: str, *args: Any) -> JobRecord | None:
+        got = claim(s, job_id, *args)  # its writes are made, then rolled back
         if job_id == ids[2]:
             raise RuntimeError("this one is broken")
-        return await start(s, job_id)
+        return got
 
-    claims._start = broken  # type: ignore[method-assign]
+    monkeypatch.setattr(job_repo, "claim_job", broken)
     got = await asyncio.gather(*(claims.claim(i) for i in ids), return_exceptions=True)
     assert isinstance(got[2], RuntimeError)
     assert [g.id for g in got if isinstance(g, JobRecord)] == ids[:2] + ids[3:]
-    await db.close()
+    async with db.session() as s:
+        broken_job = await job_repo.get_job(s, ids[2])
+        assert broken_job is not None and broken_job.status.value == "queued"
+        assert broken_job.deliveries == 0
+        for job_id in ids[:2] + ids[3:]:
+            job = await job_repo.get_job(s, job_id)
+            assert job is not None and job.status.value == "running"
