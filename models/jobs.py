@@ -192,23 +192,10 @@ async def list_jobs(
 
 
 async def _transition(
-    s: AsyncSession,
-    job_id: str,
-    dst: JobStatus,
-    *,
-    sources: Sequence[JobStatus] | None = None,
-    detail: str | None = None,
-    delivery: int | None = None,
-    **values: Any,
+    s: AsyncSession, job_id: str, dst: JobStatus, **kwargs: Any
 ) -> JobRecord | None:
-    """Move a job to `dst` if it is in one of `sources` (and, given `delivery`, if that is
-    still its latest delivery: a stale run of a job delivered again cannot move it);
-    None when it was not."""
-    return await s.run_sync(
-        lambda sync: transition(
-            sync, job_id, dst, sources=sources, detail=detail, delivery=delivery, **values
-        )
-    )
+    """`transition` in the session's transaction."""
+    return await s.run_sync(lambda sync: transition(sync, job_id, dst, **kwargs))
 
 
 def transition(
@@ -221,7 +208,9 @@ def transition(
     delivery: int | None = None,
     **values: Any,
 ) -> JobRecord | None:
-    """`_transition` with a synchronous session (`Database.write`)."""
+    """Move a job to `dst` if it is in one of `sources` (and, given `delivery`, if that is
+    still its latest delivery: a stale run of a job delivered again cannot move it);
+    None when it was not. Synchronous (`Database.write`, `run_sync`)."""
     allowed = [src.value for src in (sources if sources is not None else sources_for(dst))]
     if dst in TERMINAL:
         values.setdefault("progress", None)  # nothing more resumes after it
