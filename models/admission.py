@@ -117,6 +117,20 @@ FROM (SELECT 1) AS one LEFT JOIN ins ON true
 
 
 @dataclass(frozen=True)
+class Admission:
+    """One admission as every fast way in takes it (PostgreSQL's statement and function,
+    SQLite's writer): the request, the key it came with, the job's id and time, and the
+    settings its checks read."""
+
+    job_id: str
+    new: NewJob
+    key_id: str | None
+    created_at: datetime
+    default_max_queued: int
+    batch_discount: Decimal
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What the statement found. `job` is set when it admitted one; otherwise the first
     reason not to: the tenant's status (None: no such tenant), the key's, quotas that
@@ -153,54 +167,37 @@ def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def _job_args(
-    new: NewJob,
-    key_id: str | None,
-    job_id: str,
-    created_at: datetime,
-    default_max_queued: int,
-    batch_discount: Decimal,
-) -> tuple[Any, ...]:
+def _job_args(a: Admission) -> tuple[Any, ...]:
     """$1 to $15 of both ways in: the request, its limits and the job's row."""
+    new = a.new
     return (
         new.tenant_id,
-        key_id,
+        a.key_id,
         new.tier.value,
-        default_max_queued,
+        a.default_max_queued,
         new.model,
-        Decimal(1) - batch_discount,
-        job_id,
+        Decimal(1) - a.batch_discount,
+        a.job_id,
         _json(new.messages),
         new.prompt,
         _json(new.params),
         _json(new.metadata),
         new.idempotency_key,
         new.request_hash,
-        created_at,
+        a.created_at,
         new.reserved_tokens,
     )
 
 
-async def admit(
-    pool: RawPool,
-    job_id: str,
-    new: NewJob,
-    key_id: str | None,
-    created_at: datetime,
-    default_max_queued: int,
-    batch_discount: Decimal,
-) -> Outcome:
-    row = await pool.fetchrow(
-        ADMIT,
-        *_job_args(new, key_id, job_id, created_at, default_max_queued, batch_discount),
-    )
+async def admit(pool: RawPool, a: Admission) -> Outcome:
+    row = await pool.fetchrow(ADMIT, *_job_args(a))
     job = None
     if row["id"] is not None:
-        job = _admitted(new, row["id"], row["input_price"], row["output_price"], created_at)
+        job = _admitted(a.new, row["id"], row["input_price"], row["output_price"], a.created_at)
     return Outcome(
         job=job,
         tenant_status=row["tenant_status"],
-        key_ok=key_id is None or bool(row["key_ok"]),
+        key_ok=a.key_id is None or bool(row["key_ok"]),
         quotas=bool(row["quotas"]),
         queued=int(row["queued"] or 0),
     )
@@ -233,22 +230,14 @@ ADMIT_WITH_QUOTAS = (
 )
 
 
-async def admit_with_quotas(
-    pool: RawPool,
-    job_id: str,
-    new: NewJob,
-    key_id: str | None,
-    now: datetime,
-    default_max_queued: int,
-    batch_discount: Decimal,
-) -> QuotaOutcome:
+async def admit_with_quotas(pool: RawPool, a: Admission) -> QuotaOutcome:
     """One round trip: the tenant's quotas checked under its exclusive lock and the job
     inserted when they hold (migration 0007 says how)."""
-    day, month, _total = period_keys(now)
+    day, month, _total = period_keys(a.created_at)
     row = await pool.fetchrow(
         ADMIT_WITH_QUOTAS,
-        *_job_args(new, key_id, job_id, now, default_max_queued, batch_discount),
-        int(new.params["max_tokens"]),
+        *_job_args(a),
+        int(a.new.params["max_tokens"]),
         day,
         month,
         quota_repo.BILLING_GRACE,
@@ -260,7 +249,7 @@ async def admit_with_quotas(
     checked = []
     for f in found["quotas"]:
         quota = quota_repo.QuotaRecord(
-            tenant_id=new.tenant_id,
+            tenant_id=a.new.tenant_id,
             tier=f["tier"],
             requests_per_minute=f["requests_per_minute"],
             tokens_per_minute=f["tokens_per_minute"],
@@ -284,7 +273,9 @@ async def admit_with_quotas(
         checked.append((quota, figures, bool(f["ok"])))
     job = None
     if found["id"] is not None:
-        job = _admitted(new, found["id"], found["input_price"], found["output_price"], now)
+        job = _admitted(
+            a.new, found["id"], found["input_price"], found["output_price"], a.created_at
+        )
     return QuotaOutcome(
         job=job,
         tenant_status=status,

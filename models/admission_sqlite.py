@@ -25,7 +25,6 @@ with bound parameters (`_statements`).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from datetime import datetime
 from decimal import Decimal
 from functools import cache
 
@@ -46,51 +45,33 @@ from sqlalchemy.sql.expression import Executable
 
 from models import jobs, prices
 from models import quotas as quota_repo
-from models.admission import Outcome
+from models.admission import Admission, Outcome
 from models.db import LocalWriter
-from models.jobs import NewJob
 from models.records import JobRecord
 from models.tables import ApiKey, Job, JobTransition, Quota, Tenant
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 
 
-async def admit(
-    local: LocalWriter,
-    job_id: str,
-    new: NewJob,
-    key_id: str | None,
-    created_at: datetime,
-    default_max_queued: int,
-    batch_discount: Decimal,
-) -> Outcome:
+async def admit(local: LocalWriter, a: Admission) -> Outcome:
     """What `models.admission.admit` answers on PostgreSQL, in one hop to the SQLite
     file's writer thread. Not for a request with an Idempotency-Key (the exact path
     answers those)."""
-    assert new.idempotency_key is None
-    return await local.run(
-        _admit, job_id, new, key_id, created_at, default_max_queued, batch_discount
-    )
+    assert a.new.idempotency_key is None
+    return await local.run(_admit, a)
 
 
-def _admit(
-    conn: Connection,
-    job_id: str,
-    new: NewJob,
-    key_id: str | None,
-    created_at: datetime,
-    default_max_queued: int,
-    batch_discount: Decimal,
-) -> Outcome:
+def _admit(conn: Connection, a: Admission) -> Outcome:
     """In the writer's transaction (LocalWriter: BEGIN IMMEDIATE, SQLite's write lock,
     held since before the first read)."""
+    new, default_max_queued = a.new, a.default_max_queued
     q = _statements()
     tier = new.tier.value
     tenant = {"tenant_id": new.tenant_id}
     status = conn.execute(q.tenant_status, tenant).scalar_one_or_none()
     key_ok = True
-    if key_id is not None:
-        key = conn.execute(q.key_revoked, {**tenant, "key_id": key_id}).one_or_none()
+    if a.key_id is not None:
+        key = conn.execute(q.key_revoked, {**tenant, "key_id": a.key_id}).one_or_none()
         key_ok = key is not None and key[0] is None
     quotas = bool(conn.execute(q.quotas, {**tenant, "tier": tier}).scalar())
     cap = {**tenant, "cap": default_max_queued}
@@ -103,15 +84,15 @@ def _admit(
     )
     if not admitted:
         return Outcome(None, status, key_ok, quotas, queued)
-    price_in, price_out = _price(conn, q, new.model, new.tier, batch_discount)
+    price_in, price_out = _price(conn, q, new.model, new.tier, a.batch_discount)
     priced = replace(new, input_price=price_in, output_price=price_out)
-    values = jobs.row_values(priced, job_id, created_at)
+    values = jobs.row_values(priced, a.job_id, a.created_at)
     conn.execute(q.insert_job, {q.job_columns[name]: value for name, value in values.items()})
     conn.execute(
-        q.insert_transition, {"job_id": job_id, "status": values["status"], "at": created_at}
+        q.insert_transition, {"job_id": a.job_id, "status": values["status"], "at": a.created_at}
     )
     return Outcome(
-        JobRecord.from_row(jobs.new_row(priced, job_id, created_at)),
+        JobRecord.from_row(jobs.new_row(priced, a.job_id, a.created_at)),
         status,
         key_ok,
         quotas,

@@ -43,6 +43,7 @@ from models import jobs as job_repo
 from models import prices as price_repo
 from models import quotas as quota_repo
 from models import tenants as tenant_repo
+from models.admission import Admission
 from models.batches import BatchLine
 from models.db import Database, RawPool
 from models.records import JobRecord, TenantRecord
@@ -294,6 +295,13 @@ async def _counted(
     return dataclasses.replace(new, reserved_tokens=reserved)
 
 
+def _admission(settings: Settings, key_id: str | None, new: job_repo.NewJob) -> Admission:
+    """A new job's admission, as every fast way in takes it."""
+    return Admission(
+        new_id("job"), new, key_id, utcnow(), settings.default_max_queued, settings.batch_discount
+    )
+
+
 async def _admit_fast(
     db: Database, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
 ) -> tuple[JobRecord | None, bool]:
@@ -301,19 +309,12 @@ async def _admit_fast(
     writer (models/admission_sqlite.py), and whether quotas apply to its tier; no job when
     they do (they are checked elsewhere) or when the Idempotency-Key was used before (the
     exact path answers)."""
-    args = (
-        new_id("job"),
-        new,
-        key_id,
-        utcnow(),
-        settings.default_max_queued,
-        settings.batch_discount,
-    )
+    request = _admission(settings, key_id, new)
     if db.raw is not None:
-        outcome = await admission.admit(db.raw, *args)
+        outcome = await admission.admit(db.raw, request)
     else:
         assert db.local is not None
-        outcome = await admission_sqlite.admit(db.local, *args)
+        outcome = await admission_sqlite.admit(db.local, request)
     if outcome.job is not None:
         return outcome.job, False
     if outcome.quotas:
@@ -352,16 +353,9 @@ async def _admit_with_quotas(
     (models.quotas.decide). None: the exact path decides (an Idempotency-Key, which it
     answers a replay of first; or figures that no rule refuses, which cannot happen while
     the function and the rule agree)."""
-    now = utcnow()
-    outcome = await admission.admit_with_quotas(
-        raw,
-        new_id("job"),
-        new,
-        key_id,
-        now,
-        settings.default_max_queued,
-        settings.batch_discount,
-    )
+    request = _admission(settings, key_id, new)
+    now = request.created_at
+    outcome = await admission.admit_with_quotas(raw, request)
     if outcome.job is not None or new.idempotency_key is not None:
         return outcome.job
     _refuse_unless_active(outcome.status, tenant, new.tier)

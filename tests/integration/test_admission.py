@@ -316,12 +316,9 @@ async def test_the_quota_function_reads_and_decides_as_the_orm_path_at_every_bou
         assert (orm is None) == admits
         outcome = await admission.admit_with_quotas(
             platform.db.raw,  # type: ignore[arg-type]
-            f"job_{limit}_{admits}_{tenant_id[-6:]}",
-            new,
-            None,
-            now,
-            0,
-            settings.batch_discount,
+            admission.Admission(
+                f"job_{limit}_{admits}_{tenant_id[-6:]}", new, None, now, 0, settings.batch_discount
+            ),
         )
         assert (outcome.job is not None) == admits
         assert outcome.reserved_cost == cost

@@ -23,7 +23,7 @@ from models import jobs as job_repo
 from models import prices as price_repo
 from models import quotas as quota_repo
 from models import tenants as tenant_repo
-from models.admission import Outcome
+from models.admission import Admission, Outcome
 from models.db import Database, LocalWriter, Unavailable
 from models.records import JobRecord
 from models.tables import utcnow
@@ -66,9 +66,8 @@ async def _admit(
     db: Database, tenant_id: str, key_id: str | None, tier: Tier = Tier.STANDARD, bound: int = 0
 ) -> Outcome:
     assert db.local is not None
-    return await admission_sqlite.admit(
-        db.local, new_id("job"), _new(tenant_id, tier), key_id, utcnow(), bound, DISCOUNT
-    )
+    request = Admission(new_id("job"), _new(tenant_id, tier), key_id, utcnow(), bound, DISCOUNT)
+    return await admission_sqlite.admit(db.local, request)
 
 
 async def _one_group(local: LocalWriter, *writes: Awaitable[Any]) -> list[Any]:
@@ -117,7 +116,7 @@ async def test_admitted_jobs_read_back_as_answered_at_the_prices_of_the_orm_path
     assert db.local is not None
     unpriced = dataclasses.replace(_new(other.id), model="x")
     free = await admission_sqlite.admit(
-        db.local, new_id("job"), unpriced, None, utcnow(), 0, DISCOUNT
+        db.local, Admission(new_id("job"), unpriced, None, utcnow(), 0, DISCOUNT)
     )
     assert free.job is not None and (free.job.input_price, free.job.output_price) == (0, 0)
     await db.close()
@@ -212,7 +211,8 @@ async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alo
         pass
 
     def admit_then_raise(conn: Connection) -> None:
-        admission_sqlite._admit(conn, "job_doomed", _new(tenant_id), None, utcnow(), 0, DISCOUNT)
+        doomed = Admission("job_doomed", _new(tenant_id), None, utcnow(), 0, DISCOUNT)
+        admission_sqlite._admit(conn, doomed)
         raise Boom
 
     commits = 0
