@@ -191,13 +191,6 @@ async def list_jobs(
     return [JobRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
 
 
-async def _transition(
-    s: AsyncSession, job_id: str, dst: JobStatus, **kwargs: Any
-) -> JobRecord | None:
-    """`transition` in the session's transaction."""
-    return await s.run_sync(lambda sync: transition(sync, job_id, dst, **kwargs))
-
-
 def transition(
     s: Session,
     job_id: str,
@@ -287,8 +280,8 @@ def claim_job(s: Session, job_id: str, worker_id: str, max_deliveries: int) -> J
     return JobRecord.from_row(row)
 
 
-async def finish_job(
-    s: AsyncSession,
+def finish_job(
+    s: Session,
     job_id: str,
     *,
     status: JobStatus,
@@ -300,8 +293,10 @@ async def finish_job(
     error_message: str | None = None,
     delivery: int | None = None,
 ) -> JobRecord | None:
-    """running -> succeeded/failed with its result, and its usage record, exactly once."""
-    job = await _transition(
+    """running -> succeeded/failed with its result, and its usage record, exactly once.
+    Synchronous: on SQLite the whole ending is one hop to the writer's thread
+    (`Database.write`), not a hop per statement holding SQLite's write lock."""
+    job = transition(
         s,
         job_id,
         status,
@@ -318,17 +313,15 @@ async def finish_job(
     if job is not None and prompt_tokens is not None and completion_tokens is not None:
         # The conditional transition above admits one finisher per job; the primary key on
         # job_id would refuse a second record even if it did not.
-        await _record_usage(s, job, prompt_tokens, completion_tokens)
+        _record_usage(s, job, prompt_tokens, completion_tokens)
     return job
 
 
-async def _record_usage(
-    s: AsyncSession, job: JobRecord, prompt_tokens: int, completion_tokens: int
-) -> None:
+def _record_usage(s: Session, job: JobRecord, prompt_tokens: int, completion_tokens: int) -> None:
     """The ledger's row for a job, and the spend counters budgets are checked against."""
     record = _usage_record(job, prompt_tokens, completion_tokens)
     s.add(record)
-    await spend.add(
+    spend.add(
         s,
         job.tenant_id,
         job.tier.value,
@@ -356,8 +349,8 @@ def _usage_record(job: JobRecord, prompt_tokens: int, completion_tokens: int) ->
     )
 
 
-async def bill_cancelled(
-    s: AsyncSession, job_id: str, prompt_tokens: int, completion_tokens: int
+def bill_cancelled(
+    s: Session, job_id: str, prompt_tokens: int, completion_tokens: int
 ) -> JobRecord | None:
     """A cancelled job is billed for what the engine did before it stopped (its prompt and
     the tokens generated): the job shows that usage, and the ledger has its row — once
@@ -371,18 +364,18 @@ async def bill_cancelled(
         )
         .values(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         .returning(Job)
-        .execution_options(synchronize_session=False)
+        .execution_options(synchronize_session=False, populate_existing=True)
     )
-    row = (await s.execute(stmt)).scalar_one_or_none()
+    row = s.execute(stmt).scalar_one_or_none()
     if row is None:
         return None
     job = JobRecord.from_row(row)
-    await _record_usage(s, job, prompt_tokens, completion_tokens)
+    _record_usage(s, job, prompt_tokens, completion_tokens)
     return job
 
 
-async def fail_job(
-    s: AsyncSession,
+def fail_job(
+    s: Session,
     job_id: str,
     code: str,
     message: str,
@@ -391,7 +384,7 @@ async def fail_job(
     delivery: int | None = None,
 ) -> JobRecord | None:
     sources = (JobStatus.RUNNING, JobStatus.QUEUED) if from_queued else (JobStatus.RUNNING,)
-    return await _transition(
+    return transition(
         s,
         job_id,
         JobStatus.FAILED,
@@ -404,8 +397,8 @@ async def fail_job(
 
 
 async def cancel_job(s: AsyncSession, job_id: str) -> JobRecord | None:
-    return await _transition(
-        s,
+    return await s.run_sync(
+        transition,
         job_id,
         JobStatus.CANCELLED,
         sources=(JobStatus.QUEUED, JobStatus.RUNNING),
@@ -415,8 +408,8 @@ async def cancel_job(s: AsyncSession, job_id: str) -> JobRecord | None:
     )
 
 
-async def requeue_job(
-    s: AsyncSession,
+def requeue_job(
+    s: Session,
     job_id: str,
     detail: str,
     delivery: int | None = None,
@@ -431,7 +424,7 @@ async def requeue_job(
     values: dict[str, Any] = {"preemptions": Job.preemptions + 1} if preempted else {}
     if progress is not None:
         values["progress"] = progress.to_json()
-    return await _transition(
+    return transition(
         s,
         job_id,
         JobStatus.QUEUED,

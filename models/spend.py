@@ -14,6 +14,7 @@ from decimal import Decimal
 from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from models.tables import SpendCounter, utcnow
 
@@ -32,19 +33,20 @@ def period_key(period: str, now: datetime) -> str:
     return {"day": day, "month": month}.get(period, total)
 
 
-async def add(
-    s: AsyncSession,
+def add(
+    s: Session,
     tenant_id: str,
     tier: str,
     tokens: int,
     cost: Decimal,
     at: datetime | None = None,
 ) -> None:
-    """Add one usage record's tokens and cost to its counters (in the caller's transaction)."""
+    """Add one usage record's tokens and cost to its counters (in the caller's transaction).
+    Synchronous, like the job's final transition it is written with (`Database.write`)."""
     keys = period_keys(at or utcnow())
     dialect = s.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    await s.execute(
+    s.execute(
         insert(SpendCounter)
         .values(
             [
@@ -70,10 +72,10 @@ async def add(
         .order_by(SpendCounter.period_key)
         .with_for_update()
     )
-    for row in (await s.execute(stmt)).scalars():
+    for row in s.execute(stmt).scalars():
         row.tokens += tokens
         row.cost += cost
-    await s.flush()
+    s.flush()
 
 
 async def spent(

@@ -90,10 +90,9 @@ async def _reconcile(
         ):
             continue
         if job.status == JobStatus.RUNNING:
-            async with db.transaction() as s:
-                back = await job_repo.requeue_job(
-                    s, job.id, "reconciler: lost by Redis", delivery=job.deliveries
-                )
+            back = await db.write(
+                job_repo.requeue_job, job.id, "reconciler: lost by Redis", job.deliveries
+            )
             if back is None:
                 continue  # it finished, or was delivered again, meanwhile
         # Back in the trace it started in, where that is kept (tracing on, not a batch line).

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
+from sqlalchemy.orm import Session
 
 from models import db as db_mod
 from models import jobs as job_repo
@@ -793,20 +794,22 @@ class Worker:
         code = out.code or "engine_error"
         message = out.message or "the engine failed"
 
+        def end(s: Session) -> JobRecord | None:
+            if kind == "failed":
+                return job_repo.fail_job(s, msg.job_id, code, message, delivery=delivery)
+            return job_repo.finish_job(
+                s,
+                msg.job_id,
+                status=JobStatus.SUCCEEDED,
+                text=out.text,
+                finish_reason=out.finish_reason,
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+                delivery=delivery,
+            )
+
         async def write() -> JobRecord | None:
-            async with self.db.transaction() as s:
-                if kind == "failed":
-                    return await job_repo.fail_job(s, msg.job_id, code, message, delivery=delivery)
-                return await job_repo.finish_job(
-                    s,
-                    msg.job_id,
-                    status=JobStatus.SUCCEEDED,
-                    text=out.text,
-                    finish_reason=out.finish_reason,
-                    prompt_tokens=out.prompt_tokens,
-                    completion_tokens=out.completion_tokens,
-                    delivery=delivery,
-                )
+            return await self.db.write(end)
 
         ended = await self._retrying("fail job" if kind == "failed" else "finish job", write)
         if ended is None:
@@ -831,18 +834,15 @@ class Worker:
 
         progress = out.progress(self.progress_source)
 
+        why = out.message or ("preempted" if preempted else "worker handed it back")
+
+        def requeue(s: Session) -> JobRecord | None:
+            return job_repo.requeue_job(
+                s, msg.job_id, why, delivery=delivery, preempted=preempted, progress=progress
+            )
+
         async def hand_back() -> bool:
-            async with self.db.transaction() as s:
-                why = out.message or ("preempted" if preempted else "worker handed it back")
-                back = await job_repo.requeue_job(
-                    s,
-                    msg.job_id,
-                    why,
-                    delivery=delivery,
-                    preempted=preempted,
-                    progress=progress,
-                )
-            return back is not None
+            return await self.db.write(requeue) is not None
 
         if not await self._retrying("requeue job", hand_back):
             return False
@@ -861,10 +861,9 @@ class Worker:
 
     async def _bill_cancelled(self, msg: JobMessage, out: Outcome) -> None:
         """The engine did the work up to the cancellation: the tenant pays for it."""
-        async with self.db.transaction() as s:
-            billed = await job_repo.bill_cancelled(
-                s, msg.job_id, out.prompt_tokens, out.completion_tokens
-            )
+        billed = await self.db.write(
+            job_repo.bill_cancelled, msg.job_id, out.prompt_tokens, out.completion_tokens
+        )
         if billed is not None:
             metrics.count_tokens_served(
                 msg.tenant_id, msg.tier.value, out.prompt_tokens, out.completion_tokens

@@ -250,8 +250,8 @@ async def _tenant_with_history(platform: Platform) -> str:
                 reserved_cost=Decimal("0.000321"),
             )
         )
-        await spend.add(s, tenant_id, "standard", 500, Decimal("0.00123"))
-        await spend.add(s, tenant_id, "interactive", 70, Decimal("0.0002"))
+        await s.run_sync(spend.add, tenant_id, "standard", 500, Decimal("0.00123"))
+        await s.run_sync(spend.add, tenant_id, "interactive", 70, Decimal("0.0002"))
     return tenant_id
 
 

@@ -179,8 +179,7 @@ async def test_the_spend_is_read_from_counters_not_the_ledger(platform: Platform
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     async with client(platform.url, key) as c:
         assert (await c.post("/v1/jobs", json=body)).status_code == 202
-        async with platform.db.transaction() as s:
-            await spend.add(s, tenant_id, "standard", 990, Decimal(0))
+        await platform.db.write(spend.add, tenant_id, "standard", 990, Decimal(0))
         refused = await c.post("/v1/jobs", json=body)
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "budget_exceeded"
@@ -219,8 +218,7 @@ async def test_a_job_cancelled_while_it_ran_holds_its_reservation_until_billed(
     async with platform.db.session() as s:
         later = now + quota_repo.BILLING_GRACE + timedelta(seconds=1)
         assert (await quota_repo.held_reservations(s, tenant_id, "*", later))[0] == 0
-    async with platform.db.transaction() as s:
-        await job_repo.bill_cancelled(s, job_id, 20, 300)
+    await platform.db.write(job_repo.bill_cancelled, job_id, 20, 300)
     assert await held() == 0  # billed: the ledger holds it now
     async with platform.db.session() as s:
         assert await spend.spent(s, tenant_id, None, "total", now) == (320, Decimal(0))

@@ -241,11 +241,11 @@ async def test_a_transient_database_error_in_finish_is_retried(
     real_finish = job_repo.finish_job
     failures = {"left": 3}
 
-    async def flaky_finish(*args: Any, **kwargs: Any) -> Any:
+    def flaky_finish(*args: Any, **kwargs: Any) -> Any:
         if failures["left"] > 0:
             failures["left"] -= 1
             raise sa_exc.OperationalError("UPDATE jobs", {}, ConnectionResetError("reset"))
-        return await real_finish(*args, **kwargs)
+        return real_finish(*args, **kwargs)
 
     monkeypatch.setattr(worker_mod.job_repo, "finish_job", flaky_finish)
     platform.start_dispatcher()
@@ -264,7 +264,7 @@ async def test_a_database_that_refuses_the_result_leaves_the_job_to_the_reconcil
     """A non-transient error in finish: the slot is freed, and the job, held by nothing,
     goes back through the reconciler until it is dead-lettered — never stuck running."""
 
-    async def refusing_finish(*args: Any, **kwargs: Any) -> Any:
+    def refusing_finish(*args: Any, **kwargs: Any) -> Any:
         raise sa_exc.DataError("UPDATE jobs", {}, ValueError("refused"))
 
     monkeypatch.setattr(worker_mod.job_repo, "finish_job", refusing_finish)

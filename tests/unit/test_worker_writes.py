@@ -1,7 +1,13 @@
-"""Claims of many jobs at once (workers/claims.py): on an SQLite file each claim is one hop
+"""The worker's writes, on an SQLite file and on PostgreSQL.
+
+Claims of many jobs at once (workers/claims.py): on an SQLite file each claim is one hop
 to the database's writer thread and a burst shares few COMMITs; on PostgreSQL a burst goes
 in few transactions. Either way each claim gets the answer `claim_job` alone would give,
-and a claim that fails fails alone."""
+and a claim that fails fails alone.
+
+A job's ending (`Database.write` of `finish_job`, `bill_cancelled`, `requeue_job`): many at
+once, each bills its job exactly once — its ledger row and the spend counters — and a
+stale or repeated ending writes nothing."""
 
 from __future__ import annotations
 
@@ -15,9 +21,11 @@ from sqlalchemy import event, text
 
 import migrations
 from models import jobs as job_repo
+from models import spend
 from models import tenants as tenant_repo
 from models.db import Database
 from models.records import JobRecord
+from tierq.states import JobStatus
 from tierq.tiers import Tier
 from workers.claims import Claims
 
@@ -112,3 +120,70 @@ async def test_a_claim_that_fails_fails_alone(
         for job_id in ids[:2] + ids[3:]:
             job = await job_repo.get_job(s, job_id)
             assert job is not None and job.status.value == "running"
+
+
+async def _claimed(db: Database, jobs: int) -> list[JobRecord]:
+    claims = Claims(db, "w1", max_deliveries=3)
+    got = await asyncio.gather(*(claims.claim(i) for i in await _jobs(db, jobs)))
+    assert all(g is not None for g in got)
+    return [g for g in got if g is not None]
+
+
+async def _billed(db: Database, job: JobRecord) -> tuple[int, int, int]:
+    """The job's ledger rows, and its tenant's tokens on the all-time spend counter."""
+    async with db.session() as s:
+        rows = await job_repo.usage_for_job(s, job.id)
+        tokens, _cost = await spend.spent(s, job.tenant_id, None, "total", job.created_at)
+    return len(rows), sum(r.prompt_tokens + r.completion_tokens for r in rows), tokens
+
+
+async def test_endings_at_once_bill_each_job_once(database: Database) -> None:
+    db = database
+    jobs = await _claimed(db, 20)
+
+    def finish(job: JobRecord, delivery: int) -> Any:
+        return db.write(
+            lambda s: job_repo.finish_job(
+                s,
+                job.id,
+                status=JobStatus.SUCCEEDED,
+                text="done",
+                finish_reason="length",
+                prompt_tokens=7,
+                completion_tokens=3,
+                delivery=delivery,
+            )
+        )
+
+    ended = await asyncio.gather(*(finish(j, j.deliveries) for j in jobs))
+    assert [e.id for e in ended if e is not None] == [j.id for j in jobs]
+    assert all(e.status == JobStatus.SUCCEEDED and e.result_text == "done" for e in ended if e)
+    # Again, and from a stale delivery: nothing more is written or billed.
+    assert await finish(jobs[0], jobs[0].deliveries) is None
+    assert await finish(jobs[1], jobs[1].deliveries - 1) is None
+    rows, tokens, counted = await _billed(db, jobs[0])
+    assert (rows, tokens) == (1, 10)
+    assert counted == 10 * len(jobs)  # one tenant: every job on its counter, once
+
+
+async def test_a_cancelled_job_is_billed_once_and_a_requeue_counts_its_preemption(
+    database: Database,
+) -> None:
+    db = database
+    cancelled, preempted = await _claimed(db, 2)
+    async with db.transaction() as s:
+        assert await job_repo.cancel_job(s, cancelled.id) is not None
+    billed = await asyncio.gather(
+        *(db.write(job_repo.bill_cancelled, cancelled.id, 20, 5) for _ in range(3))
+    )
+    assert sum(b is not None for b in billed) == 1
+    assert await _billed(db, cancelled) == (1, 25, 25)
+    back = await db.write(
+        lambda s: job_repo.requeue_job(
+            s, preempted.id, "preempted", preempted.deliveries, preempted=True
+        )
+    )
+    assert back is not None and back.status == JobStatus.QUEUED and back.preemptions == 1
+    # A requeue of a delivery that is no longer running writes nothing.
+    assert await db.write(job_repo.requeue_job, preempted.id, "again", preempted.deliveries) is None
+    assert await _billed(db, preempted) == (0, 0, 25)
