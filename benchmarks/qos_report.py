@@ -79,6 +79,14 @@ def metrics(run: Recorded, shape: Shape, cost: CostModel, speedup: float) -> dic
     return {
         "interactive_ttft_p95_s": win.sim(p95(ttft) or 0.0),
         "interactive_jobs_measured": len(ttft),
+        # Where that time went: to the engine (admission to the engine's call: the
+        # dispatcher and the worker), then in it (the call to the first token).
+        **{
+            f"interactive_{part}_p95_s": win.sim(p95(times) or 0.0)
+            for part, times in zip(
+                ("to_engine", "in_engine"), _interactive_parts(run, win), strict=True
+            )
+        },
         "tier_share": {t.value: round(served[t] / total, 4) for t in TIER_ORDER},
         "backlogged_tiers": [t.value for t in _backlogged_tiers(run, win)],
         "tier_min_share": {
@@ -104,6 +112,19 @@ def _interactive_ttft(run: Recorded, win: Window) -> list[float]:
     ttft = [first[j] - wall for j, wall in measured if j in first]
     unserved = [win.w1 - wall for j, wall in measured if j not in first]
     return ttft + unserved
+
+
+def _interactive_parts(run: Recorded, win: Window) -> tuple[list[float], list[float]]:
+    """For the interactive jobs of the window that got a first token: arrival to the
+    engine's call, and the call to the first token."""
+    called, first = run.trace.called, run.trace.first_token
+    to_engine: list[float] = []
+    in_engine: list[float] = []
+    for j, (a, wall) in run.jobs.items():
+        if a.tier == Tier.INTERACTIVE and win.w0 <= wall and j in first and j in called:
+            to_engine.append(called[j] - wall)
+            in_engine.append(first[j] - called[j])
+    return to_engine, in_engine
 
 
 def _served_tokens(run: Recorded, win: Window) -> tuple[dict[Tier, float], dict[str, float]]:

@@ -14,6 +14,14 @@ admitted on the embedded default). With the spin off, the reader blocks on the r
 notification socket, which the writer signals after every write — the path vLLM itself
 takes once the engine has been idle for a second.
 
+That signal can be lost: the writer's socket keeps one message (`SNDHWM` 1) and drops the
+rest, and the reader keeps the last (`CONFLATE`). vLLM's reader then sleeps until its
+recheck (`SHM_READER_RECHECK_INTERVAL_MS`, 5 s): measured here, the first job after a
+64-job burst took 5.2 s instead of 0.15 s, every time, and rounds of the burst varied by
+seconds. So a quiet wait blocks for at most `RECHECK_MS` before it looks at the ring again:
+a lost signal costs at most that (a step here lasts 80 to 400 ms), and the rechecks cost a
+few hundred cheap wake-ups a second while the engine works, not a spinning core.
+
 `quiet_waits()` runs in the engine-core process (tierq's scheduler classes are built
 there; `vllm_scheduler.py`). It replaces `SpinCondition.wait` on the class, so it reaches
 the rings the executor created before the scheduler was built. Only readers call `wait`.
@@ -27,6 +35,8 @@ from typing import Any
 log = logging.getLogger("vllm.tierq.quiet_waits")
 
 CONFIG_KEY = "tierq_quiet_waits"
+# The longest a quiet wait blocks before it looks at the ring again (see above).
+RECHECK_MS = 2
 
 
 def quiet_waits() -> bool:
@@ -46,7 +56,7 @@ def quiet_waits() -> bool:
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:
         self.busy_loop_s = 0  # past the busy loop's window: block on the notify socket
-        spinning_wait(self, timeout_ms)
+        spinning_wait(self, RECHECK_MS if timeout_ms is None else min(timeout_ms, RECHECK_MS))
 
     condition.wait = wait
     condition._tierq_quiet = True
