@@ -44,7 +44,7 @@ def decoding(name: str, priority: int, at: float) -> Req:
 def test_running_requests_are_ordered_by_priority_then_arrival() -> None:
     running = [decoding("b1", 10, 1.0), decoding("i1", 0, 3.0), decoding("s1", 5, 0.5)]
     running.append(decoding("b0", 10, 0.2))
-    deferred, cap = prioritise(running, None, free_slots=0, current_step=7, budget=128)
+    deferred, cap = prioritise(running, [], free_slots=0, current_step=7, budget=128)
     assert [r.name for r in running] == ["i1", "s1", "b0", "b1"]
     assert deferred == [] and cap is None
 
@@ -56,14 +56,14 @@ def test_a_worse_prefill_that_would_starve_a_waiting_request_sits_out_one_step()
     big = Req("big", 10, 100.0, 600, 200)
     running.append(big)
     head = Req("chat", 0, 200.0, 60)
-    deferred, cap = prioritise(running, head, free_slots=3, current_step=41, budget=128)
+    deferred, cap = prioritise(running, [head], free_slots=3, current_step=41, budget=128)
     # 8 tokens would be left beside the chat, but a chunk limit of 8 would cut the chat
     # too: the batch prompt's chunk is deferred instead. schedule() increments the step
     # to 42 and skips it while 42 < 43.
     assert deferred == [big] and cap is None and big.next_decode_eligible_step == 43
     # Without a free slot for the chat, deferring would only waste the budget.
     big.next_decode_eligible_step = 0
-    assert prioritise(running, head, free_slots=0, current_step=41, budget=128) == ([], None)
+    assert prioritise(running, [head], free_slots=0, current_step=41, budget=128) == ([], None)
     # Decodes are never deferred.
     assert all(r.next_decode_eligible_step == 0 for r in running if r is not big)
 
@@ -72,21 +72,39 @@ def test_worse_prefills_that_fit_beside_the_waiting_request_go_on() -> None:
     small = Req("small", 10, 1.0, 30, 10)  # 20 tokens left
     big = Req("big", 10, 2.0, 600, 0)
     head = Req("chat", 0, 3.0, 40)
-    deferred, cap = prioritise([big, small], head, free_slots=1, current_step=0, budget=100)
+    deferred, cap = prioritise([big, small], [head], free_slots=1, current_step=0, budget=100)
     # Walked in arrival order: small (20) fits; big may take what is left beside the chat.
     assert deferred == [] and cap == 40  # 100 - 40 chat - 20 small
     # A cap may never cut a more urgent prefill: here the chat needs more than is left.
     head.num_prompt_tokens = 70
-    deferred, cap = prioritise([big, small], head, free_slots=1, current_step=0, budget=100)
+    deferred, cap = prioritise([big, small], [head], free_slots=1, current_step=0, budget=100)
     assert deferred == [big] and cap is None
+
+
+def test_every_waiting_request_of_the_best_priority_that_gets_a_slot_is_served_first() -> None:
+    # Two chats arrived in one step beside 60 decodes and a batch prompt mid-prefill. Were
+    # only the first counted, the batch prompt would be capped to the 8 tokens left beside
+    # it and the second chat cut to 8 tokens of its 60: its first token a step later.
+    running = [decoding(f"d{i}", 10, i) for i in range(60)]
+    big = Req("big", 10, 100.0, 600, 200)
+    running.append(big)
+    chats = [Req("chat1", 0, 200.0, 30), Req("chat2", 0, 201.0, 30)]
+    later = Req("batch", 10, 202.0, 100)
+    deferred, cap = prioritise(running, [*chats, later], free_slots=3, current_step=0, budget=128)
+    assert deferred == [big] and cap is None
+    # With one free slot only the first chat is admitted: the batch prompt may take what
+    # is left beside it (128 - 60 decodes - 30), and the second chat waits anyway.
+    big.next_decode_eligible_step = 0
+    deferred, cap = prioritise(running, [*chats, later], free_slots=1, current_step=0, budget=128)
+    assert deferred == [] and cap == 38
 
 
 def test_nothing_is_deferred_without_a_better_waiting_request_and_a_free_slot() -> None:
     big = Req("big", 10, 1.0, 600, 0)
     same = Req("other-batch", 10, 2.0, 60)
-    assert prioritise([big], same, free_slots=1, current_step=0, budget=64) == ([], None)
+    assert prioritise([big], [same], free_slots=1, current_step=0, budget=64) == ([], None)
     chat = Req("chat", 0, 2.0, 60)
-    assert prioritise([big], chat, free_slots=0, current_step=0, budget=64) == ([], None)
+    assert prioritise([big], [chat], free_slots=0, current_step=0, budget=64) == ([], None)
     assert big.next_decode_eligible_step == 0
 
 

@@ -287,7 +287,7 @@ class SimulatedEngine:
             if self.priority_steps:
                 _, cap = prioritise(
                     order,
-                    self._waiting[0] if self._waiting else None,
+                    self._waiting,
                     self.cost.slots - len(order),
                     self._step_no,
                     budget,

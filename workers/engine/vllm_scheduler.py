@@ -29,12 +29,12 @@ inversion). Four changes, applied before each step:
    nearly flat in its token count and a small budget would only slow prefill).
 3. The running requests are sorted by (priority, arrival): an interactive request that is
    mid-prefill or decoding takes its tokens before batch work does.
-4. While a request of a better priority waits for admission with a slot free for it, the
-   prefill chunks of worse-priority running requests that would leave it short of its
-   prompt's tokens sit this step out (their decodes go on; prefills that fit beside it
+4. While requests of a better priority wait for admission with slots free for them, the
+   prefill chunks of worse-priority running requests that would leave them short of their
+   prompts' tokens sit this step out (their decodes go on; prefills that fit beside it
    proceed, and one that does not fit may take a chunk of exactly what is left, through
    vLLM's per-request chunk limit `long_prefill_token_threshold` set for that step alone),
-   so the budget they would have taken goes to the waiting request.
+   so the budget they would have taken goes to the waiting requests.
 
 The deferral uses the scheduler's own per-request "not before step N" mark
 (`next_decode_eligible_step`, which vLLM's async and diffusion schedulers set for their own
@@ -45,9 +45,10 @@ pins what this relies on and runs it on vLLM's real scheduler objects.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -192,37 +193,44 @@ class StepBudget:
 
 def prioritise(
     running: list[Any],
-    waiting_head: _Request | None,
+    waiting: Iterable[_Request],
     free_slots: int,
     current_step: int,
     budget: int,
 ) -> tuple[list[Any], int | None]:
     """Order `running` for the coming step and keep worse-priority prefill chunks from
-    taking the budget a better waiting request needs. Returns the requests deferred for this
-    step and, where one worse prefill can take exactly what is left beside the waiting
-    request, that cap (a per-request chunk limit for this step; None: no cap).
+    taking the budget that better waiting requests need. `waiting` in the order vLLM admits
+    it (best first); of it, the requests that get one of the `free_slots` this step and
+    share the best one's priority are the ones served first (all of them: two interactive
+    requests that arrive in one step are both prefilled in the next). Returns the requests
+    deferred for this step and, where one worse prefill can take exactly what is left
+    beside them, that cap (a per-request chunk limit for this step; None: no cap).
     `current_step` is the scheduler's counter before `schedule()` increments it."""
     running.sort(key=_rank)
-    if waiting_head is None or free_slots <= 0:
+    admitted = list(itertools.islice(waiting, max(0, free_slots)))
+    if not admitted:
         return [], None
+    best = admitted[0].priority
+    ahead = [w for w in admitted if w.priority <= best]
 
     left = _left
 
-    # What vLLM will schedule before the waiting request whatever happens: one token per
-    # decoding request, and the prefill of running requests at least as urgent.
-    room = budget - left(waiting_head)
-    urgent = [left(waiting_head)]
+    # What vLLM will schedule before the worse prefills whatever happens: one token per
+    # decoding request, the prefill of running requests at least as urgent, and the
+    # prompts of the waiting requests served first.
+    urgent = [left(w) for w in ahead]
+    room = budget - sum(urgent)
     for r in running:
         if not left(r):
             room -= 1
-        elif r.priority <= waiting_head.priority:
+        elif r.priority <= best:
             room -= left(r)
             urgent.append(left(r))
     deferred: list[Any] = []
     fitting: list[int] = []
     cap: int | None = None
     for r in running:  # vLLM walks them in this order; each takes all it can
-        if r.priority <= waiting_head.priority or not left(r):
+        if r.priority <= best or not left(r):
             continue
         if cap is None and left(r) <= room:
             room -= left(r)
@@ -270,7 +278,7 @@ def _tiered(base: type) -> type:
                 if self.running:
                     _, cap = prioritise(
                         self.running,
-                        self.waiting.peek_request() if self.waiting else None,
+                        self._admissible(),
                         self._free_slots(),
                         self.current_step,
                         budget,
@@ -298,11 +306,16 @@ def _tiered(base: type) -> type:
             # them the same way when it admits waiting requests).
             return limit - len(self.running) - getattr(self, "num_waiting_for_streaming_input", 0)
 
-        def _preempt_for_priority(self) -> None:
+        def _admissible(self) -> Iterator[Any]:
+            """The waiting requests vLLM may admit, best first (a request blocked on, say,
+            a grammar's compilation is passed over)."""
             blocked = getattr(self, "_is_blocked_waiting_status", lambda _status: False)
+            return (r for r in self.waiting if not blocked(r.status))
+
+        def _preempt_for_priority(self) -> None:
             victims = pick_victims(
                 self.running,
-                (r for r in self.waiting if not blocked(r.status)),
+                self._admissible(),
                 self._free_slots(),
                 self.tier_policy.max_preemptions,
             )
