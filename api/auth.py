@@ -1,7 +1,9 @@
 """Who owns an API key, remembered for a few seconds by each API process.
 
 Every request is authenticated; looking the key up in PostgreSQL each time made
-authentication the API's largest single cost under a flood of requests. An entry lives
+authentication the API's largest single cost under a flood of requests. Requests that
+miss the cache for the same key at once share one lookup (`lookup`): a cold burst of N
+requests from a new key took N pooled connections for N identical reads. An entry lives
 AUTH_CACHE_TTL_S at most, and goes at once when its key is revoked or its tenant
 suspended, deleted or changed: the admin API publishes that on the access channel, which
 every API process's EventHub reads (and the process that made the change forgets it
@@ -11,9 +13,13 @@ key's state again under the tenant's lock, in the transaction that writes the jo
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
 
 from models.tenants import KeyOwner
 
@@ -24,7 +30,41 @@ class KeyCache:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self._entries: OrderedDict[str, tuple[float, KeyOwner]] = OrderedDict()
+        self._loading: dict[str, asyncio.Future[KeyOwner | None]] = {}
+        self._generation = 0  # moves on with every forget(): a load begun before it is stale
         _caches.add(self)
+
+    async def lookup(
+        self, key_hash: str, load: Callable[[], Awaitable[KeyOwner | None]]
+    ) -> KeyOwner | None:
+        """The cached owner, else `load()`'s — one load per key at a time, which every
+        request that misses meanwhile awaits. What a load began before a revocation (a
+        `forget`) found is answered to its waiters but not kept."""
+        owner = self.get(key_hash)
+        if owner is not None:
+            return owner
+        pending = self._loading.get(key_hash)
+        if pending is None:
+            pending = asyncio.ensure_future(self._load(key_hash, load))
+            self._loading[key_hash] = pending
+            pending.add_done_callback(lambda done: self._loaded(key_hash, done))
+        # Shielded: a waiter that goes away (its client hung up) does not end the others'.
+        return await asyncio.shield(pending)
+
+    async def _load(
+        self, key_hash: str, load: Callable[[], Awaitable[KeyOwner | None]]
+    ) -> KeyOwner | None:
+        generation = self._generation
+        owner = await load()
+        if owner is not None and generation == self._generation:
+            self.put(key_hash, owner)
+        return owner
+
+    def _loaded(self, key_hash: str, done: asyncio.Future[KeyOwner | None]) -> None:
+        if self._loading.get(key_hash) is done:
+            del self._loading[key_hash]
+        if not done.cancelled():
+            done.exception()  # seen, if every waiter went away before it ended
 
     def get(self, key_hash: str) -> KeyOwner | None:
         found = self._entries.get(key_hash)
@@ -44,9 +84,22 @@ class KeyCache:
         while len(self._entries) > MAX_ENTRIES:
             self._entries.popitem(last=False)
 
+    def claim_touch(
+        self, key_hash: str, owner: KeyOwner, now: datetime, resolution: timedelta
+    ) -> bool:
+        """Whether this request should record the key's use (its `last_used_at` is older
+        than `resolution`); the first to ask is told yes and the cached entry moves on at
+        once, so a burst records it once, not once per request."""
+        current = self.get(key_hash) or owner
+        if current.last_used_at is not None and current.last_used_at >= now - resolution:
+            return False
+        self.put(key_hash, dataclasses.replace(current, last_used_at=now))
+        return True
+
     def forget(self, what: str) -> None:
         """An access message: "key:<id>" (revoked), "tenant:<id>" (suspended or deleted)
         or "changed:<id>" (its tiers, weight or quotas changed)."""
+        self._generation += 1
         kind, _, ident = what.partition(":")
         if kind == "key":
             stale = [h for h, (_, o) in self._entries.items() if o.key_id == ident]

@@ -6,7 +6,6 @@ lookup itself."""
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -23,6 +22,7 @@ from models import tenants
 from models.db import Database
 from models.records import TenantRecord
 from models.tables import utcnow
+from models.tenants import KeyOwner
 from tierq.queue import EventLog
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -99,18 +99,17 @@ async def get_tenant(request: Request, db: DbDep) -> TenantRecord:
     secret = _bearer(request)
     cache: KeyCache = request.app.state.key_cache
     key_hash = tenants.hash_key(secret)
-    owner = cache.get(key_hash)
-    if owner is None:
+
+    async def load() -> KeyOwner | None:
         async with db.session() as s:
-            owner = await tenants.owner_of_key(s, secret)
-        if owner is None:
-            raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
-        cache.put(key_hash, owner)
-    stale = utcnow() - tenants.LAST_USED_RESOLUTION
-    if owner.last_used_at is None or owner.last_used_at < stale:
+            return await tenants.owner_of_key(s, secret)
+
+    owner = await cache.lookup(key_hash, load)
+    if owner is None:
+        raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
+    if cache.claim_touch(key_hash, owner, utcnow(), tenants.LAST_USED_RESOLUTION):
         async with db.transaction() as s:
             await tenants.touch_key(s, owner.key_id)
-        cache.put(key_hash, dataclasses.replace(owner, last_used_at=utcnow()))
     request.state.api_key_id = owner.key_id  # open streams close when it is revoked
     return owner.tenant
 

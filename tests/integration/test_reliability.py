@@ -11,6 +11,7 @@ from tests.conftest import Platform
 from tests.helpers import client, read_sse, wait_for
 from tierq.messages import Served
 from tierq.queue import enqueue
+from tierq.redis_names import WORKER_GROUP
 from workers.engine.simulated_engine import CostModel
 from workers.reconcile import reconcile
 
@@ -32,7 +33,16 @@ async def test_a_killed_worker_is_reclaimed_and_its_job_finishes_elsewhere_once(
         await platform.kill_worker("doomed")
         survivor_stream = asyncio.create_task(read_sse(c, f"/v1/jobs/{job['id']}/events"))
         await platform.start_worker("survivor", cost=SLOW)
-        done = await wait_for(c, job["id"], timeout=30)
+        try:
+            done = await wait_for(c, job["id"], timeout=30)
+        except AssertionError as exc:  # say where it stood (a CI run once saw this)
+            async with platform.db.session() as s:
+                history = await job_repo.transitions(s, job["id"])
+            inboxes = {
+                w: await platform.r.xpending(platform.dispatcher.names.inbox(w), WORKER_GROUP)
+                for w in ("doomed", "survivor")
+            }
+            raise AssertionError(f"{exc}; transitions {history}; inboxes {inboxes}") from None
         events = await survivor_stream
     assert done["status"] == "succeeded"
     assert done["result"]["text"] == "".join(f" tok{i}" for i in range(1, 61))

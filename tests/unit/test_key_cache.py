@@ -1,0 +1,93 @@
+"""The API's key cache (api/auth.py): requests that miss it for one key at once share one
+lookup; a revocation during a lookup is not undone by it; a failed lookup is not kept; and
+a burst records the key's use once."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+from api.auth import KeyCache
+from models.records import TenantRecord
+from models.tenants import KeyOwner
+from tierq.states import TenantStatus
+
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
+OWNER = KeyOwner(TenantRecord("ten_1", "t", TenantStatus.ACTIVE, NOW), "key_1", None)
+
+
+class Loads:
+    """A lookup that counts its calls and waits until released."""
+
+    def __init__(self, result: KeyOwner | None = OWNER, error: Exception | None = None) -> None:
+        self.calls = 0
+        self.release = asyncio.Event()
+        self.result = result
+        self.error = error
+
+    async def __call__(self) -> KeyOwner | None:
+        self.calls += 1
+        await self.release.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+async def test_a_cold_burst_shares_one_lookup_and_then_hits_the_cache() -> None:
+    cache, load = KeyCache(ttl_s=60), Loads()
+    waiters = [asyncio.create_task(cache.lookup("h", load)) for _ in range(20)]
+    await asyncio.sleep(0.01)
+    load.release.set()
+    assert await asyncio.gather(*waiters) == [OWNER] * 20
+    assert load.calls == 1
+    assert await cache.lookup("h", load) == OWNER and load.calls == 1  # cached
+
+
+async def test_a_waiter_that_goes_away_does_not_end_the_lookup_for_the_others() -> None:
+    cache, load = KeyCache(ttl_s=60), Loads()
+    first = asyncio.create_task(cache.lookup("h", load))
+    second = asyncio.create_task(cache.lookup("h", load))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    load.release.set()
+    assert await second == OWNER
+    assert load.calls == 1
+
+
+async def test_a_revocation_during_the_lookup_is_not_undone_by_it() -> None:
+    cache, load = KeyCache(ttl_s=60), Loads()
+    waiter = asyncio.create_task(cache.lookup("h", load))
+    await asyncio.sleep(0.01)
+    cache.forget("key:key_1")  # revoked while the lookup ran
+    load.release.set()
+    assert await waiter == OWNER  # it read before the revocation
+    assert cache.get("h") is None  # but what it read is not kept: the next request looks again
+
+
+async def test_a_failed_lookup_fails_its_waiters_and_is_not_kept() -> None:
+    cache, load = KeyCache(ttl_s=60), Loads(error=ConnectionError("database down"))
+    waiters = [asyncio.create_task(cache.lookup("h", load)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    load.release.set()
+    for outcome in await asyncio.gather(*waiters, return_exceptions=True):
+        assert isinstance(outcome, ConnectionError)
+    again = Loads()
+    again.release.set()
+    assert await cache.lookup("h", again) == OWNER and again.calls == 1
+
+
+async def test_an_unknown_key_is_not_cached() -> None:
+    cache, load = KeyCache(ttl_s=60), Loads(result=None)
+    load.release.set()
+    assert await cache.lookup("h", load) is None
+    assert await cache.lookup("h", load) is None and load.calls == 2
+
+
+def test_a_burst_records_the_keys_use_once() -> None:
+    cache = KeyCache(ttl_s=60)
+    cache.put("h", OWNER)
+    resolution = timedelta(minutes=1)
+    claims = [cache.claim_touch("h", OWNER, NOW, resolution) for _ in range(10)]
+    assert claims == [True] + [False] * 9
+    # Past the resolution it is recorded again.
+    assert cache.claim_touch("h", OWNER, NOW + 2 * resolution, resolution)
