@@ -67,6 +67,7 @@ def metrics(run: Recorded, shape: Shape, cost: CostModel, speedup: float) -> dic
     win = Window(run.t0 + shape.warmup_s / speedup, run.t0 + shape.duration_s / speedup, speedup)
     span = (win.w1 - win.w0) * speedup  # simulated seconds measured
     ttft = _interactive_ttft(run, win)
+    to_engine, in_engine = _interactive_parts(run, win)
     served, by_tenant = _served_tokens(run, win)
     total = sum(served.values()) or 1.0
     batch_waits = [
@@ -81,12 +82,8 @@ def metrics(run: Recorded, shape: Shape, cost: CostModel, speedup: float) -> dic
         "interactive_jobs_measured": len(ttft),
         # Where that time went: to the engine (admission to the engine's call: the
         # dispatcher and the worker), then in it (the call to the first token).
-        **{
-            f"interactive_{part}_p95_s": win.sim(p95(times) or 0.0)
-            for part, times in zip(
-                ("to_engine", "in_engine"), _interactive_parts(run, win), strict=True
-            )
-        },
+        "interactive_to_engine_p95_s": win.sim(p95(to_engine) or 0.0),
+        "interactive_in_engine_p95_s": win.sim(p95(in_engine) or 0.0),
         "tier_share": {t.value: round(served[t] / total, 4) for t in TIER_ORDER},
         "backlogged_tiers": [t.value for t in _backlogged_tiers(run, win)],
         "tier_min_share": {
@@ -107,8 +104,7 @@ def _interactive_ttft(run: Recorded, win: Window) -> list[float]:
     """Interactive jobs that arrived in the window: first token less arrival, or for one
     still waiting at the end, its wait so far."""
     first = run.trace.first_token
-    measured = [(j, wall) for j, (a, wall) in run.jobs.items() if a.tier == Tier.INTERACTIVE]
-    measured = [(j, wall) for j, wall in measured if win.w0 <= wall]
+    measured = _interactive_arrivals(run, win)
     ttft = [first[j] - wall for j, wall in measured if j in first]
     unserved = [win.w1 - wall for j, wall in measured if j not in first]
     return ttft + unserved
@@ -118,13 +114,19 @@ def _interactive_parts(run: Recorded, win: Window) -> tuple[list[float], list[fl
     """For the interactive jobs of the window that got a first token: arrival to the
     engine's call, and the call to the first token."""
     called, first = run.trace.called, run.trace.first_token
-    to_engine: list[float] = []
-    in_engine: list[float] = []
-    for j, (a, wall) in run.jobs.items():
-        if a.tier == Tier.INTERACTIVE and win.w0 <= wall and j in first and j in called:
-            to_engine.append(called[j] - wall)
-            in_engine.append(first[j] - called[j])
-    return to_engine, in_engine
+    served = [
+        (j, wall) for j, wall in _interactive_arrivals(run, win) if j in first and j in called
+    ]
+    return [called[j] - wall for j, wall in served], [first[j] - called[j] for j, _ in served]
+
+
+def _interactive_arrivals(run: Recorded, win: Window) -> list[tuple[str, float]]:
+    """(job id, wall time enqueued) of the interactive jobs that arrived in the window."""
+    return [
+        (j, wall)
+        for j, (a, wall) in run.jobs.items()
+        if a.tier == Tier.INTERACTIVE and win.w0 <= wall
+    ]
 
 
 def _served_tokens(run: Recorded, win: Window) -> tuple[dict[Tier, float], dict[str, float]]:
