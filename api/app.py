@@ -82,7 +82,8 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
     app.state.names = RedisNames(settings.redis_prefix)
     app.state.key_cache = KeyCache(settings.auth_cache_ttl_s)
     errors.install(app)
-    app.add_middleware(HostileInput)  # inside the size limit: what it buffers is bounded
+    # Inside the size limit: what it buffers is bounded.
+    app.add_middleware(HostileInput, max_bytes=settings.max_body_bytes)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,

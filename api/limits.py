@@ -86,11 +86,15 @@ class BodySizeLimit:
 class HostileInput:
     """Refuse (400, OpenAI's error shape) a request whose path, query string or JSON body
     holds what services/hostile.py names — before any route, so none can store it, whatever
-    its schema. Runs inside BodySizeLimit: the body it buffers is already bounded. A body
-    that could not hold such a value (the usual one) is not parsed here."""
+    its schema. Runs inside BodySizeLimit, which bounds every body; a body that is not a form
+    is buffered only up to `max_bytes`. A body that could not hold such a value (the usual
+    one) is not parsed here."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
+        # Only a form (a file upload) may be larger: any other body past this is refused
+        # before it is buffered whole.
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -101,11 +105,15 @@ class HostileInput:
             await _refuse(send, why)
             return
         headers = dict(scope.get("headers", []))
-        if b"json" not in headers.get(b"content-type", b"") or scope["method"] in ("GET", "HEAD"):
+        if scope["method"] in ("GET", "HEAD") or _form(headers.get(b"content-type", b"")):
             await self.app(scope, receive, send)
             return
-        body = await read_body(receive)
-        assert body is not None  # no limit here: BodySizeLimit, outside, bounds it
+        body = await read_body(receive, self.max_bytes)
+        if body is None:
+            await send_error(
+                send, 413, f"The request body exceeds {self.max_bytes} bytes.", "request_too_large"
+            )
+            return
         if suspect(body):
             try:
                 why = unstorable(json.loads(body))
@@ -117,6 +125,14 @@ class HostileInput:
                 await _refuse(send, why)
                 return
         await self.app(scope, replaying(body, receive), send)
+
+
+def _form(content_type: bytes) -> bool:
+    """A form body, whose fields the routes that take one check themselves. Any other body is
+    scanned: FastAPI parses JSON whatever the type's case (`Application/JSON`), and a body
+    with no Content-Type at all as JSON too."""
+    kind = content_type.split(b";", 1)[0].strip().lower()
+    return kind.startswith(b"multipart/") or kind == b"application/x-www-form-urlencoded"
 
 
 async def read_body(receive: Receive, limit: int | None = None) -> bytes | None:

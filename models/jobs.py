@@ -397,8 +397,13 @@ def fail_job(
 
 
 async def cancel_job(s: AsyncSession, job_id: str) -> JobRecord | None:
-    return await s.run_sync(
-        transition,
+    return await s.run_sync(_cancel_job, job_id)
+
+
+def _cancel_job(s: Session, job_id: str) -> JobRecord | None:
+    kept = _kept_progress(s, Job.id == job_id)
+    job = transition(
+        s,
         job_id,
         JobStatus.CANCELLED,
         sources=(JobStatus.QUEUED, JobStatus.RUNNING),
@@ -406,6 +411,45 @@ async def cancel_job(s: AsyncSession, job_id: str) -> JobRecord | None:
         error_code="cancelled",
         error_message="the job was cancelled by its tenant",
     )
+    return None if job is None else _bill_kept(s, [job], kept)[0]
+
+
+def _kept_progress(s: Session, where: Any) -> dict[str, Progress]:
+    """The queued jobs matching `where` whose earlier runs generated tokens kept for the
+    next run (preempted, or handed back): cancelling one must bill that work, which no run
+    will bill now. A running job's own run bills it (workers/worker.py). The rows are locked
+    (PostgreSQL; SQLite's write lock is held from BEGIN), so no worker claims one meanwhile."""
+    stmt = (
+        select(Job.id, Job.progress)
+        .where(where, Job.status == JobStatus.QUEUED.value, Job.deliveries > 0)
+        .with_for_update()
+    )
+    kept = {}
+    for job_id, raw in s.execute(stmt).all():
+        progress = Progress.from_json(raw)
+        if progress is not None:
+            kept[job_id] = progress
+    return kept
+
+
+def _bill_kept(
+    s: Session, cancelled: list[JobRecord], kept: dict[str, Progress]
+) -> list[JobRecord]:
+    """The cancelled jobs, those of them with kept progress billed for it (prompt and the
+    tokens generated), as a cancelled run is billed."""
+    out = []
+    for job in cancelled:
+        progress = kept.get(job.id)
+        billed = None
+        if progress is not None:
+            generated = len(progress.token_ids)
+            billed = bill_cancelled(s, job.id, progress.prompt_tokens, generated)
+            if billed is not None:  # counted as the transaction commits, but for a rollback
+                metrics.count_tokens_served(
+                    job.tenant_id, job.tier.value, progress.prompt_tokens, generated
+                )
+        out.append(billed or job)
+    return out
 
 
 def requeue_job(
@@ -470,7 +514,9 @@ async def cancel_unfinished(
     s: AsyncSession, where: Any, code: str, message: str
 ) -> list[JobRecord]:
     """Cancel every queued or running job matching `where`, each with its transition;
-    returns the cancelled jobs (services/cancellation.py announces them)."""
+    returns the cancelled jobs (services/cancellation.py announces them). A queued one with
+    kept progress is billed for it."""
+    kept = await s.run_sync(_kept_progress, where)
     stmt = (
         update(Job)
         .where(where, Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)))
@@ -488,7 +534,7 @@ async def cancel_unfinished(
     now = utcnow()
     for job in stopped:
         s.add(JobTransition(job_id=job.id, status=JobStatus.CANCELLED.value, at=now, detail=code))
-    return stopped
+    return await s.run_sync(_bill_kept, stopped, kept) if kept else stopped
 
 
 async def cancel_tenant_jobs(

@@ -53,6 +53,8 @@ def check_line(raw: bytes, endpoint: str) -> tuple[dict[str, Any] | None, tuple[
         item = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None, ("invalid_json_line", "This line is not parseable as valid JSON.")
+    except ValueError:  # valid JSON that Python refuses: an integer of over 4,300 digits
+        return None, ("invalid_request", "The line holds an integer too large to be taken.")
     if not isinstance(item, dict):
         return None, ("invalid_json_line", "Each line must be a JSON object.")
     why = unstorable(item)

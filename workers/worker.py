@@ -784,7 +784,9 @@ class Worker:
             kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
         if kind == "failed" and out.kind == "retry":  # its last delivery failed it
             metrics.DEAD_LETTERS.labels(msg.tier.value).inc()
-        if kind == "cancelled" and job is not None and out.served > 0:
+        # Billed: what this run computed and what earlier runs generated that it resumed
+        # after (no earlier run billed it), even if the cancel came before its first token.
+        if kind == "cancelled" and job is not None and (out.served > 0 or out.resumed > 0):
             await self._retrying("bill cancelled", lambda: self._bill_cancelled(msg, out))
         if entry_id is not None:
             await self._retrying("release", lambda: self._release(entry_id, msg, kind, out.served))

@@ -68,6 +68,33 @@ async def test_a_job_body_holding_what_postgres_cannot_store_is_a_400(
     await no_jobs(platform, tenant_key)
 
 
+async def test_the_content_types_case_or_its_absence_does_not_let_it_past(
+    platform: Platform, tenant_key: str
+) -> None:
+    # FastAPI parses a body as JSON whatever the case of its type, and without a type too:
+    # the guard must scan those bodies as well.
+    body = raw_json({"prompt": NUL, "max_tokens": 8})
+    chat = raw_json({**JOB_BODIES[0], "model": "SmolLM2-135M-Instruct"})
+    async with client(platform.url, tenant_key) as c:
+        for headers in ({"Content-Type": "Application/JSON"}, {"Content-Type": "TEXT/JSON"}, {}):
+            assert_openai_error(await c.post("/v1/jobs", content=body, headers=headers), 400)
+            resp = await c.post("/v1/chat/completions", content=chat, headers=headers)
+            assert_openai_error(resp, 400)
+        # Valid JSON that Python's parser refuses (an integer of over 4,300 digits).
+        huge = b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"
+        resp = await c.post("/v1/jobs", content=huge, headers={"Content-Type": "application/json"})
+        assert_openai_error(resp, 400)
+    async with client(platform.url, ADMIN_KEY) as a:
+        name = raw_json({"name": NUL})
+        resp = await a.post(
+            "/admin/tenants", content=name, headers={"Content-Type": "Application/Json"}
+        )
+        assert_openai_error(resp, 400)
+        names = [t["name"] for t in (await a.get("/admin/tenants")).json()["data"]]
+        assert not any("\x00" in n for n in names)
+    await no_jobs(platform, tenant_key)
+
+
 async def test_queries_paths_and_the_admin_api_refuse_it_too(
     platform: Platform, tenant_key: str
 ) -> None:

@@ -186,6 +186,81 @@ async def test_kept_progress_its_followers_never_saw_is_not_resumed_after(
     assert engine.resumed == [0] and ledger.generated[job_id] == MAX_TOKENS
 
 
+class _ResumeStalls(EngineWrapper):
+    """A run that resumes after kept tokens generates nothing until it is aborted (the
+    first run of a request is the inner engine's own)."""
+
+    def __init__(self, inner: Engine) -> None:
+        super().__init__(inner, "resume-stalls")
+        self.stalled: set[str] = set()
+        self.aborted: set[str] = set()
+
+    async def observe(
+        self, request_id: str, resume: Sequence[int], run: AsyncIterator[Chunk]
+    ) -> AsyncIterator[Chunk]:
+        if resume:
+            self.stalled.add(request_id)
+            for _ in range(3000):  # 30 s at most
+                if request_id in self.aborted:
+                    return  # aborted before its first token: a run with no chunk
+                await asyncio.sleep(0.01)
+        async for chunk in run:
+            yield chunk
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+        await self.inner.abort(request_id)
+
+
+@pytest.mark.with_settings(engine_preemption=False)
+async def test_a_resumed_run_cancelled_before_its_first_token_bills_what_was_kept(
+    platform: Platform, tenant_key: str
+) -> None:
+    """Preempted after 40-odd tokens; the run that resumes after them is cancelled before
+    it generates one: the tenant is billed the prompt and the kept tokens (no earlier run
+    billed them), once."""
+    platform.start_dispatcher()
+    stalls: list[_ResumeStalls] = []
+
+    def wrap(inner: Engine) -> Engine:
+        stalls.append(_ResumeStalls(inner))
+        return stalls[0]
+
+    await platform.start_worker("w1", cost=CostModel(slots=4).scaled(2), wrap=wrap)
+    sim = platform.workers["w1"][2]
+    async with client(platform.url, tenant_key) as c:
+        job_id = (await c.post("/v1/jobs", json=LONG)).json()["id"]
+        await _generating(sim, job_id, 40)
+        await platform.r.publish(platform.dispatcher.names.preempt_channel("w1"), job_id)
+        for _ in range(1000):
+            if job_id in stalls[0].stalled:
+                break
+            await asyncio.sleep(0.01)
+        assert job_id in stalls[0].stalled, "the job never resumed"
+        async with platform.db.session() as s:
+            record = await job_repo.get_job(s, job_id)
+        assert record is not None and record.progress is not None
+        kept = record.progress
+        assert len(kept.token_ids) >= 40
+        assert (await c.post(f"/v1/jobs/{job_id}/cancel")).status_code == 200
+        for _ in range(500):
+            job = (await c.get(f"/v1/jobs/{job_id}")).json()
+            if job["usage"] is not None:
+                break
+            await asyncio.sleep(0.02)
+    assert job["status"] == "cancelled"
+    assert job["usage"] == {
+        "prompt_tokens": kept.prompt_tokens,
+        "completion_tokens": len(kept.token_ids),
+        "total_tokens": kept.prompt_tokens + len(kept.token_ids),
+    }
+    async with platform.db.session() as s:
+        usage = await job_repo.usage_for_job(s, job_id)
+    assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [
+        (kept.prompt_tokens, len(kept.token_ids))
+    ]
+
+
 class _FailsOnce(EngineWrapper):
     """The first run of each request raises an unknown error after 30 tokens."""
 

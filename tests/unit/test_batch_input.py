@@ -44,3 +44,16 @@ def test_reading_requests_resumes_from_a_byte_offset(tmp_path: Path) -> None:
     ]
     assert end == path.stat().st_size and last == 7  # trailing blank lines consumed
     assert read_requests(path, end, last, 100, CHAT) == ([], end, last)
+
+
+def test_an_integer_too_long_for_python_fails_its_line_not_the_validation(
+    tmp_path: Path,
+) -> None:
+    # json.loads raises a plain ValueError for an integer of over 4,300 digits: validation
+    # must name the line (the batch fails), not raise and leave the batch retrying forever.
+    path = tmp_path / "in.jsonl"
+    huge = b'{"custom_id": "big", "method": "POST", "url": "%s", "body": {"max_tokens": %s}}\n'
+    path.write_bytes(_line("a") + huge % (CHAT.encode(), b"9" * 5000) + _line("b"))
+    result = validate_file(path, CHAT, max_requests=10, max_errors=10)
+    assert result.requests == 3
+    assert [(e["code"], e["line"]) for e in result.errors] == [("invalid_request", 2)]

@@ -7,7 +7,8 @@ and a claim that fails fails alone.
 
 A job's ending (`Database.write` of `finish_job`, `bill_cancelled`, `requeue_job`): many at
 once, each bills its job exactly once — its ledger row and the spend counters — and a
-stale or repeated ending writes nothing."""
+stale or repeated ending writes nothing. A queued job whose earlier runs' tokens were kept
+(preempted, handed back) is billed for them when it is cancelled, by any cancel path."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from models import jobs as job_repo
 from models import spend
 from models import tenants as tenant_repo
 from models.db import Database
-from models.records import JobRecord
+from models.records import JobRecord, Progress
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 from workers.claims import Claims
@@ -187,3 +188,48 @@ async def test_a_cancelled_job_is_billed_once_and_a_requeue_counts_its_preemptio
     # A requeue of a delivery that is no longer running writes nothing.
     assert await db.write(job_repo.requeue_job, preempted.id, "again", preempted.deliveries) is None
     assert await _billed(db, preempted) == (0, 0, 25)
+
+
+async def test_cancelling_a_queued_job_bills_the_tokens_its_earlier_runs_kept(
+    database: Database,
+) -> None:
+    # Preempted after generating 4 tokens of a 6-token prompt, their ids kept for the next
+    # run; then cancelled while queued: no run will bill those tokens, the cancel does.
+    db = database
+    kept, fresh, by_tenant, plain = await _claimed(db, 4)
+    progress = Progress((11, 12, 13, 14), "abcd", 6, "simulated:bundled:m")
+    for job in (kept, by_tenant):
+        back = await db.write(
+            lambda s, job=job: job_repo.requeue_job(
+                s, job.id, "preempted", job.deliveries, preempted=True, progress=progress
+            )
+        )
+        assert back is not None and back.progress == progress
+    # Handed back without progress (nothing kept): cancelling it bills nothing.
+    assert await db.write(job_repo.requeue_job, fresh.id, "drain", fresh.deliveries) is not None
+
+    async with db.transaction() as s:
+        cancelled = await job_repo.cancel_job(s, kept.id)
+    assert cancelled is not None and cancelled.status == JobStatus.CANCELLED
+    assert cancelled.to_api()["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 4,
+        "total_tokens": 10,
+    }
+    assert cancelled.progress is None
+    async with db.transaction() as s:
+        assert await job_repo.cancel_job(s, kept.id) is None  # twice: nothing more
+        assert await job_repo.cancel_job(s, fresh.id) is not None
+    assert await _billed(db, kept) == (1, 10, 10)
+    assert (await _billed(db, fresh))[:2] == (0, 0)
+
+    # The bulk path (a tenant suspended, a batch cancelled or expired) bills the same way;
+    # a running job is left to its own run's bill (the worker's).
+    async with db.transaction() as s:
+        stopped = await job_repo.cancel_tenant_jobs(s, kept.tenant_id, "tenant_suspended", "x")
+    assert {j.id for j in stopped} == {by_tenant.id, plain.id}
+    usage = {j.id: j.to_api()["usage"] for j in stopped}
+    assert usage[by_tenant.id] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+    assert usage[plain.id] is None
+    assert await _billed(db, by_tenant) == (1, 10, 20)
+    assert (await _billed(db, plain))[:2] == (0, 0)
