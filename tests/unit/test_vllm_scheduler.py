@@ -20,6 +20,7 @@ from workers.engine.vllm_scheduler import (
     TieredScheduler,
     Tiering,
     _tiered,
+    clear_step,
     pick_victims,
     prioritise,
 )
@@ -106,6 +107,36 @@ def test_nothing_is_deferred_without_a_better_waiting_request_and_a_free_slot() 
     chat = Req("chat", 0, 2.0, 60)
     assert prioritise([big], [chat], free_slots=0, current_step=0, budget=64) == ([], None)
     assert big.next_decode_eligible_step == 0
+
+
+def test_an_interactive_request_that_waited_long_gets_a_step_of_its_own() -> None:
+    # 63 batch decodes and an interactive request waiting for the free slot, arrived early
+    # in the step that just ended: every worse request (decodes too) sits this step out,
+    # and the step's budget is what interactive work needs.
+    running = [decoding(f"d{i}", 100, i) for i in range(62)]
+    running.append(decoding("older-chat", 0, 50.0))  # an interactive request decoding
+    chat = Req("chat", 0, 200.0, 60)
+    alone = clear_step(running, [chat], 1, 41, 0, lambda r: r.arrival_time <= 200.0)
+    assert alone == 60 + 1  # its prompt and the other chat's decode
+    assert all(r.next_decode_eligible_step == 43 for r in running if r.priority == 100)
+    assert running[-1].next_decode_eligible_step == 0
+
+
+def test_a_request_that_arrived_late_in_the_step_shares_its_first_step() -> None:
+    # Arrived in the second half of the step that just ended: it waited little, and its
+    # first step carries the others' decodes as usual (nothing cleared).
+    running = [decoding(f"d{i}", 100, i) for i in range(63)]
+    chat = Req("chat", 0, 200.0, 60)
+    assert clear_step(running, [chat], 1, 41, 0, lambda r: r.arrival_time <= 150.0) is None
+    assert all(r.next_decode_eligible_step == 0 for r in running)
+    # Nor is anything cleared for a request that gets no slot, or for worse ones.
+    assert clear_step(running, [chat], 0, 41, 0, lambda r: True) is None
+    worse = Req("std", 10, 200.0, 60)
+    assert clear_step(running, [worse], 1, 41, 0, lambda r: True) is None
+    # Nor for an interactive request whose prompt is done (a resumed one has its prompt
+    # and output to recompute: that counts as prompt).
+    done = Req("chat", 0, 200.0, 60, 60)
+    assert clear_step(running, [done], 1, 41, 0, lambda r: True) is None
 
 
 def test_the_vllm_internals_the_tiered_scheduler_relies_on_are_there() -> None:
@@ -353,7 +384,14 @@ class Engine:
         self.sampled: dict[str, int] = {}  # request id -> tokens the model sampled for it
         self.serial = 0
 
-    def add(self, name: str, priority: int, prompt_len: int = 40, max_tokens: int = 12) -> Any:
+    def add(
+        self,
+        name: str,
+        priority: int,
+        prompt_len: int = 40,
+        max_tokens: int = 12,
+        arrival_time: float | None = None,  # default: long ago (the serial number)
+    ) -> Any:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
@@ -365,7 +403,7 @@ class Engine:
             prompt,
             SamplingParams(max_tokens=max_tokens),
             None,
-            arrival_time=float(self.serial),
+            arrival_time=float(self.serial) if arrival_time is None else arrival_time,
             priority=priority,
             block_hasher=self.hasher,
         )
@@ -492,6 +530,33 @@ def test_the_step_budget_follows_interactive_work_in_vllms_scheduler(
     for out in e.run(10):
         assert out.total_num_scheduled_tokens <= 64
     assert e.scheduler.full_budget == e.scheduler.max_num_scheduled_tokens == 512
+
+
+def test_an_interactive_request_that_waited_long_is_prefilled_alone_in_vllms_scheduler(
+    engine: Callable[..., Engine],
+) -> None:
+    """A chat that arrived early in the step under way (here: long ago) gets a step of its
+    prompt alone, the batch decodes sitting it out; in the next every decode goes on, and
+    every batch request still finishes with its full output. A chat that arrived after the
+    last step began shares its first step with them."""
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    e = engine(slots=6, budget=256, latency_step_tokens=64, latency_hold_s=3600)
+    batch = [e.add(f"batch{i}", 100, max_tokens=20) for i in range(4)]
+    list(e.run(3))  # decoding
+    e.add("chat", 0, max_tokens=4)
+    assert e.step().num_scheduled_tokens == {"chat": 40}
+    names = {b.request_id for b in batch}
+    assert set(e.step().num_scheduled_tokens) == names | {"chat"}
+    e.add("late-chat", 0, max_tokens=4, arrival_time=time.time())
+    assert set(e.step().num_scheduled_tokens) == names | {"chat", "late-chat"}
+    for _ in range(40):
+        e.step()
+    for b in batch:
+        assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert list(b.output_token_ids) == full_output(20) and e.sampled[b.request_id] == 20
 
 
 def test_vllms_preemptions_are_counted_from_its_step_statistics() -> None:

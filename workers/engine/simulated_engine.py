@@ -45,7 +45,13 @@ from tierq import metrics
 from tierq.messages import PREFIX_CHARS, prefix_key
 from tierq.token_count import PromptCounter
 from workers.engine.base import Chunk, EngineDead, EngineRequestError, resumed_params
-from workers.engine.vllm_scheduler import StepBudget, Tiering, pick_victims, prioritise
+from workers.engine.vllm_scheduler import (
+    StepBudget,
+    Tiering,
+    clear_step,
+    pick_victims,
+    prioritise,
+)
 
 # What `tierq calibrate` (benchmarks/calibrate.py) measured on the real engine here.
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
@@ -108,6 +114,7 @@ class _Request:
     next_decode_eligible_step: int = field(default=0, compare=False)
     num_preemptions: int = field(default=0, compare=False)
     cached: int = field(default=0, compare=False)  # prompt tokens the prefix cache held
+    arrived_at: float = field(default=0.0, compare=False)  # time.monotonic()
 
     # The names tierq's scheduler reads on vLLM's requests (workers/engine/vllm_scheduler.py).
     @property
@@ -151,6 +158,7 @@ class SimulatedEngine:
         self.prefix_lookups = 0  # requests looked up in it (benchmarks read these)
         self.prefix_hits = 0
         self._step_no = 0
+        self._last_step_at = float("-inf")  # when the last step was scheduled (monotonic)
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
         self._arrivals = itertools.count()
@@ -198,6 +206,7 @@ class SimulatedEngine:
             max_tokens,
             asyncio.Queue(),
             generated=max_tokens - left,
+            arrived_at=time.monotonic(),
         )
         req.cached = self._cached_prefix(messages, prompt, prompt_tokens + req.generated)
         req.prefill_left = prompt_tokens + req.generated - req.cached
@@ -282,9 +291,28 @@ class SimulatedEngine:
                 budget = self._budget.tokens(self._running.values(), self._waiting, budget)
                 if self.tiering.preempt:
                     self._preempt_for_priority()
-            self.budgets = [*self.budgets[-999:], budget]
             order = list(self._running.values())  # admission order
-            if self.priority_steps:
+            now = time.monotonic()
+            # Waited long: arrived in the first half of the step that just ended.
+            half = (self._last_step_at + now) / 2
+            self._last_step_at = now
+            alone = None
+            if self.priority_steps and order and self.tiering.latency_step_tokens > 0:
+
+                def waited_long(r: _Request, half: float = half) -> bool:
+                    return r.arrived_at <= half
+
+                alone = clear_step(
+                    order,
+                    self._waiting,
+                    self.cost.slots - len(order),
+                    self._step_no,
+                    self.tiering.latency_priority,
+                    waited_long,
+                )
+            if alone is not None:
+                budget = min(budget, alone)
+            elif self.priority_steps:
                 _, cap = prioritise(
                     order,
                     self._waiting,
@@ -292,6 +320,7 @@ class SimulatedEngine:
                     self._step_no,
                     budget,
                 )
+            self.budgets = [*self.budgets[-999:], budget]
             self._step_no += 1
             chunk_limit = cap or budget
             decoding: list[_Request] = []

@@ -35,6 +35,15 @@ inversion). Four changes, applied before each step:
    proceed, and one that does not fit may take a chunk of exactly what is left, through
    vLLM's per-request chunk limit `long_prefill_token_threshold` set for that step alone),
    so the budget they would have taken goes to the waiting requests.
+5. **A first step of its own for a request that waited long.** While the small step
+   budget is on, a latency-sensitive request that gets a slot with its prompt still to
+   prefill, and that arrived in the first half of the step that just ended, is prefilled
+   in a step of latency-sensitive work alone: every worse running request, decodes
+   included, sits that one step out (`clear_step`). An arrival waits out the step under
+   way (up to one step, S) and then its own, which carries every batch decode beside its
+   prompt (about S again): up to 2S. Clearing the first step of the requests that waited
+   most bounds the wait at about max(S + the prompt's own step, S/2 + S); each cleared step
+   costs the other tiers one step's fixed cost (their decodes are delayed, not lost).
 
 The deferral uses the scheduler's own per-request "not before step N" mark
 (`next_decode_eligible_step`, which vLLM's async and diffusion schedulers set for their own
@@ -246,6 +255,43 @@ def prioritise(
     return deferred, cap
 
 
+def clear_step(
+    running: list[Any],
+    waiting: Iterable[_Request],
+    free_slots: int,
+    current_step: int,
+    latency_priority: int,
+    waited_long: Callable[[Any], bool],
+) -> int | None:
+    """Give a latency-sensitive request that has waited long its first step to
+    latency-sensitive work alone.
+
+    When waiting requests at or better than `latency_priority` get `free_slots` this step
+    with their prompts still to prefill, and one of them has `waited_long` (arrived in the
+    first half of the step that just ended: the callers' test), every worse-priority
+    running request — decodes included — sits this one step out, and the step's budget is
+    what the latency-sensitive work needs (its prompts, its own decodes and prefills).
+
+    Why. On an engine whose step lasts as long as its token count, an arriving request
+    waits out the step under way (up to a step, S) and then its own, which carries every
+    batch decode beside its prompt (about S again): up to 2S. A step of its prompt alone
+    takes a fraction of S. Clearing every first step would cost the worse requests one
+    step's fixed cost per arrival; clearing only for requests that arrived in the first
+    half of a step bounds the wait at max(S/2 + S, S + the prompt's own step) — the same
+    tail, at about half the cost. Returns that budget, or None (nothing cleared)."""
+    admitted = list(itertools.islice(waiting, max(0, free_slots)))
+    ahead = [w for w in admitted if w.priority <= latency_priority]
+    if not any(_left(w) and waited_long(w) for w in ahead):
+        return None
+    need = sum(_left(w) for w in ahead)
+    for r in running:
+        if r.priority <= latency_priority:
+            need += _left(r) or 1
+        else:
+            r.next_decode_eligible_step = max(r.next_decode_eligible_step, current_step + 2)
+    return need
+
+
 def _tiered(base: type) -> type:
     from vllm.v1.core.sched.request_queue import SchedulingPolicy
 
@@ -265,17 +311,35 @@ def _tiered(base: type) -> type:
                 self, "max_num_scheduled_tokens", self.scheduler_config.max_num_batched_tokens
             )
             self.priority_preemptions = 0  # how many this scheduler made (logs, tests)
+            self.last_step_at = float("-inf")  # when schedule() last ran (time.time())
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             if not (self._tiering and self.policy == SchedulingPolicy.PRIORITY):
                 return super().schedule(*args, **kwargs)
             config = self.scheduler_config
+            policy = self.tier_policy
             try:
                 budget = self.step_budget.tokens(self.running, self.waiting, self.full_budget)
                 if self.tier_policy.preempt and self.waiting and self.running:
                     self._preempt_for_priority()
                 cap: int | None = None
-                if self.running:
+                alone = None
+                now = time.time()  # the clock of vLLM's arrival times
+                # Waited long: arrived in the first half of the step that just ended.
+                half = (self.last_step_at + now) / 2
+                self.last_step_at = now
+                if self.running and policy.latency_step_tokens > 0:
+                    alone = clear_step(
+                        self.running,
+                        self._admissible(),
+                        self._free_slots(),
+                        self.current_step,
+                        policy.latency_priority,
+                        lambda r: r.arrival_time <= half,
+                    )
+                if alone is not None:
+                    budget = min(budget, alone)
+                elif self.running:
                     _, cap = prioritise(
                         self.running,
                         self._admissible(),
