@@ -53,6 +53,7 @@ async def run_qos(
     speedup: float = 5.0,
     seed: int = 1,
     duration_s: float | None = None,
+    policies: tuple[str, ...] = POLICIES,
 ) -> dict[str, Any]:
     cost = dataclasses.replace(CostModel.load(), max_batched_tokens=base.max_num_batched_tokens)
     shape = SIMULATED if engine_kind == "simulated" else REAL
@@ -66,7 +67,7 @@ async def run_qos(
     try:
         with tempfile.TemporaryDirectory(prefix="tierq-bench-") as tmp:
             bench = Bench(base, shape, cost, speedup, engine_kind, redis_url, Path(tmp))
-            results = await _run_all(bench, arrivals, engines)
+            results = await _run_all(bench, arrivals, engines, policies)
     finally:
         await engines.shutdown()
         if embedded is not None:
@@ -84,12 +85,14 @@ async def run_qos(
     return results
 
 
-async def _run_all(bench: Bench, arrivals: list[Arrival], engines: _SharedEngine) -> dict[str, Any]:
+async def _run_all(
+    bench: Bench, arrivals: list[Arrival], engines: _SharedEngine, policies: tuple[str, ...]
+) -> dict[str, Any]:
     """The idle baseline (tierq with the interactive arrivals alone), then each policy."""
     alone = [a for a in arrivals if a.tier == Tier.INTERACTIVE]
     idle_ttft = (await _measure(bench, "idle", "tierq", alone, engines))["interactive_ttft_p95_s"]
     results: dict[str, Any] = {}
-    for name in POLICIES:
+    for name in policies:
         m = await _measure(bench, name, name, arrivals, engines)
         m["interactive_ttft_p95_idle_s"] = idle_ttft
         results[name] = m

@@ -295,12 +295,19 @@ def bench_qos(
     speedup: float = typer.Option(5.0, help="Time compression of the simulated engine."),
     seed: int = typer.Option(1),
     duration: float | None = typer.Option(None, help="Simulated seconds of arrivals."),
+    policies: str = typer.Option(
+        "tierq,fcfs,engine-priority", help="The policies to run after the idle baseline."
+    ),
 ) -> None:
     """tierq vs fcfs vs engine-priority on one seeded workload; prints one JSON line last."""
-    from benchmarks.qos import run_qos
+    from benchmarks.qos import POLICIES, run_qos
 
+    chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
+    unknown = sorted(set(chosen) - set(POLICIES))
+    if unknown or not chosen:
+        raise typer.BadParameter(f"policies are among {', '.join(POLICIES)}; not {unknown}")
     setup_logging("WARNING")
-    result = asyncio.run(run_qos(get_settings(), engine, speedup, seed, duration))
+    result = asyncio.run(run_qos(get_settings(), engine, speedup, seed, duration, chosen))
     typer.echo(json.dumps(result, separators=(",", ":")))
 
 

@@ -143,6 +143,10 @@ class Settings(BaseSettings):
     # where a step lasts as long as its token count; 0 (off) on GPUs.
     interactive_step_tokens: int | None = None
     interactive_step_hold_s: float = 5.0
+    # While the small step budget is on: an interactive request that arrived in the first
+    # half of the step that just ended is prefilled in a step of interactive work alone
+    # (the other tiers' decodes sit that step out). False: it shares its first step.
+    interactive_first_step_alone: bool = True
     # vLLM's engine-core process waits for its model worker's result of each step by
     # spinning on sched_yield(); on a CPU host that spinner takes a core's worth of time from
     # the engine's compute or from the platform's own processes. True: it blocks instead

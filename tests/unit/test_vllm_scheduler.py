@@ -557,6 +557,14 @@ def test_an_interactive_request_that_waited_long_is_prefilled_alone_in_vllms_sch
     for b in batch:
         assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED
         assert list(b.output_token_ids) == full_output(20) and e.sampled[b.request_id] == 20
+    # INTERACTIVE_FIRST_STEP_ALONE=false: the chat shares its first step with the decodes.
+    off = engine(
+        slots=6, budget=256, latency_step_tokens=64, latency_hold_s=3600, first_step_alone=False
+    )
+    batch = [off.add(f"batch{i}", 100, max_tokens=20) for i in range(4)]
+    list(off.run(3))
+    off.add("chat", 0, max_tokens=4)
+    assert set(off.step().num_scheduled_tokens) == {b.request_id for b in batch} | {"chat"}
 
 
 def test_vllms_preemptions_are_counted_from_its_step_statistics() -> None:

@@ -297,7 +297,7 @@ class SimulatedEngine:
             half = (self._last_step_at + now) / 2
             self._last_step_at = now
             alone = None
-            if self.priority_steps and order and self.tiering.latency_step_tokens > 0:
+            if self.priority_steps and order and self.tiering.clears_first_steps:
 
                 def waited_long(r: _Request, half: float = half) -> bool:
                     return r.arrived_at <= half

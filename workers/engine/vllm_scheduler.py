@@ -86,6 +86,12 @@ class Tiering:
     latency_priority: int = 0
     latency_step_tokens: int = 0  # 0: every step may take the full budget
     latency_hold_s: float = 5.0
+    first_step_alone: bool = True  # clear_step (only while latency_step_tokens is on)
+
+    @property
+    def clears_first_steps(self) -> bool:
+        """Whether a request that waited long gets a first step of its own (clear_step)."""
+        return self.latency_step_tokens > 0 and self.first_step_alone
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Tiering:
@@ -101,6 +107,7 @@ class Tiering:
             latency_priority=vllm_priority(Tier.INTERACTIVE),
             latency_step_tokens=step_tokens,
             latency_hold_s=settings.interactive_step_hold_s,
+            first_step_alone=settings.interactive_first_step_alone,
         )
 
     def to_config(self) -> dict[str, Any]:
@@ -328,7 +335,7 @@ def _tiered(base: type) -> type:
                 # Waited long: arrived in the first half of the step that just ended.
                 half = (self.last_step_at + now) / 2
                 self.last_step_at = now
-                if self.running and policy.latency_step_tokens > 0:
+                if self.running and policy.clears_first_steps:
                     alone = clear_step(
                         self.running,
                         self._admissible(),
