@@ -129,8 +129,8 @@ class HostileInput:
 
 def _form(content_type: bytes) -> bool:
     """A form body, whose fields the routes that take one check themselves. Any other body is
-    scanned: FastAPI parses JSON whatever the type's case (`Application/JSON`), and a body
-    with no Content-Type at all as JSON too."""
+    scanned: FastAPI parses JSON whatever the type's case (`Application/JSON`) and for any
+    `+json` subtype, and a route may read another body itself."""
     kind = content_type.split(b";", 1)[0].strip().lower()
     return kind.startswith(b"multipart/") or kind == b"application/x-www-form-urlencoded"
 

@@ -417,16 +417,27 @@ def _cancel_job(s: Session, job_id: str) -> JobRecord | None:
 def _kept_progress(s: Session, where: Any) -> dict[str, Progress]:
     """The queued jobs matching `where` whose earlier runs generated tokens kept for the
     next run (preempted, or handed back): cancelling one must bill that work, which no run
-    will bill now. A running job's own run bills it (workers/worker.py). The rows are locked
-    (PostgreSQL; SQLite's write lock is held from BEGIN), so no worker claims one meanwhile."""
+    will bill now. A running job's own run bills it (workers/worker.py).
+
+    Every unfinished job matching `where` that was ever delivered is locked, running ones
+    too, in id order (PostgreSQL; SQLite's write lock is held from BEGIN): a worker's
+    hand-back (running -> queued, with its progress) that would commit between this read
+    and the cancel waits instead, then finds the job cancelled and bills its run itself; a
+    claim (queued -> running) waits the same way. The id order keeps two bulk cancels
+    (a suspension and a batch's expiry) from deadlocking on each other's rows."""
     stmt = (
-        select(Job.id, Job.progress)
-        .where(where, Job.status == JobStatus.QUEUED.value, Job.deliveries > 0)
+        select(Job.id, Job.status, Job.progress)
+        .where(
+            where,
+            Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
+            Job.deliveries > 0,
+        )
+        .order_by(Job.id)
         .with_for_update()
     )
     kept = {}
-    for job_id, raw in s.execute(stmt).all():
-        progress = Progress.from_json(raw)
+    for job_id, status, raw in s.execute(stmt).all():
+        progress = Progress.from_json(raw) if status == JobStatus.QUEUED.value else None
         if progress is not None:
             kept[job_id] = progress
     return kept

@@ -18,9 +18,12 @@ INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 
 # A raw JSON body that matches none of these cannot hold anything `unstorable` refuses, so
 # the common request is judged without parsing it twice: a NUL escape, a surrogate escape
-# that is not half of a pair, a run of 19 or more digits, or many opening brackets.
+# that is not half of a pair, a run of 19 or more digits, or many opening brackets — and
+# any NUL byte, which UTF-8 JSON never holds but UTF-16 and UTF-32 JSON (which json.loads
+# reads too, and those patterns do not see) always do.
 _SUSPECT = re.compile(
-    rb"\\u0000"  # NUL
+    rb"\x00"  # a NUL byte: JSON in UTF-16 or UTF-32
+    rb"|\\u0000"  # NUL
     rb"|\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"  # a high surrogate alone
     rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"  # a low one alone
     rb"|\d{19,}"

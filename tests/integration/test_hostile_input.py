@@ -71,8 +71,8 @@ async def test_a_job_body_holding_what_postgres_cannot_store_is_a_400(
 async def test_the_content_types_case_or_its_absence_does_not_let_it_past(
     platform: Platform, tenant_key: str
 ) -> None:
-    # FastAPI parses a body as JSON whatever the case of its type, and without a type too:
-    # the guard must scan those bodies as well.
+    # FastAPI parses a body as JSON whatever the case of its type: the guard scans every
+    # body that is not a form (a route may read any other itself).
     body = raw_json({"prompt": NUL, "max_tokens": 8})
     chat = raw_json({**JOB_BODIES[0], "model": "SmolLM2-135M-Instruct"})
     async with client(platform.url, tenant_key) as c:
@@ -80,6 +80,10 @@ async def test_the_content_types_case_or_its_absence_does_not_let_it_past(
             assert_openai_error(await c.post("/v1/jobs", content=body, headers=headers), 400)
             resp = await c.post("/v1/chat/completions", content=chat, headers=headers)
             assert_openai_error(resp, 400)
+        # JSON in UTF-16 (json.loads reads it): the NUL escape's bytes are not UTF-8's.
+        utf16 = json.dumps({"prompt": NUL, "max_tokens": 8}).encode("utf-16-le")
+        resp = await c.post("/v1/jobs", content=utf16, headers={"Content-Type": "application/json"})
+        assert_openai_error(resp, 400)
         # Valid JSON that Python's parser refuses (an integer of over 4,300 digits).
         huge = b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"
         resp = await c.post("/v1/jobs", content=huge, headers={"Content-Type": "application/json"})

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from workers.engine.vllm_scheduler import (
+    FirstSteps,
     StepBudget,
     TieredScheduler,
     Tiering,
@@ -120,6 +121,32 @@ def test_an_interactive_request_that_waited_long_gets_a_step_of_its_own() -> Non
     assert alone == 60 + 1  # its prompt and the other chat's decode
     assert all(r.next_decode_eligible_step == 43 for r in running if r.priority == 100)
     assert running[-1].next_decode_eligible_step == 0
+
+
+def test_a_request_gets_one_cleared_step_and_the_others_keep_three_steps_in_four() -> None:
+    running = [decoding(f"d{i}", 100, i) for i in range(8)]
+    chat = Req("chat", 0, 200.0, 60)
+    assert clear_step(running, [chat], 1, 41, 0, lambda r: True) == 60
+    # Not admitted after all (vLLM found no KV blocks for it): it still waits, long, but
+    # gets no second cleared step — the decodes go on and free what it needs.
+    assert clear_step(running, [chat], 1, 42, 0, lambda r: True) is None
+
+    # However fast interactive requests arrive, at most one step in four is cleared.
+    now = [0.0]
+    steps = FirstSteps(Tiering(latency_step_tokens=128), lambda r: r.arrival_time, lambda: now[0])
+    cleared = []
+    for step in range(40):
+        now[0] = step + 1.0
+        arrived = Req(f"chat{step}", 0, now[0] - 0.9, 60)  # early in the step that ended
+        cleared.append(steps.budget(running, [arrived], 1, step) is not None)
+    assert cleared[1:].count(True) == 10  # steps 1, 5, 9, ... (step 0 has no step before it)
+    assert all(
+        not any(cleared[i : i + 2]) or cleared[i : i + 4].count(True) == 1 for i in range(1, 37)
+    )
+    # Off with INTERACTIVE_FIRST_STEP_ALONE=false, or without the small step budget.
+    for tiering in (Tiering(latency_step_tokens=128, first_step_alone=False), Tiering()):
+        off = FirstSteps(tiering, lambda r: r.arrival_time, lambda: now[0])
+        assert off.budget(running, [Req("c", 0, 0.0, 60)], 1, 100) is None
 
 
 def test_a_request_that_arrived_late_in_the_step_shares_its_first_step() -> None:
@@ -339,7 +366,9 @@ class Engine:
     """vLLM's real scheduler (tierq's, as the worker configures it) and a fake model runner
     that samples one token for every request whose prompt and output are all computed."""
 
-    def __init__(self, model_dir: Path, slots: int, budget: int, tiering: Tiering) -> None:
+    def __init__(
+        self, model_dir: Path, slots: int, budget: int, tiering: Tiering, blocks: int = 2000
+    ) -> None:
         import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.utils.hashing import sha256
@@ -362,7 +391,7 @@ class Engine:
             is_encoder_decoder=False,
         )
         cache = CacheConfig(block_size=BLOCK)
-        cache.num_gpu_blocks = 2000
+        cache.num_gpu_blocks = blocks
         config = VllmConfig(
             model_config=model,
             cache_config=cache,
@@ -371,7 +400,7 @@ class Engine:
         )
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
         kv = KVCacheConfig(
-            num_blocks=2000, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
+            num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
         )
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
@@ -436,8 +465,8 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Callable[..., Engine]:
-    def make(slots: int = 4, budget: int = 256, **tiering: Any) -> Engine:
-        return Engine(model_dir, slots, budget, Tiering(**tiering))
+    def make(slots: int = 4, budget: int = 256, blocks: int = 2000, **tiering: Any) -> Engine:
+        return Engine(model_dir, slots, budget, Tiering(**tiering), blocks)
 
     return make
 
@@ -565,6 +594,30 @@ def test_an_interactive_request_that_waited_long_is_prefilled_alone_in_vllms_sch
     list(off.run(3))
     off.add("chat", 0, max_tokens=4)
     assert set(off.step().num_scheduled_tokens) == {b.request_id for b in batch} | {"chat"}
+
+
+def test_a_cleared_step_never_stalls_an_engine_out_of_kv_blocks(
+    engine: Callable[..., Engine],
+) -> None:
+    """A chat that waited long but finds no KV blocks free gets one cleared step, no more:
+    the batch decodes go on, finish, free their blocks, and the chat runs then."""
+    from vllm.v1.request import RequestStatus
+
+    # 13 blocks of 16 tokens: the four batch requests hold 12 after their prompts and 3
+    # tokens each; the chat's 40-token prompt needs 3.
+    e = engine(slots=6, budget=256, blocks=13, latency_step_tokens=64, latency_hold_s=3600)
+    batch = [e.add(f"batch{i}", 100, max_tokens=20) for i in range(4)]
+    list(e.run(3))
+    chat = e.add("chat", 0, max_tokens=4)
+    assert "chat" not in e.step().num_scheduled_tokens  # cleared, yet not admitted
+    assert e.scheduler.first_steps.cleared == 1
+    assert set(e.step().num_scheduled_tokens) & {b.request_id for b in batch}  # not again
+    for _ in range(80):
+        e.step()
+    assert e.scheduler.first_steps.cleared == 1
+    for r in [*batch, chat]:
+        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED, r.request_id
+    assert list(chat.output_token_ids) == full_output(4)
 
 
 def test_vllms_preemptions_are_counted_from_its_step_statistics() -> None:

@@ -233,3 +233,30 @@ async def test_cancelling_a_queued_job_bills_the_tokens_its_earlier_runs_kept(
     assert usage[plain.id] is None
     assert await _billed(db, by_tenant) == (1, 10, 20)
     assert (await _billed(db, plain))[:2] == (0, 0)
+
+
+async def test_a_cancel_racing_a_hand_back_bills_the_kept_tokens_once(database: Database) -> None:
+    # A worker hands each job back with 4 kept tokens while its tenant cancels it. Whoever
+    # commits first, the tokens are billed once: by the cancel when the hand-back landed
+    # first, else by the worker's run (its hand-back finds the job cancelled).
+    db = database
+    jobs = await _claimed(db, 12)
+    progress = Progress((1, 2, 3, 4), "abcd", 6, "simulated:bundled:m")
+
+    async def hand_back(job: JobRecord) -> None:
+        back = await db.write(
+            lambda s: job_repo.requeue_job(
+                s, job.id, "drain", job.deliveries, preempted=False, progress=progress
+            )
+        )
+        if back is None:  # cancelled first: the worker bills its run (workers/worker.py)
+            await db.write(job_repo.bill_cancelled, job.id, 6, 4)
+
+    async def cancel(job: JobRecord) -> None:
+        async with db.transaction() as s:
+            assert await job_repo.cancel_job(s, job.id) is not None
+
+    await asyncio.gather(*(f(j) for j in jobs for f in (hand_back, cancel)))
+    for job in jobs:
+        rows, tokens, _ = await _billed(db, job)
+        assert (rows, tokens) == (1, 10), job.id

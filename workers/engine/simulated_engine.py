@@ -46,9 +46,9 @@ from tierq.messages import PREFIX_CHARS, prefix_key
 from tierq.token_count import PromptCounter
 from workers.engine.base import Chunk, EngineDead, EngineRequestError, resumed_params
 from workers.engine.vllm_scheduler import (
+    FirstSteps,
     StepBudget,
     Tiering,
-    clear_step,
     pick_victims,
     prioritise,
 )
@@ -115,6 +115,7 @@ class _Request:
     num_preemptions: int = field(default=0, compare=False)
     cached: int = field(default=0, compare=False)  # prompt tokens the prefix cache held
     arrived_at: float = field(default=0.0, compare=False)  # time.monotonic()
+    tierq_first_step_cleared: bool = field(default=False, compare=False)  # clear_step's mark
 
     # The names tierq's scheduler reads on vLLM's requests (workers/engine/vllm_scheduler.py).
     @property
@@ -148,6 +149,7 @@ class SimulatedEngine:
         self.preempts_for_priority = priority_steps and self.tiering.preempt
         # The budget's clock runs in simulated seconds, as the cost model does.
         self._budget = StepBudget(self.tiering, lambda: time.monotonic() * self.cost.speedup)
+        self._first_steps = FirstSteps(self.tiering, lambda r: r.arrived_at, time.monotonic)
         self.preemptions = 0  # preemptions for priority (tests and benchmarks read it)
         self.budgets: list[int] = []  # each step's token budget, the last 1000 steps
         # Prompts are counted as the served model's tokenizer would (given one), else by
@@ -158,7 +160,6 @@ class SimulatedEngine:
         self.prefix_lookups = 0  # requests looked up in it (benchmarks read these)
         self.prefix_hits = 0
         self._step_no = 0
-        self._last_step_at = float("-inf")  # when the last step was scheduled (monotonic)
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
         self._arrivals = itertools.count()
@@ -292,24 +293,10 @@ class SimulatedEngine:
                 if self.tiering.preempt:
                     self._preempt_for_priority()
             order = list(self._running.values())  # admission order
-            now = time.monotonic()
-            # Waited long: arrived in the first half of the step that just ended.
-            half = (self._last_step_at + now) / 2
-            self._last_step_at = now
             alone = None
-            if self.priority_steps and order and self.tiering.clears_first_steps:
-
-                def waited_long(r: _Request, half: float = half) -> bool:
-                    return r.arrived_at <= half
-
-                alone = clear_step(
-                    order,
-                    self._waiting,
-                    self.cost.slots - len(order),
-                    self._step_no,
-                    self.tiering.latency_priority,
-                    waited_long,
-                )
+            if self.priority_steps:
+                free = self.cost.slots - len(order)
+                alone = self._first_steps.budget(order, self._waiting, free, self._step_no)
             if alone is not None:
                 budget = min(budget, alone)
             elif self.priority_steps:

@@ -43,7 +43,11 @@ inversion). Four changes, applied before each step:
    way (up to one step, S) and then its own, which carries every batch decode beside its
    prompt (about S again): up to 2S. Clearing the first step of the requests that waited
    most bounds the wait at about max(S + the prompt's own step, S/2 + S); each cleared step
-   costs the other tiers one step's fixed cost (their decodes are delayed, not lost).
+   costs the other tiers one step's fixed cost (their decodes are delayed, not lost). Two
+   bounds keep it from costing more: a request gets at most one cleared step (one that
+   vLLM then cannot admit, for want of KV blocks, does not stop the engine again), and at
+   most one step in any `CLEAR_EVERY_STEPS` (4) is cleared, however fast interactive work
+   arrives (`FirstSteps`).
 
 The deferral uses the scheduler's own per-request "not before step N" mark
 (`next_decode_eligible_step`, which vLLM's async and diffusion schedulers set for their own
@@ -262,6 +266,13 @@ def prioritise(
     return deferred, cap
 
 
+# At most one cleared step in any CLEAR_EVERY_STEPS: however fast latency-sensitive work
+# arrives, the other tiers' decodes run in at least 3 steps of 4.
+CLEAR_EVERY_STEPS = 4
+# The mark clear_step leaves on a request it cleared a step for: a request gets at most one.
+_CLEARED = "tierq_first_step_cleared"
+
+
 def clear_step(
     running: list[Any],
     waiting: Iterable[_Request],
@@ -275,9 +286,12 @@ def clear_step(
 
     When waiting requests at or better than `latency_priority` get `free_slots` this step
     with their prompts still to prefill, and one of them has `waited_long` (arrived in the
-    first half of the step that just ended: the callers' test), every worse-priority
-    running request — decodes included — sits this one step out, and the step's budget is
-    what the latency-sensitive work needs (its prompts, its own decodes and prefills).
+    first half of the step that just ended: the callers' test) and had no step cleared for
+    it yet, every worse-priority running request — decodes included — sits this one step
+    out, and the step's budget is what the latency-sensitive work needs (its prompts, its
+    own decodes and prefills). Those waiting requests are marked: none gets a second
+    cleared step, so one that vLLM cannot admit after all (no KV blocks free) does not
+    stop the others again and again.
 
     Why. On an engine whose step lasts as long as its token count, an arriving request
     waits out the step under way (up to a step, S) and then its own, which carries every
@@ -288,15 +302,61 @@ def clear_step(
     tail, at about half the cost. Returns that budget, or None (nothing cleared)."""
     admitted = list(itertools.islice(waiting, max(0, free_slots)))
     ahead = [w for w in admitted if w.priority <= latency_priority]
-    if not any(_left(w) and waited_long(w) for w in ahead):
+    if not any(_left(w) and waited_long(w) and not getattr(w, _CLEARED, False) for w in ahead):
         return None
-    need = sum(_left(w) for w in ahead)
+    need = 0
+    for w in ahead:
+        setattr(w, _CLEARED, True)
+        need += _left(w)
     for r in running:
         if r.priority <= latency_priority:
             need += _left(r) or 1
         else:
             r.next_decode_eligible_step = max(r.next_decode_eligible_step, current_step + 2)
     return need
+
+
+class FirstSteps:
+    """When `clear_step` may clear a step, for one engine: it keeps when the last step
+    began (a request "waited long" if it arrived in the first half of the step that just
+    ended) and which step it last cleared (at most one in any CLEAR_EVERY_STEPS)."""
+
+    def __init__(
+        self,
+        tiering: Tiering,
+        arrival: Callable[[Any], float],
+        clock: Callable[[], float] = time.time,  # the clock of vLLM's arrival times
+    ) -> None:
+        self.tiering = tiering
+        self.arrival = arrival
+        self.clock = clock
+        self.last_step_at = float("-inf")
+        self.last_cleared = -CLEAR_EVERY_STEPS
+        self.cleared = 0  # steps cleared (logs, tests)
+
+    def budget(
+        self, running: list[Any], waiting: Iterable[Any], free_slots: int, current_step: int
+    ) -> int | None:
+        """Called as each step is scheduled: the cleared step's budget, or None."""
+        now = self.clock()
+        half = (self.last_step_at + now) / 2
+        self.last_step_at = now
+        if not (self.tiering.clears_first_steps and running):
+            return None
+        if current_step - self.last_cleared < CLEAR_EVERY_STEPS:
+            return None
+        alone = clear_step(
+            running,
+            waiting,
+            free_slots,
+            current_step,
+            self.tiering.latency_priority,
+            lambda r: self.arrival(r) <= half,
+        )
+        if alone is not None:
+            self.last_cleared = current_step
+            self.cleared += 1
+        return alone
 
 
 def _tiered(base: type) -> type:
@@ -318,32 +378,20 @@ def _tiered(base: type) -> type:
                 self, "max_num_scheduled_tokens", self.scheduler_config.max_num_batched_tokens
             )
             self.priority_preemptions = 0  # how many this scheduler made (logs, tests)
-            self.last_step_at = float("-inf")  # when schedule() last ran (time.time())
+            self.first_steps = FirstSteps(policy, lambda r: r.arrival_time)
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             if not (self._tiering and self.policy == SchedulingPolicy.PRIORITY):
                 return super().schedule(*args, **kwargs)
             config = self.scheduler_config
-            policy = self.tier_policy
             try:
                 budget = self.step_budget.tokens(self.running, self.waiting, self.full_budget)
                 if self.tier_policy.preempt and self.waiting and self.running:
                     self._preempt_for_priority()
                 cap: int | None = None
-                alone = None
-                now = time.time()  # the clock of vLLM's arrival times
-                # Waited long: arrived in the first half of the step that just ended.
-                half = (self.last_step_at + now) / 2
-                self.last_step_at = now
-                if self.running and policy.clears_first_steps:
-                    alone = clear_step(
-                        self.running,
-                        self._admissible(),
-                        self._free_slots(),
-                        self.current_step,
-                        policy.latency_priority,
-                        lambda r: r.arrival_time <= half,
-                    )
+                alone = self.first_steps.budget(
+                    self.running, self._admissible(), self._free_slots(), self.current_step
+                )
                 if alone is not None:
                     budget = min(budget, alone)
                 elif self.running:
