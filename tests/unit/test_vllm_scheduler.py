@@ -131,18 +131,19 @@ def test_a_request_gets_one_cleared_step_and_the_others_keep_three_steps_in_four
     # gets no second cleared step — the decodes go on and free what it needs.
     assert clear_step(running, [chat], 1, 42, 0, lambda r: True) is None
 
-    # However fast interactive requests arrive, at most one step in four is cleared.
+    # However fast interactive requests arrive, at most 5 steps in any 20 are cleared; a
+    # few arriving close together each get theirs.
     now = [0.0]
     steps = FirstSteps(Tiering(latency_step_tokens=128), lambda r: r.arrival_time, lambda: now[0])
     cleared = []
-    for step in range(40):
+    for step in range(100):
         now[0] = step + 1.0
         arrived = Req(f"chat{step}", 0, now[0] - 0.9, 60)  # early in the step that ended
         cleared.append(steps.budget(running, [arrived], 1, step) is not None)
-    assert cleared[1:].count(True) == 10  # steps 1, 5, 9, ... (step 0 has no step before it)
-    assert all(
-        not any(cleared[i : i + 2]) or cleared[i : i + 4].count(True) == 1 for i in range(1, 37)
-    )
+    assert cleared[0] is False  # no step before it: nothing waited
+    assert cleared[1:6] == [True] * 5  # close together: each its own
+    assert all(sum(cleared[i : i + 20]) <= 5 for i in range(81))
+    assert sum(cleared) == 25  # 5 in every 20, not fewer
     # Off with INTERACTIVE_FIRST_STEP_ALONE=false, or without the small step budget.
     for tiering in (Tiering(latency_step_tokens=128, first_step_alone=False), Tiering()):
         off = FirstSteps(tiering, lambda r: r.arrival_time, lambda: now[0])

@@ -46,8 +46,8 @@ inversion). Four changes, applied before each step:
    costs the other tiers one step's fixed cost (their decodes are delayed, not lost). Two
    bounds keep it from costing more: a request gets at most one cleared step (one that
    vLLM then cannot admit, for want of KV blocks, does not stop the engine again), and at
-   most one step in any `CLEAR_EVERY_STEPS` (4) is cleared, however fast interactive work
-   arrives (`FirstSteps`).
+   most 5 steps in any 20 are cleared, however fast interactive work arrives
+   (`FirstSteps`).
 
 The deferral uses the scheduler's own per-request "not before step N" mark
 (`next_decode_eligible_step`, which vLLM's async and diffusion schedulers set for their own
@@ -58,6 +58,7 @@ pins what this relies on and runs it on vLLM's real scheduler objects.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -266,9 +267,11 @@ def prioritise(
     return deferred, cap
 
 
-# At most one cleared step in any CLEAR_EVERY_STEPS: however fast latency-sensitive work
-# arrives, the other tiers' decodes run in at least 3 steps of 4.
-CLEAR_EVERY_STEPS = 4
+# At most CLEAR_MAX_STEPS cleared steps in any CLEAR_WINDOW_STEPS: however fast
+# latency-sensitive work arrives, the other tiers' decodes run in at least 3 steps of 4,
+# while arrivals that come close together at a lower rate each get theirs.
+CLEAR_WINDOW_STEPS = 20
+CLEAR_MAX_STEPS = 5
 # The mark clear_step leaves on a request it cleared a step for: a request gets at most one.
 _CLEARED = "tierq_first_step_cleared"
 
@@ -319,7 +322,8 @@ def clear_step(
 class FirstSteps:
     """When `clear_step` may clear a step, for one engine: it keeps when the last step
     began (a request "waited long" if it arrived in the first half of the step that just
-    ended) and which step it last cleared (at most one in any CLEAR_EVERY_STEPS)."""
+    ended) and which steps it cleared lately (at most CLEAR_MAX_STEPS in any
+    CLEAR_WINDOW_STEPS)."""
 
     def __init__(
         self,
@@ -331,7 +335,7 @@ class FirstSteps:
         self.arrival = arrival
         self.clock = clock
         self.last_step_at = float("-inf")
-        self.last_cleared = -CLEAR_EVERY_STEPS
+        self.recent: collections.deque[int] = collections.deque(maxlen=CLEAR_MAX_STEPS)
         self.cleared = 0  # steps cleared (logs, tests)
 
     def budget(
@@ -343,7 +347,8 @@ class FirstSteps:
         self.last_step_at = now
         if not (self.tiering.clears_first_steps and running):
             return None
-        if current_step - self.last_cleared < CLEAR_EVERY_STEPS:
+        full = len(self.recent) == CLEAR_MAX_STEPS
+        if full and current_step - self.recent[0] < CLEAR_WINDOW_STEPS:
             return None
         alone = clear_step(
             running,
@@ -354,7 +359,7 @@ class FirstSteps:
             lambda r: self.arrival(r) <= half,
         )
         if alone is not None:
-            self.last_cleared = current_step
+            self.recent.append(current_step)
             self.cleared += 1
         return alone
 
