@@ -219,6 +219,10 @@ class EventLog:
         keys = [self.names.job_delivery(job_id)]
         return bool(await self._claim(keys=keys, args=[delivery, self.ttl_s]))
 
+    async def exists(self, job_id: str) -> bool:
+        """Whether the job's replay buffer is still there (it expires after its last event)."""
+        return bool(await self.r.exists(self.names.job_events(job_id)))
+
     async def since(self, job_id: str, after_seq: int) -> list[tuple[int, JobEvent]]:
         """Events with a sequence number above `after_seq` (1-based), in order."""
         raw = await self.r.lrange(self.names.job_events(job_id), after_seq, -1)

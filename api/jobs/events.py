@@ -27,6 +27,10 @@ from tierq.states import TERMINAL
 log = logging.getLogger(__name__)
 
 TERMINAL_KINDS = ("done", "error")
+# The id of a final event read from the database once the job's replay buffer expired: no
+# sequence number reaches it, so a reconnect that carries it is told (204) that nothing
+# follows, where the buffer cannot say so any more.
+FINAL_AFTER_EXPIRY = 999_999_999_999_999_999
 
 # A streamed answer as the OpenAPI document states it: events, each with its data (JSON, or
 # [DONE] to end an OpenAI stream).
@@ -105,7 +109,8 @@ async def follow_job(
                     if cursor.over:
                         return
                 if finish:
-                    async for item in _finish_from_database(db, job.id, cursor.seq):
+                    expired = not await events.exists(job.id)
+                    async for item in _finish_from_database(db, job.id, cursor.seq, expired):
                         yield item
                     return
                 async for item in _live(follower, events, cursor):
@@ -166,9 +171,11 @@ async def _live(
 
 
 async def _finish_from_database(
-    db: Database, job_id: str, last_seq: int
+    db: Database, job_id: str, last_seq: int, expired: bool
 ) -> AsyncIterator[tuple[int, JobEvent]]:
-    """Close a stream whose terminal event is not in the buffer (expired, or never written)."""
+    """Close a stream whose terminal event is not in the buffer (`expired`, or never
+    written). The final event carries the whole job, its text included, so a client that
+    missed deltas still has everything."""
     async with db.session() as s:
         job = await job_repo.get_job(s, job_id)
     if job is None:
@@ -177,4 +184,4 @@ async def _finish_from_database(
         # The replay buffer expired: the whole text as one delta, so the client still has it.
         last_seq += 1
         yield last_seq, JobEvent("delta", {"text": job.result_text})
-    yield last_seq + 1, _final_event(job)
+    yield FINAL_AFTER_EXPIRY if expired else last_seq + 1, _final_event(job)

@@ -22,11 +22,12 @@ from api.deps import (
     stream_slot,
 )
 from api.errors import APIError, documented, not_found
-from api.jobs.events import EVENT_STREAM, job_event_stream
+from api.jobs.events import EVENT_STREAM, FINAL_AFTER_EXPIRY, job_event_stream
 from api.pages import list_page
 from models import jobs as job_repo
 from services import admission, cancellation
 from services.requests import JobCreate
+from tierq.queue import EventLog
 from tierq.states import TERMINAL, JobStatus
 from tierq.tiers import Tier
 
@@ -104,6 +105,15 @@ async def cancel_job(
     return job.to_api()
 
 
+async def _has_the_end(events: EventLog, job_id: str, last_seq: int) -> bool:
+    """Whether a client that has the finished job's events up to `last_seq` has its final
+    one. Once the replay buffer has expired only the final event's own id can say so: any
+    other id gets the final event again, from the database."""
+    if last_seq >= FINAL_AFTER_EXPIRY:
+        return True
+    return not await events.since(job_id, last_seq) and await events.exists(job_id)
+
+
 @router.get("/{job_id}/events", responses=_EVENTS)
 async def job_events(
     job_id: str,
@@ -124,9 +134,9 @@ async def job_events(
         if not (last_event_id.isascii() and last_event_id.isdigit() and len(last_event_id) < 19):
             raise APIError(400, "Last-Event-ID must be an event id.", "invalid_last_event_id")
         last_seq = int(last_event_id)
-    if last_seq > 0 and job.status in TERMINAL and not await events.since(job.id, last_seq):
-        # The client already has the final event: 204 is what ends EventSource's
-        # reconnecting (another final event would have it reconnect forever).
+    if last_seq > 0 and job.status in TERMINAL and await _has_the_end(events, job.id, last_seq):
+        # 204 is what ends EventSource's reconnecting (another final event would have it
+        # reconnect forever).
         return Response(status_code=204)
     slot = await stream_slot(hub, settings, tenant)
     stream = job_event_stream(hub, db, events, job, last_seq, api_key_id(request), slot)

@@ -137,6 +137,22 @@ async def test_after_the_final_event_a_reconnect_is_answered_204(
         )
         assert [e["event"] for e in rest] == ["done"]
 
+        # Once the replay buffer has expired (here: removed), a reconnect short of the end
+        # still gets the final event, from the database, with the whole job; the final
+        # event's id then ends the reconnecting.
+        await platform.r.delete(platform.dispatcher.names.job_events(job["id"]))
+        late = await read_sse(
+            c, f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": events[-2]["id"]}
+        )
+        assert [e["event"] for e in late] == ["done"]
+        assert late[0]["data"]["result"] == events[-1]["data"]["result"]
+        fresh = await read_sse(c, f"/v1/jobs/{job['id']}/events")
+        assert [e["event"] for e in fresh] == ["delta", "done"]
+        assert fresh[0]["data"]["text"] == events[-1]["data"]["result"]["text"]
+        for final in (late[-1]["id"], fresh[-1]["id"]):
+            again = await c.get(f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": final})
+            assert again.status_code == 204, final
+
 
 HOSTILE = st.sampled_from(["\u0000", "\ud800", "\udfff", "x\u0000", "\u0000" * 3])
 
