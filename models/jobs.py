@@ -371,6 +371,8 @@ def bill_cancelled(
         return None
     job = JobRecord.from_row(row)
     _record_usage(s, job, prompt_tokens, completion_tokens)
+    # Counted as the transaction commits, but for a rare rollback.
+    metrics.count_tokens_served(job.tenant_id, job.tier.value, prompt_tokens, completion_tokens)
     return job
 
 
@@ -453,12 +455,7 @@ def _bill_kept(
         progress = kept.get(job.id)
         billed = None
         if progress is not None:
-            generated = len(progress.token_ids)
-            billed = bill_cancelled(s, job.id, progress.prompt_tokens, generated)
-            if billed is not None:  # counted as the transaction commits, but for a rollback
-                metrics.count_tokens_served(
-                    job.tenant_id, job.tier.value, progress.prompt_tokens, generated
-                )
+            billed = bill_cancelled(s, job.id, progress.prompt_tokens, len(progress.token_ids))
         out.append(billed or job)
     return out
 

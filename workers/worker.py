@@ -863,13 +863,9 @@ class Worker:
 
     async def _bill_cancelled(self, msg: JobMessage, out: Outcome) -> None:
         """The engine did the work up to the cancellation: the tenant pays for it."""
-        billed = await self.db.write(
+        await self.db.write(
             job_repo.bill_cancelled, msg.job_id, out.prompt_tokens, out.completion_tokens
         )
-        if billed is not None:
-            metrics.count_tokens_served(
-                msg.tenant_id, msg.tier.value, out.prompt_tokens, out.completion_tokens
-            )
 
     async def _why_not(self, job_id: str, delivery: int | None) -> str:
         """Why a run's final transition found the job elsewhere: a later delivery owns it
