@@ -293,20 +293,13 @@ class SimulatedEngine:
                 if self.tiering.preempt:
                     self._preempt_for_priority()
             order = list(self._running.values())  # admission order
-            alone = None
             if self.priority_steps:
                 free = self.cost.slots - len(order)
                 alone = self._first_steps.budget(order, self._waiting, free, self._step_no)
-            if alone is not None:
-                budget = min(budget, alone)
-            elif self.priority_steps:
-                _, cap = prioritise(
-                    order,
-                    self._waiting,
-                    self.cost.slots - len(order),
-                    self._step_no,
-                    budget,
-                )
+                if alone is not None:
+                    budget = min(budget, alone)
+                else:
+                    _, cap = prioritise(order, self._waiting, free, self._step_no, budget)
             self.budgets = [*self.budgets[-999:], budget]
             self._step_no += 1
             chunk_limit = cap or budget

@@ -288,21 +288,14 @@ def clear_step(
     latency-sensitive work alone.
 
     When waiting requests at or better than `latency_priority` get `free_slots` this step
-    with their prompts still to prefill, and one of them has `waited_long` (arrived in the
-    first half of the step that just ended: the callers' test) and had no step cleared for
-    it yet, every worse-priority running request — decodes included — sits this one step
-    out, and the step's budget is what the latency-sensitive work needs (its prompts, its
-    own decodes and prefills). Those waiting requests are marked: none gets a second
-    cleared step, so one that vLLM cannot admit after all (no KV blocks free) does not
-    stop the others again and again.
-
-    Why. On an engine whose step lasts as long as its token count, an arriving request
-    waits out the step under way (up to a step, S) and then its own, which carries every
-    batch decode beside its prompt (about S again): up to 2S. A step of its prompt alone
-    takes a fraction of S. Clearing every first step would cost the worse requests one
-    step's fixed cost per arrival; clearing only for requests that arrived in the first
-    half of a step bounds the wait at max(S/2 + S, S + the prompt's own step) — the same
-    tail, at about half the cost. Returns that budget, or None (nothing cleared)."""
+    with their prompts still to prefill, and one of them has `waited_long` (FirstSteps'
+    test: it arrived in the first half of the step that just ended) and had no step
+    cleared for it yet, every worse-priority running request — decodes included — sits
+    this one step out, and the step's budget is what the latency-sensitive work needs (its
+    prompts, its own decodes and prefills). Those waiting requests are marked: none gets a
+    second cleared step, so one that vLLM cannot admit after all (no KV blocks free) does
+    not stop the others again and again. Why: the module's docstring, item 5. Returns that
+    budget, or None (nothing cleared)."""
     admitted = list(itertools.islice(waiting, max(0, free_slots)))
     ahead = [w for w in admitted if w.priority <= latency_priority]
     if not any(_left(w) and waited_long(w) and not getattr(w, _CLEARED, False) for w in ahead):
