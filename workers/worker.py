@@ -930,9 +930,13 @@ async def run_worker(
     """Start the engine, then serve the inbox until stopped (the `tierq worker` command).
     Raises EngineDead when the engine died (the command exits non-zero)."""
     from tierq.redis_conn import connect
+    from workers.engine.cpu_placement import pin_off_compute
 
     engine = engine_factory(settings)
     await engine.start()
+    if settings.pin_aux_processes:
+        # This process and vLLM's engine core off the cores vLLM bound its compute to.
+        pin_off_compute()
     db = Database(settings.resolved_database_url)
     r = await connect(settings, role="worker")
     worker = Worker(settings, db, r, engine)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
 import stat
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.e2e.conftest import start_platform
+from tests.e2e.conftest import LivePlatform, start_platform
 from tests.helpers import client, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -33,6 +36,9 @@ async def test_embedded_default_serves_and_ctrl_c_leaves_nothing_behind(tmp_path
                 "celery-beat",
             )
         }
+        _check_placement(
+            live.proc.pid, live.pid_of("worker"), [*live.processes(), _embedded_redis(live)]
+        )
         async with client(live.url, live.key) as c:
             job = (
                 await c.post(
@@ -61,3 +67,53 @@ async def test_embedded_default_serves_and_ctrl_c_leaves_nothing_behind(tmp_path
         live.kill_everything()
     assert live.proc.returncode == 0
     assert left == [], f"processes left behind: {left}"
+
+
+def _embedded_redis(live: LivePlatform) -> psutil.Process:
+    """The embedded Redis server (it runs as a daemon, not under the supervisor), by the
+    socket `tierq run` says it started it on."""
+    found = re.search(r"embedded Redis on (\S+)", live.output.read_text())
+    assert found is not None
+    socket = found.group(1)
+    (server,) = [
+        p
+        for p in psutil.process_iter(["name", "cmdline"])
+        if p.info["name"] == "redis-server" and f"unixsocket:{socket}" in (p.info["cmdline"] or [])
+    ]
+    return server
+
+
+def _thread_cores(pid: int) -> set[frozenset[int]]:
+    """The distinct bindings of a process's threads."""
+    masks = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            masks.add(frozenset(os.sched_getaffinity(int(tid))))
+        except OSError:
+            continue  # a thread that has just ended
+    return masks
+
+
+def _check_placement(
+    supervisor_pid: int, worker_pid: int, everything: list[psutil.Process]
+) -> None:
+    """On the CPU build vLLM binds its model worker process to its compute cores; every
+    other thread of the platform (the worker's front end, vLLM's engine core, the API, the
+    dispatcher, Celery, the embedded Redis; the supervisor apart) runs on the cores left
+    over, never beside the engine's compute (workers/engine/cpu_placement.py, launch/supervisor.py)."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        return  # one core: nothing to keep apart
+    engine = psutil.Process(worker_pid).children(recursive=True)
+    model_workers = [p for p in engine if p.name().startswith("VLLM::Worker")]
+    assert model_workers, [p.name() for p in engine]
+    compute = set().union(*(c for p in model_workers for c in _thread_cores(p.pid)))
+    assert compute and compute < allowed, compute
+    # The supervisor is left unbound: the worker it (re)starts must see every core. It only
+    # waits on its children once they have started.
+    others = [p for p in everything if p not in model_workers and p.pid != supervisor_pid]
+    names = {p.name() for p in others}
+    assert any("EngineCor" in n for n in names) and "redis-server" in names, names
+    for proc in others:
+        for cores in _thread_cores(proc.pid):
+            assert not cores & compute, f"{proc.name()} ({proc.pid}) may run on {sorted(cores)}"

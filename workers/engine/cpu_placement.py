@@ -1,0 +1,86 @@
+"""The worker's own threads and vLLM's engine core off the engine's compute cores (CPU build).
+
+vLLM's CPU backend binds its model worker process (the OpenMP compute threads, and every
+other thread of that process) to its compute cores — on this 2-core machine core 0, the
+last core being left to the front end — and binds nothing else: the worker process that
+hosts AsyncLLM (its front end: detokenising, and here also publishing every token to
+Redis) and vLLM's engine-core process (scheduling, the rings to the model worker) may run
+on any core. The kernel often wakes a thread on the core of the thread that woke it, so
+when the model worker hands a step's result to the engine core, or the engine core an
+output to the front end, the woken thread lands beside the compute thread and takes turns
+with it — every step is slowed by what those processes do. Those two processes, and the
+embedded Redis (`launch/supervisor.py`), were seen on core 0 during `bench serve` runs
+whose time per output token was 23 to 96 % above `vllm serve`'s.
+
+So once the engine has started, `pin_off_compute()` binds every thread of this process
+and of each unbound process under it (the engine core) to the cores the model worker was
+not bound to. Threads started later inherit their creator's binding. It binds nothing
+when vLLM bound nothing (a GPU build) or left no other core (one core), and nothing with
+PIN_AUX_PROCESSES=false.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import psutil
+
+log = logging.getLogger("tierq.worker")
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def bind_threads(pid: int, cpus: set[int]) -> int:
+    """Every thread of `pid` onto `cpus`; how many were bound."""
+    bound = 0
+    for tid in _threads(pid):
+        with contextlib.suppress(OSError):  # a thread that has just ended
+            os.sched_setaffinity(tid, cpus)
+            bound += 1
+    return bound
+
+
+def placement(pid: int | None = None) -> tuple[set[int], list[int]]:
+    """The cores vLLM bound its model workers to under process `pid` (this one by default),
+    and the processes it left unbound there (`pid` included): what `pin_off_compute` binds."""
+    me = psutil.Process(pid)
+    allowed = os.sched_getaffinity(me.pid)
+    compute: set[int] = set()
+    unbound = [me.pid]
+    for child in me.children(recursive=True):
+        try:
+            cores = os.sched_getaffinity(child.pid)
+        except OSError:
+            continue
+        if cores < allowed:
+            compute |= cores
+        else:
+            unbound.append(child.pid)
+    return compute, unbound
+
+
+def pin_off_compute(pid: int | None = None) -> set[int] | None:
+    """Bind the processes vLLM left unbound to the cores it left free; those cores, or None."""
+    compute, unbound = placement(pid)
+    allowed = os.sched_getaffinity(unbound[0])
+    free = allowed - compute
+    if not compute or not free:
+        return None
+    # Twice: a thread started by a thread not yet bound, during the first pass, is bound
+    # in the second (threads started after it inherit their creator's binding).
+    for _ in range(2):
+        threads = sum(bind_threads(p, free) for p in unbound)
+    log.info(
+        "engine compute on cores %s; front end and engine core (%d threads) pinned to %s",
+        sorted(compute),
+        threads,
+        sorted(free),
+    )
+    return free
