@@ -27,6 +27,7 @@ policy's run (qos_run.py), its figures (qos_report.py); this module runs them in
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import tempfile
@@ -40,7 +41,7 @@ from benchmarks.qos_run import Bench, run_policy
 from benchmarks.qos_workload import REAL, SIMULATED, Arrival, capacity_tokens_per_s, make_workload
 from dispatcher.policy import PolicyConfig, QueuedJob, TierqPolicy, WorkerSlots
 from tierq.settings import Settings
-from tierq.tiers import TIER_ORDER, Tier
+from tierq.tiers import TIER_ORDER, Tier, vllm_priority
 from workers.engine.base import Engine
 from workers.engine.simulated_engine import CostModel
 
@@ -61,10 +62,18 @@ async def run_qos(
         speedup = 1.0
     if duration_s is not None:
         shape = shape.lasting(duration_s)
-    arrivals = make_workload(shape, cost, seed)
     redis_url, embedded = _redis(base)
     engines = _SharedEngine(base, cost, engine_kind)
+    speed = 1.0
     try:
+        if engine_kind == "vllm":
+            # The workload is sized to the engine's speed now, not the calibration's.
+            engine = await engines.for_policy("tierq")
+            assert engine is not None
+            speed = await engine_speed(engine, cost)
+            cost = cost.at_speed(speed)
+            engines.cost = cost
+        arrivals = make_workload(shape, cost, seed)
         with tempfile.TemporaryDirectory(prefix="tierq-bench-") as tmp:
             bench = Bench(base, shape, cost, speedup, engine_kind, redis_url, Path(tmp))
             results = await _run_all(bench, arrivals, engines, policies)
@@ -79,10 +88,45 @@ async def run_qos(
         "warmup_s": shape.warmup_s,
         "slots": cost.slots,
         "capacity_tokens_per_s": round(capacity_tokens_per_s(cost), 2),
+        "speed_vs_calibration": round(speed, 3),
         "seed": seed,
         "decision_us_p99_10k_jobs_100_tenants": round(decision_microbench(), 1),
     }
     return results
+
+
+SPEED_PROBE_TOKENS = (8, 24)
+
+
+async def engine_speed(engine: Engine, cost: CostModel) -> float:
+    """How fast the real engine decodes now, as a fraction of the calibration's speed.
+
+    The workload's rates are fractions of the engine's capacity, which calibration.json
+    measured on one day; this machine's speed drifts by more than 2x between hours
+    (a full batch's decode step took 0.24 s when calibrated, and some 0.6 s on
+    2026-12-01 at 23:40 UTC), and at half speed the same arrivals would overload it
+    twice as much as the workload means to. So a full batch of requests (every slot)
+    generates SHORT and then LONG tokens, as `tierq calibrate` does: the difference is
+    LONG - SHORT decode steps at that batch, prefill and start cancelling out."""
+    short, long = SPEED_PROBE_TOKENS
+
+    async def one(i: int, tokens: int) -> None:
+        params = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+        prompt = f"{i} {tokens} Tell me about the history of the printing press."
+        batch = vllm_priority(Tier.BATCH)  # the full step budget: no interactive work here
+        async for _ in engine.generate(f"speed-{tokens}-{i}", None, prompt, params, batch):
+            pass
+
+    async def timed(tokens: int) -> float:
+        started = time.perf_counter()
+        await asyncio.gather(*(one(i, tokens) for i in range(cost.slots)))
+        return time.perf_counter() - started
+
+    await timed(2)  # warm-up
+    step = (await timed(long) - await timed(short)) / (long - short)
+    speed = cost.step_s(cost.slots) / step
+    print(f"engine speed: a step of {cost.slots} took {step:.3f} s ({speed:.2f}x calibration)")
+    return speed
 
 
 async def _run_all(

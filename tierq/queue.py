@@ -6,10 +6,12 @@ Names come from `RedisNames`; nothing here decides policy.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from tierq import tracing
 from tierq.messages import Heartbeat, JobEvent, JobMessage
@@ -75,6 +77,24 @@ redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 return 1
 """
 
+# A job onto its stream, in one step (one command and one reply, where MULTI/EXEC made
+# eight of each — a tenth of an admission's CPU in the API). KEYS: the stream, the tier's
+# set of tenants with work, the set of jobs Redis holds, the arrivals counter, the
+# dispatcher's wake-up list, the job's trace context. ARGV: the entry's field and value;
+# the tenant, '' for the head-of-tier stream (else it joins the tier's set); the job; '1'
+# for an arrival (counted); the job's sampled trace context, kept for ARGV[7] s, or ''.
+_ENQUEUE = """
+local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+if ARGV[3] ~= '' then redis.call('SADD', KEYS[2], ARGV[3]) end
+redis.call('SADD', KEYS[3], ARGV[4])
+if ARGV[5] ~= '' then redis.call('INCR', KEYS[4]) end
+redis.call('LPUSH', KEYS[5], '1')
+redis.call('LTRIM', KEYS[5], 0, 0)
+if ARGV[6] ~= '' then redis.call('SET', KEYS[6], ARGV[6], 'EX', ARGV[7], 'NX') end
+return id
+"""
+_ENQUEUE_SHA = hashlib.sha1(_ENQUEUE.encode()).hexdigest()
+
 
 async def enqueue(
     r: aioredis.Redis,
@@ -95,20 +115,30 @@ async def enqueue(
         stream = names.preempted_stream(msg.tier)
     else:
         stream = names.tier_stream(msg.tier, msg.tenant_id)
-    async with r.pipeline(transaction=True) as pipe:
-        pipe.xadd(stream, msg.encode())  # type: ignore[arg-type]
-        if not head_of_tier:
-            pipe.sadd(names.tier_tenants(msg.tier), msg.tenant_id)
-        pipe.sadd(names.inflight, msg.job_id)
-        if arrival:
-            pipe.incr(names.arrivals)
-        pipe.lpush(names.dispatch_wake, "1")
-        pipe.ltrim(names.dispatch_wake, 0, 0)
-        if msg.batch_id is None and tracing.sampled(msg.trace):
-            key = names.trace_context(msg.job_id)
-            pipe.set(key, msg.trace, ex=tracing.TRACE_CONTEXT_TTL_S, nx=True)  # type: ignore[arg-type]
-        entry_id, *_ = await pipe.execute()
-    return str(entry_id)
+    trace = msg.trace if msg.batch_id is None and tracing.sampled(msg.trace) else None
+    keys = (
+        stream,
+        names.tier_tenants(msg.tier),
+        names.inflight,
+        names.arrivals,
+        names.dispatch_wake,
+        names.trace_context(msg.job_id) if trace else stream,  # (unused without one)
+    )
+    ((field, value),) = msg.encode().items()
+    args = (
+        field,
+        value,
+        "" if head_of_tier else msg.tenant_id,
+        msg.job_id,
+        "1" if arrival else "",
+        trace or "",
+        tracing.TRACE_CONTEXT_TTL_S,
+    )
+    try:
+        entry_id = await r.evalsha(_ENQUEUE_SHA, len(keys), *keys, *args)
+    except NoScriptError:  # a restarted Redis, or SCRIPT FLUSH: EVAL loads it again
+        entry_id = await r.eval(_ENQUEUE, len(keys), *keys, *args)
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
 
 async def wake_dispatcher(r: aioredis.Redis, names: RedisNames) -> None:

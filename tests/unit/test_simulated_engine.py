@@ -192,3 +192,26 @@ async def test_chunks_say_how_much_of_the_prompt_the_prefix_cache_held() -> None
         await engine.shutdown()
     assert {c.cached_tokens for c in cold} == {0}
     assert {c.cached_tokens for c in warm} == {256}  # PREFIX_CHARS / 4 of its 600 tokens
+
+
+async def test_the_qos_bench_measures_how_fast_the_engine_runs_now() -> None:
+    """`tierq bench qos --engine vllm` sizes its workload to the engine's speed at the hour
+    it runs (benchmarks/qos.py `engine_speed`): here an engine at half the speed its cost
+    model was calibrated at, and one at that speed."""
+    from benchmarks.qos import engine_speed
+
+    calibrated = CostModel(
+        prefill_s_per_token=0.00001,
+        decode_step_base_s=0.01,
+        decode_step_per_seq_s=0.00125,
+        slots=8,
+        max_model_len=4096,
+    )
+    for speed in (0.5, 1.0):
+        engine = SimulatedEngine(calibrated.at_speed(speed))
+        await engine.start()
+        try:
+            measured = await engine_speed(engine, calibrated)
+        finally:
+            await engine.shutdown()
+        assert 0.8 * speed < measured < 1.2 * speed, (speed, measured)
