@@ -73,6 +73,12 @@ async def run_qos(
             speed = await engine_speed(engine, cost)
             cost = cost.at_speed(speed)
             engines.cost = cost
+            if duration_s is None and speed < 1:
+                # A slower engine: the same arrivals and job turnovers over a longer run
+                # (its jobs last longer; the measured window must hold as many of them).
+                shape = dataclasses.replace(
+                    shape, duration_s=shape.duration_s / speed, warmup_s=shape.warmup_s / speed
+                )
         arrivals = make_workload(shape, cost, seed)
         with tempfile.TemporaryDirectory(prefix="tierq-bench-") as tmp:
             bench = Bench(base, shape, cost, speedup, engine_kind, redis_url, Path(tmp))
