@@ -102,6 +102,7 @@ async def run_qos(
 
 
 SPEED_PROBE_TOKENS = (8, 24)
+SPEED_BOUNDS = (0.2, 10.0)
 
 
 async def engine_speed(engine: Engine, cost: CostModel) -> float:
@@ -118,7 +119,7 @@ async def engine_speed(engine: Engine, cost: CostModel) -> float:
 
     async def one(i: int, tokens: int) -> None:
         params = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
-        prompt = f"{i} {tokens} Tell me about the history of the printing press."
+        prompt = f"{i} Tell me about the history of the printing press."  # one length
         batch = vllm_priority(Tier.BATCH)  # the full step budget: no interactive work here
         async for _ in engine.generate(f"speed-{tokens}-{i}", None, prompt, params, batch):
             pass
@@ -130,7 +131,10 @@ async def engine_speed(engine: Engine, cost: CostModel) -> float:
 
     await timed(2)  # warm-up
     step = (await timed(long) - await timed(short)) / (long - short)
-    speed = cost.step_s(cost.slots) / step
+    if step <= 0:
+        raise RuntimeError(f"the engine's speed could not be measured (a step of {step} s)")
+    # Bounded: one hiccup must not stretch every run tenfold.
+    speed = min(max(cost.step_s(cost.slots) / step, SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
     print(f"engine speed: a step of {cost.slots} took {step:.3f} s ({speed:.2f}x calibration)")
     return speed
 

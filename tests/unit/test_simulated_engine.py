@@ -202,8 +202,8 @@ async def test_the_qos_bench_measures_how_fast_the_engine_runs_now() -> None:
 
     calibrated = CostModel(
         prefill_s_per_token=0.00001,
-        decode_step_base_s=0.01,
-        decode_step_per_seq_s=0.00125,
+        decode_step_base_s=0.02,
+        decode_step_per_seq_s=0.0025,
         slots=8,
         max_model_len=4096,
     )
@@ -214,4 +214,4 @@ async def test_the_qos_bench_measures_how_fast_the_engine_runs_now() -> None:
             measured = await engine_speed(engine, calibrated)
         finally:
             await engine.shutdown()
-        assert 0.8 * speed < measured < 1.2 * speed, (speed, measured)
+        assert 0.75 * speed < measured < 1.25 * speed, (speed, measured)

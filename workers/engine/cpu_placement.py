@@ -16,7 +16,15 @@ So once the engine has started, `pin_off_compute()` binds every thread of this p
 and of each unbound process under it (the engine core) to the cores the model worker was
 not bound to. Threads started later inherit their creator's binding. It binds nothing
 when vLLM bound nothing (a GPU build) or left no other core (one core), and nothing with
-PIN_AUX_PROCESSES=false.
+PIN_AUX_PROCESSES=false. It must come after the process's only engine start: an engine
+started later from a bound process would inherit the free cores and vLLM would place its
+compute there (`run_worker` starts one engine; a dead engine ends the process, and the
+supervisor starts a fresh, unbound one).
+
+Where this differs from `tierq run`'s choice for its other processes (`aux_cpus` in
+launch/supervisor.py, the last core): on this kind of host (one NUMA node, no SMT) vLLM
+keeps exactly the last core free and both are the same; on a host with several NUMA
+nodes vLLM binds one node's cores and the free set here spans the other nodes too.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from pathlib import Path
 
 import psutil
 
@@ -47,21 +56,40 @@ def bind_threads(pid: int, cpus: set[int]) -> int:
     return bound
 
 
+def _thread_cores(pid: int) -> set[frozenset[int]]:
+    masks: set[frozenset[int]] = set()
+    for tid in _threads(pid):
+        with contextlib.suppress(OSError):
+            masks.add(frozenset(os.sched_getaffinity(tid)))
+    return masks
+
+
+def _siblings(cores: set[int]) -> set[int]:
+    """The logical CPUs that share a physical core with `cores` (SMT), themselves included."""
+    found = set(cores)
+    for core in cores:
+        path = Path(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list")
+        with contextlib.suppress(OSError, ValueError):
+            for part in path.read_text().strip().split(","):
+                lo, _, hi = part.partition("-")
+                found.update(range(int(lo), int(hi or lo) + 1))
+    return found
+
+
 def placement(pid: int | None = None) -> tuple[set[int], list[int]]:
     """The cores vLLM bound its model workers to under process `pid` (this one by default),
-    and the processes it left unbound there (`pid` included): what `pin_off_compute` binds."""
+    and the processes it left unbound there (`pid` included): what `pin_off_compute` binds.
+    A process is bound when any of its threads is (vLLM may bind one core per thread, and
+    the main thread then holds only the first); its compute cores are all its threads'."""
     me = psutil.Process(pid)
-    allowed = os.sched_getaffinity(me.pid)
+    allowed = frozenset(os.sched_getaffinity(me.pid))
     compute: set[int] = set()
     unbound = [me.pid]
     for child in me.children(recursive=True):
-        try:
-            cores = os.sched_getaffinity(child.pid)
-        except OSError:
-            continue
-        if cores < allowed:
-            compute |= cores
-        else:
+        masks = _thread_cores(child.pid)
+        if any(m < allowed for m in masks):
+            compute.update(*(m for m in masks if m < allowed))
+        elif masks:
             unbound.append(child.pid)
     return compute, unbound
 
@@ -73,6 +101,9 @@ def pin_off_compute(pid: int | None = None) -> set[int] | None:
     free = allowed - compute
     if not compute or not free:
         return None
+    # Not beside the compute threads on their own physical cores either (SMT siblings),
+    # unless nothing else is left.
+    free = (allowed - _siblings(compute)) or free
     # Twice: a thread started by a thread not yet bound, during the first pass, is bound
     # in the second (threads started after it inherit their creator's binding).
     for _ in range(2):
