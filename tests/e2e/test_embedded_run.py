@@ -19,6 +19,7 @@ pytestmark = pytest.mark.e2e
 
 async def test_embedded_default_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
     live = start_platform(tmp_path, {})
+    redis: psutil.Process | None = None
     try:
         key_file = live.state_dir / "dev-api-key"
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
@@ -67,8 +68,21 @@ async def test_embedded_default_serves_and_ctrl_c_leaves_nothing_behind(tmp_path
         left = live.stop()
     finally:
         live.kill_everything()
+        # The embedded Redis runs as a daemon, outside the process tree above.
+        redis_left = redis is not None and _running(redis)
+        if redis_left:
+            redis.kill()
     assert live.proc.returncode == 0
     assert left == [], f"processes left behind: {left}"
+    assert not redis_left, "the embedded Redis was left running"
+    assert (live.state_dir / "redis.rdb").is_file()  # its data saved
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _embedded_redis(live: LivePlatform) -> psutil.Process:
