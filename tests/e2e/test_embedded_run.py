@@ -12,6 +12,7 @@ import pytest
 
 from tests.e2e.conftest import LivePlatform, start_platform
 from tests.helpers import client, wait_for
+from workers.engine.cpu_placement import thread_cores
 from workers.engine.vllm_build import vllm_cpu_build
 
 pytestmark = pytest.mark.e2e
@@ -99,17 +100,6 @@ def _embedded_redis(live: LivePlatform) -> psutil.Process:
     return server
 
 
-def _thread_cores(pid: int) -> set[frozenset[int]]:
-    """The distinct bindings of a process's threads."""
-    masks = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            masks.add(frozenset(os.sched_getaffinity(int(tid))))
-        except OSError:
-            continue  # a thread that has just ended
-    return masks
-
-
 def _check_placement(
     supervisor_pid: int, worker_pid: int, everything: list[psutil.Process]
 ) -> None:
@@ -123,7 +113,7 @@ def _check_placement(
     engine = psutil.Process(worker_pid).children(recursive=True)
     model_workers = [p for p in engine if p.name().startswith("VLLM::Worker")]
     assert model_workers, [p.name() for p in engine]
-    compute = set().union(*(c for p in model_workers for c in _thread_cores(p.pid)))
+    compute = set().union(*(c for p in model_workers for c in thread_cores(p.pid)))
     assert compute and compute < allowed, compute
     # The supervisor is left unbound: the worker it (re)starts must see every core. It only
     # waits on its children once they have started.
@@ -131,5 +121,5 @@ def _check_placement(
     names = {p.name() for p in others}
     assert any("EngineCor" in n for n in names) and "redis-server" in names, names
     for proc in others:
-        for cores in _thread_cores(proc.pid):
+        for cores in thread_cores(proc.pid):
             assert not cores & compute, f"{proc.name()} ({proc.pid}) may run on {sorted(cores)}"

@@ -56,7 +56,8 @@ def bind_threads(pid: int, cpus: set[int]) -> int:
     return bound
 
 
-def _thread_cores(pid: int) -> set[frozenset[int]]:
+def thread_cores(pid: int) -> set[frozenset[int]]:
+    """The distinct bindings of a process's threads (none once it has ended)."""
     masks: set[frozenset[int]] = set()
     for tid in _threads(pid):
         with contextlib.suppress(OSError):
@@ -86,7 +87,7 @@ def placement(pid: int | None = None) -> tuple[set[int], list[int]]:
     compute: set[int] = set()
     unbound = [me.pid]
     for child in me.children(recursive=True):
-        masks = _thread_cores(child.pid)
+        masks = thread_cores(child.pid)
         if any(m < allowed for m in masks):
             compute.update(*(m for m in masks if m < allowed))
         elif masks:
