@@ -38,6 +38,7 @@ from redis.asyncio.client import PubSub
 from models import jobs as job_repo
 from models import tenants as tenant_repo
 from models.db import Database
+from tierq.aio import being_cancelled, cancel_and_wait
 from tierq.redis_conn import is_unavailable, with_retries
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 # While a follower hears nothing, the hub looks at its job in the database this often.
 RECHECK_S = 2.0
+STOP_TASKS_S = 5.0  # how long a stop waits for the hub's own tasks
 QUEUE_MAX = 512  # live events a follower may have waiting before it re-reads the buffer
 CONFIRM_TIMEOUT_S = 5.0
 
@@ -200,11 +202,7 @@ class EventHub:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks, STOP_TASKS_S)
         if self._cleanups:
             await asyncio.wait(self._cleanups, timeout=2.0)
         for tenant_id, members in list(self.slots.items()):
@@ -259,6 +257,8 @@ class EventHub:
                         await self._renew(keys=[key], args=args, client=pipe)
                     await pipe.execute()
             except Exception as exc:
+                if being_cancelled():
+                    raise asyncio.CancelledError from exc
                 log.warning("could not renew stream leases: %s", exc)
 
     # --- following -----------------------------------------------------------------------
@@ -327,9 +327,9 @@ class EventHub:
                 assert self._pubsub is not None
                 msg = await self._pubsub.get_message(timeout=1.0)
                 delay = 0.1
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:
+                if being_cancelled():
+                    raise asyncio.CancelledError from exc
                 if not is_unavailable(exc):
                     log.exception("event hub: unexpected error; reconnecting")
                 else:
@@ -385,9 +385,9 @@ class EventHub:
             try:
                 await self._unsubscribe_idle()
                 await self._recheck_once()
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:
+                if being_cancelled():  # a cancel the read turned into an error: stop
+                    raise asyncio.CancelledError from exc
                 log.warning("event hub: recheck failed: %s", exc)
 
     async def _unsubscribe_idle(self) -> None:

@@ -57,6 +57,7 @@ from dispatcher.policy import (
     WorkerSlots,
 )
 from tierq import metrics, tracing
+from tierq.aio import being_cancelled
 from tierq.messages import Heartbeat, JobMessage, Served
 from tierq.queue import claim_all, live_workers, read_group
 from tierq.redis_conn import is_unavailable as redis_unavailable
@@ -101,11 +102,6 @@ def policy_from_settings(settings: Settings) -> Policy:
             affinity_lookahead=settings.affinity_lookahead,
         )
     )
-
-
-def _being_cancelled() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 @dataclass
@@ -309,7 +305,7 @@ class Dispatcher:
                 if not await self.leadership.renew():
                     log.warning("another dispatcher took the lease; standing by")
             except Exception:
-                if _being_cancelled():
+                if being_cancelled():
                     raise
                 log.warning("could not renew the lease", exc_info=True)
 
@@ -377,7 +373,7 @@ class Dispatcher:
                 self._forget_buffers()
                 recovered = False
             except Exception as exc:
-                if _being_cancelled():  # redis-py may turn a cancelled read into this
+                if being_cancelled():  # redis-py may turn a cancelled read into this
                     raise
                 if redis_unavailable(exc):
                     log.warning("Redis unreachable; retrying in %.1f s", delay, exc_info=True)

@@ -11,6 +11,7 @@ from typing import TypeVar
 import redis
 import redis.asyncio as aioredis
 
+from tierq.aio import being_cancelled
 from tierq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ async def with_retries(
         try:
             return await op()
         except Exception as exc:
+            if being_cancelled():
+                raise asyncio.CancelledError from exc
             if not is_unavailable(exc) or attempt == attempts - 1:
                 raise
             await asyncio.sleep(delay_s * 2**attempt)

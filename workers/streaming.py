@@ -25,6 +25,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from tierq.aio import being_cancelled
 from tierq.messages import JobEvent
 from tierq.queue import EventLog
 from tierq.redis_conn import is_unavailable
@@ -163,10 +164,7 @@ class EventPublisher:
             written = await self.events.append_many(self._items(batch))
             await self._restore_lost(batch, written)
         except Exception as exc:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                # redis-py may report a cancelled read as a ConnectionError: this is our
-                # own cancellation (shutdown), not a failure to carry on past.
+            if being_cancelled():  # our own shutdown, not a failure to carry on past
                 raise asyncio.CancelledError from exc
             if not is_unavailable(exc) or self._abandoned:
                 for _, _, fut, _ in batch:

@@ -47,6 +47,7 @@ from models.db import Database
 from models.records import JobRecord, Progress
 from services import batch_signal
 from tierq import metrics, tracing
+from tierq.aio import being_cancelled, cancel_and_wait
 from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
 from tierq.queue import (
     EventLog,
@@ -246,16 +247,13 @@ class Worker:
             log.error("the engine is dead: handing every job back, then exiting")
             self._stop_reading.set()
             self._stopped.set()  # no drain: nothing more can run here
-        tasks[0].cancel()  # stop reading the inbox
-        await _ended(tasks[:1])
+        await cancel_and_wait(tasks[:1], CANCELLED_WAIT_S)  # stop reading the inbox
         stop.cancel()
         dead.cancel()
         try:
             await self._drain()
         finally:
-            for task in tasks[1:]:
-                task.cancel()
-            await _ended(tasks[1:])
+            await cancel_and_wait(tasks[1:], CANCELLED_WAIT_S)
             with contextlib.suppress(redis.RedisError, OSError):
                 await self._retire()
         if engine_died:
@@ -368,7 +366,7 @@ class Worker:
             try:
                 await self._heartbeat(draining=self._stop_reading.is_set())
             except Exception as exc:
-                if not redis_unavailable(exc) or _being_cancelled():
+                if not redis_unavailable(exc) or being_cancelled():
                     raise
                 log.warning("heartbeat: Redis unreachable (%s); retrying", exc)
 
@@ -390,7 +388,7 @@ class Worker:
             try:
                 await self._listen()
             except Exception as exc:
-                if not redis_unavailable(exc) or _being_cancelled():
+                if not redis_unavailable(exc) or being_cancelled():
                     raise
                 log.warning("control channel: Redis unreachable (%s); resubscribing", exc)
                 await asyncio.sleep(delay)
@@ -458,7 +456,7 @@ class Worker:
                 log.warning("inbox %s is gone (%s); recreating it", self.inbox, exc)
                 await self._retrying("recreate inbox", self._ensure_group)
             except Exception as exc:
-                if not redis_unavailable(exc) or _being_cancelled():
+                if not redis_unavailable(exc) or being_cancelled():
                     raise
                 start = "0"
                 log.warning("inbox: Redis unreachable (%s); retrying in %.1f s", exc, delay)
@@ -899,27 +897,6 @@ def _final_event(job: JobRecord) -> JobEvent:
 
 
 CANCELLED_WAIT_S = 5.0  # how long a stopping worker waits for its cancelled side tasks
-
-
-async def _ended(tasks: list[asyncio.Task[Any]]) -> None:
-    """Wait for cancelled tasks to end, for a while only: a task cancelled while it waits
-    for a connection of a busy redis-py BlockingConnectionPool has been seen never to end,
-    and a stop must not hang on it (what it held is left to the process's exit)."""
-    if not tasks:
-        return
-    done, stuck = await asyncio.wait(tasks, timeout=CANCELLED_WAIT_S)
-    for task in done:
-        if not task.cancelled():
-            task.exception()  # retrieved: how it ended is not this stop's concern
-    for task in stuck:
-        log.warning(
-            "task %s did not end within %.0f s of its cancel", task.get_name(), CANCELLED_WAIT_S
-        )
-
-
-def _being_cancelled() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 async def run_worker(

@@ -426,3 +426,46 @@ async def test_a_follower_of_a_job_cancelled_by_a_suspension_gets_its_final_even
     assert follower.events[-1]["event"] == "done", follower.events
     assert follower.events[-1]["data"]["status"] == "cancelled"
     assert follower.events[-1]["data"]["error"]["code"] == "tenant_suspended"
+
+
+@pytest.mark.parametrize("loop", ["recheck", "read"])
+async def test_the_hub_stops_at_one_cancel_when_a_read_reports_it_as_an_error(
+    settings: Any, redis_client: Any, db: Any, monkeypatch: pytest.MonkeyPatch, loop: str
+) -> None:
+    """redis-py may report a read cut short by a cancel as a ConnectionError. The hub's
+    loops carry on past such errors (an outage), so each must see that the error is its
+    own cancel: a swallowed cancel left the recheck loop running and an API's shutdown
+    hanging (seen in CI). The fault: the hub's next database look or pub/sub read turns
+    the cancel into a ConnectionError, on real Redis and PostgreSQL."""
+    import redis
+
+    from api import hub as hub_module
+    from tierq.redis_names import RedisNames
+
+    monkeypatch.setattr(hub_module, "RECHECK_S", 0.1)
+    hub = hub_module.EventHub(redis_client, RedisNames(settings.redis_prefix), db, settings)
+    entered = asyncio.Event()
+
+    async def read_cut_short(*_args: Any, **_kwargs: Any) -> Any:
+        entered.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise redis.ConnectionError("Connection closed by server.") from None
+
+    if loop == "recheck":
+        monkeypatch.setattr(hub, "_recheck_once", read_cut_short)
+    await hub.start()
+    if loop == "read":
+        await asyncio.sleep(0.3)  # connected and reading
+        assert hub._pubsub is not None
+        monkeypatch.setattr(hub._pubsub, "get_message", read_cut_short)
+    await asyncio.wait_for(entered.wait(), 5)
+    task = next(t for t in hub._tasks if t.get_name() == f"hub-{loop}")
+    task.cancel()  # once: no second cancel to rescue a swallowed one
+    done, _ = await asyncio.wait([task], timeout=2)
+    assert task in done and task.cancelled()
+    started = asyncio.get_running_loop().time()
+    await hub.stop()
+    assert asyncio.get_running_loop().time() - started < 2
+    assert all(t.done() for t in hub._tasks)

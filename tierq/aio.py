@@ -1,0 +1,48 @@
+"""asyncio habits every long-running loop of tierq shares: noticing its own cancel when a
+library reports it as an error, and stopping side tasks within a bound."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def being_cancelled() -> bool:
+    """Whether the running task has been asked to stop. redis-py (and asyncpg under
+    SQLAlchemy) may report a read cut short by a cancel as a ConnectionError or a
+    TimeoutError, so a loop that carries on past errors must ask this before it does:
+    otherwise the cancel is swallowed and the loop never ends."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def cancel_and_wait(
+    tasks: Iterable[asyncio.Task[Any]], timeout_s: float, *, recancel_s: float = 0.5
+) -> set[asyncio.Task[Any]]:
+    """Cancel the tasks and wait up to `timeout_s` for them to end, cancelling again every
+    `recancel_s` any that swallowed its cancel (a library that turned it into an error
+    the task carried on past). Returns the tasks still running, each logged: a stop must
+    not hang on one (a task waiting for a connection of a busy redis-py
+    BlockingConnectionPool has been seen never to end)."""
+    pending = {t for t in tasks if not t.done()}
+    done: set[asyncio.Task[Any]] = {t for t in tasks if t.done()}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while pending:
+        for task in pending:
+            task.cancel()
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        ended, pending = await asyncio.wait(pending, timeout=min(recancel_s, left))
+        done |= ended
+    for task in done:
+        if not task.cancelled():
+            task.exception()  # retrieved: how it ended is not this stop's concern
+    for task in pending:
+        log.warning("task %s did not end within %.0f s of its cancel", task.get_name(), timeout_s)
+    return pending
