@@ -334,6 +334,8 @@ class Worker:
             try:
                 return await op()
             except Exception as exc:
+                if being_cancelled():
+                    raise asyncio.CancelledError from exc
                 if not unavailable(exc) or (self._stopped.is_set() and delay > 1):
                     raise
                 log.warning("%s: %s (%s); retrying in %.1f s", what, type(exc).__name__, exc, delay)
