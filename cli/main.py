@@ -292,9 +292,13 @@ def bench_serve(
 @bench_app.command("qos")
 def bench_qos(
     engine: str = typer.Option("simulated", help="simulated (calibrated) or vllm (scaled down)."),
-    speedup: float = typer.Option(5.0, help="Time compression of the simulated engine."),
+    speedup: float = typer.Option(
+        5.0, help="Time compression of the simulated engine (vllm: its measured speed)."
+    ),
     seed: int = typer.Option(1),
-    duration: float | None = typer.Option(None, help="Simulated seconds of arrivals."),
+    duration: float | None = typer.Option(
+        None, help="Seconds of arrivals in the calibration's time (vllm: wall s x its speed)."
+    ),
     policies: str = typer.Option(
         "tierq,fcfs,engine-priority", help="The policies to run after the idle baseline."
     ),

@@ -195,9 +195,9 @@ async def test_chunks_say_how_much_of_the_prompt_the_prefix_cache_held() -> None
 
 
 async def test_the_qos_bench_measures_how_fast_the_engine_runs_now() -> None:
-    """`tierq bench qos --engine vllm` sizes its workload to the engine's speed at the hour
-    it runs (benchmarks/qos.py `engine_speed`): here an engine at half the speed its cost
-    model was calibrated at, and one at that speed."""
+    """`tierq bench qos --engine vllm` runs at the engine's speed at the hour it runs
+    (benchmarks/qos.py `engine_speed`): here an engine at half the speed its cost model
+    was calibrated at, and one at that speed."""
     from benchmarks.qos import engine_speed
 
     calibrated = CostModel(
@@ -208,10 +208,23 @@ async def test_the_qos_bench_measures_how_fast_the_engine_runs_now() -> None:
         max_model_len=4096,
     )
     for speed in (0.5, 1.0):
-        engine = SimulatedEngine(calibrated.at_speed(speed))
+        engine = SimulatedEngine(calibrated.scaled(speed))
         await engine.start()
         try:
             measured = await engine_speed(engine, calibrated)
         finally:
             await engine.shutdown()
         assert 0.75 * speed < measured < 1.25 * speed, (speed, measured)
+
+
+def test_the_real_engine_qos_bench_starts_each_engine_once() -> None:
+    """With the real engine the baselines (vLLM's stock scheduler) run before tierq's
+    policy and its idle baseline, so that each engine starts once; the speed is measured
+    on the first, and tierq's starts with its step hold stretched to that speed."""
+    from benchmarks.qos import _run_order
+
+    everything = ("tierq", "fcfs", "engine-priority")
+    assert _run_order(everything, "simulated") == ["idle", "tierq", "fcfs", "engine-priority"]
+    assert _run_order(everything, "vllm") == ["fcfs", "engine-priority", "idle", "tierq"]
+    assert _run_order(("tierq",), "vllm") == ["idle", "tierq"]
+    assert _run_order(("fcfs", "tierq"), "vllm") == ["fcfs", "idle", "tierq"]

@@ -91,17 +91,9 @@ class CostModel:
     def step_s(self, batch: int) -> float:
         return self.decode_step_base_s + self.decode_step_per_seq_s * batch
 
-    def at_speed(self, speed: float) -> CostModel:
-        """The same engine running at `speed` times the calibrated speed (a slower or faster
-        hour of the machine): every step's time divided by it; time itself not compressed."""
-        return dataclasses.replace(
-            self,
-            prefill_s_per_token=self.prefill_s_per_token / speed,
-            decode_step_base_s=self.decode_step_base_s / speed,
-            decode_step_per_seq_s=self.decode_step_per_seq_s / speed,
-        )
-
     def scaled(self, speedup: float) -> CostModel:
+        """The engine `speedup` times as fast: a faster (or, under 1, slower) machine, or
+        the calibrated engine on a clock compressed by `speedup`."""
         return dataclasses.replace(
             self,
             prefill_s_per_token=self.prefill_s_per_token / speedup,
