@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 import psutil
@@ -66,6 +67,7 @@ async def test_embedded_default_serves_and_ctrl_c_leaves_nothing_behind(tmp_path
             assert usage["total"]["completion_tokens"] == done["usage"]["completion_tokens"]
         async with client(live.url, live.key) as c:
             assert (await c.get("/admin/tenants")).status_code == 403
+        stopping = time.time()
         left = live.stop()
     finally:
         live.kill_everything()
@@ -76,7 +78,9 @@ async def test_embedded_default_serves_and_ctrl_c_leaves_nothing_behind(tmp_path
     assert live.proc.returncode == 0
     assert left == [], f"processes left behind: {left}"
     assert not redis_left, "the embedded Redis was left running"
-    assert (live.state_dir / "redis.rdb").is_file()  # its data saved
+    # Its data saved as it stopped (SHUTDOWN SAVE), not killed after a timeout.
+    assert "did not stop in time" not in live.output.read_text()
+    assert (live.state_dir / "redis.rdb").stat().st_mtime >= stopping - 1
 
 
 def _running(proc: psutil.Process) -> bool:
