@@ -38,7 +38,7 @@ from redis.asyncio.client import PubSub
 from models import jobs as job_repo
 from models import tenants as tenant_repo
 from models.db import Database
-from tierq.aio import being_cancelled, cancel_and_wait
+from tierq.aio import cancel_and_wait, raise_if_cancelled
 from tierq.redis_conn import is_unavailable, with_retries
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -257,8 +257,7 @@ class EventHub:
                         await self._renew(keys=[key], args=args, client=pipe)
                     await pipe.execute()
             except Exception as exc:
-                if being_cancelled():
-                    raise asyncio.CancelledError from exc
+                raise_if_cancelled(exc)
                 log.warning("could not renew stream leases: %s", exc)
 
     # --- following -----------------------------------------------------------------------
@@ -328,8 +327,7 @@ class EventHub:
                 msg = await self._pubsub.get_message(timeout=1.0)
                 delay = 0.1
             except Exception as exc:
-                if being_cancelled():
-                    raise asyncio.CancelledError from exc
+                raise_if_cancelled(exc)
                 if not is_unavailable(exc):
                     log.exception("event hub: unexpected error; reconnecting")
                 else:
@@ -386,8 +384,7 @@ class EventHub:
                 await self._unsubscribe_idle()
                 await self._recheck_once()
             except Exception as exc:
-                if being_cancelled():  # a cancel the read turned into an error: stop
-                    raise asyncio.CancelledError from exc
+                raise_if_cancelled(exc)  # a cancel the read turned into an error: stop
                 log.warning("event hub: recheck failed: %s", exc)
 
     async def _unsubscribe_idle(self) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import yaml
 
 from services.bootstrap import ensure_tenant_key, write_secret
@@ -410,17 +411,13 @@ def stop_embedded_redis(server: Any) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the process runs. A zombie is gone for every purpose but its exit status
+    (the server is a daemon, not this process's child, so nothing here would reap it)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    # A zombie is gone for every purpose but its exit status (the server is a daemon,
-    # not this process's child, so nothing here would reap it).
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
+    except psutil.AccessDenied:
         return True
 
 

@@ -20,6 +20,13 @@ def being_cancelled() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+def raise_if_cancelled(error: BaseException) -> None:
+    """Raise CancelledError (from `error`) if the running task is being cancelled: the
+    error is then its own cancel, reported by a library as a failure."""
+    if being_cancelled():
+        raise asyncio.CancelledError from error
+
+
 async def cancel_and_wait(
     tasks: Iterable[asyncio.Task[Any]], timeout_s: float, *, recancel_s: float = 0.5
 ) -> set[asyncio.Task[Any]]:
@@ -28,8 +35,9 @@ async def cancel_and_wait(
     the task carried on past). Returns the tasks still running, each logged: a stop must
     not hang on one (a task waiting for a connection of a busy redis-py
     BlockingConnectionPool has been seen never to end)."""
-    pending = {t for t in tasks if not t.done()}
-    done: set[asyncio.Task[Any]] = {t for t in tasks if t.done()}
+    pending = set(tasks)
+    done = {t for t in pending if t.done()}
+    pending -= done
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while pending:

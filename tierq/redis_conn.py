@@ -11,7 +11,7 @@ from typing import TypeVar
 import redis
 import redis.asyncio as aioredis
 
-from tierq.aio import being_cancelled
+from tierq.aio import raise_if_cancelled
 from tierq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,7 @@ async def with_retries(
         try:
             return await op()
         except Exception as exc:
-            if being_cancelled():
-                raise asyncio.CancelledError from exc
+            raise_if_cancelled(exc)
             if not is_unavailable(exc) or attempt == attempts - 1:
                 raise
             await asyncio.sleep(delay_s * 2**attempt)

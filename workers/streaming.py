@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from tierq.aio import being_cancelled
+from tierq.aio import raise_if_cancelled
 from tierq.messages import JobEvent
 from tierq.queue import EventLog
 from tierq.redis_conn import is_unavailable
@@ -164,8 +164,7 @@ class EventPublisher:
             written = await self.events.append_many(self._items(batch))
             await self._restore_lost(batch, written)
         except Exception as exc:
-            if being_cancelled():  # our own shutdown, not a failure to carry on past
-                raise asyncio.CancelledError from exc
+            raise_if_cancelled(exc)  # our own shutdown, not a failure to carry on past
             if not is_unavailable(exc) or self._abandoned:
                 for _, _, fut, _ in batch:
                     if fut is not None and not fut.done():

@@ -47,7 +47,7 @@ from models.db import Database
 from models.records import JobRecord, Progress
 from services import batch_signal
 from tierq import metrics, tracing
-from tierq.aio import being_cancelled, cancel_and_wait
+from tierq.aio import being_cancelled, cancel_and_wait, raise_if_cancelled
 from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
 from tierq.queue import (
     EventLog,
@@ -334,8 +334,7 @@ class Worker:
             try:
                 return await op()
             except Exception as exc:
-                if being_cancelled():
-                    raise asyncio.CancelledError from exc
+                raise_if_cancelled(exc)
                 if not unavailable(exc) or (self._stopped.is_set() and delay > 1):
                     raise
                 log.warning("%s: %s (%s); retrying in %.1f s", what, type(exc).__name__, exc, delay)

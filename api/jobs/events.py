@@ -19,7 +19,7 @@ from models import jobs as job_repo
 from models.db import Database
 from models.records import JobHead, JobRecord
 from tierq import tracing
-from tierq.aio import being_cancelled
+from tierq.aio import raise_if_cancelled
 from tierq.messages import JobEvent
 from tierq.queue import EventLog
 from tierq.redis_conn import is_unavailable as redis_unavailable
@@ -124,8 +124,7 @@ async def follow_job(
             except StreamClosed:
                 raise
             except Exception as exc:
-                if being_cancelled():  # the client went: a cancelled read, not an outage
-                    raise asyncio.CancelledError from exc
+                raise_if_cancelled(exc)  # the client went: a cancelled read, not an outage
                 if not redis_unavailable(exc):
                     raise
                 log.warning("following job %s: Redis unreachable (%s); retrying", job.id, exc)
