@@ -15,6 +15,7 @@ from api.admin.router import router as admin_router
 from api.auth import KeyCache
 from api.batches.router import router as batches_router
 from api.console.router import router as console_router
+from api.deps import Door
 from api.files.router import router as files_router
 from api.gate import TenantGate
 from api.hub import EventHub
@@ -60,6 +61,15 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         app.state.hub = EventHub(app.state.redis, app.state.names, app.state.db, settings)
         app.state.hub.access_listeners.append(app.state.key_cache.forget)
         await app.state.hub.start()
+        app.state.door = Door(
+            settings,
+            app.state.db,
+            app.state.redis,
+            app.state.names,
+            app.state.events,
+            app.state.hub,
+            app.state.admission_gate,
+        )
         if freeze_gc:
             # What startup made lives as long as the process: out of the collector's
             # sight, so that its full collections stay short (they set the admission's

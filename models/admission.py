@@ -153,7 +153,7 @@ def _admitted(
 ) -> JobRecord:
     """The record of the job either way in inserted, at the prices it found (as text)."""
     priced = replace(new, input_price=Decimal(input_price), output_price=Decimal(output_price))
-    return JobRecord.from_row(jobs.new_row(priced, job_id, created_at))
+    return jobs.new_record(priced, job_id, created_at)
 
 
 def _status(tenant_status: str | None, key_ok: bool) -> str | None:

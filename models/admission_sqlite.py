@@ -47,7 +47,6 @@ from models import jobs, prices
 from models import quotas as quota_repo
 from models.admission import Admission, Outcome
 from models.db import LocalWriter
-from models.records import JobRecord
 from models.tables import ApiKey, Job, JobTransition, Quota, Tenant
 from tierq.states import JobStatus
 from tierq.tiers import Tier
@@ -92,7 +91,7 @@ def _admit(conn: Connection, a: Admission) -> Outcome:
         q.insert_transition, {"job_id": a.job_id, "status": values["status"], "at": a.created_at}
     )
     return Outcome(
-        JobRecord.from_row(jobs.new_row(priced, a.job_id, a.created_at)),
+        jobs.new_record(priced, a.job_id, a.created_at),
         status,
         key_ok,
         quotas,

@@ -22,7 +22,7 @@ from models import spend
 from models.db import Database
 from models.pages import after_anchor
 from models.prices import cost_of
-from models.records import JobHead, JobRecord, Progress
+from models.records import JobHead, JobRecord, Progress, as_utc
 from models.tables import Job, JobTransition, UsageRecord, utcnow
 from tierq import metrics
 from tierq.ids import new_id
@@ -86,7 +86,7 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
         await s.execute(
             insert(JobTransition).values(job_id=values["id"], status=values["status"], at=now)
         )
-        return JobRecord.from_row(new_row(new, values["id"], now)), True
+        return new_record(new, values["id"], now), True
     row = new_row(new, new_id("job"), now)
     try:
         async with s.begin_nested():
@@ -107,6 +107,37 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
 def new_row(new: NewJob, job_id: str, now: datetime) -> Job:
     """The row of a job just admitted (queued, never delivered)."""
     return Job(**row_values(new, job_id, now))
+
+
+def new_record(new: NewJob, job_id: str, now: datetime) -> JobRecord:
+    """The record of a job just admitted, as `JobRecord.from_row(new_row(...))` reads it
+    back, without building an ORM row on the way: every admission answers with it."""
+    return JobRecord(
+        id=job_id,
+        tenant_id=new.tenant_id,
+        tier=new.tier,
+        model=new.model,
+        status=JobStatus.QUEUED,
+        messages=new.messages,
+        prompt=new.prompt,
+        params=dict(new.params),
+        metadata=new.metadata,
+        request_hash=new.request_hash,
+        created_at=as_utc(now) or now,
+        started_at=None,
+        finished_at=None,
+        result_text=None,
+        finish_reason=None,
+        prompt_tokens=None,
+        completion_tokens=None,
+        error_code=None,
+        error_message=None,
+        deliveries=0,
+        worker_id=None,
+        reserved_tokens=new.reserved_tokens,
+        input_price=new.input_price,
+        output_price=new.output_price,
+    )
 
 
 def row_values(new: NewJob, job_id: str, now: datetime) -> dict[str, Any]:

@@ -11,8 +11,8 @@ from starlette.background import BackgroundTask
 
 from api.deps import (
     DbDep,
+    DoorDep,
     EventsDep,
-    GateDep,
     HubDep,
     NamesDep,
     RedisDep,
@@ -45,26 +45,22 @@ async def create_job(
     body: JobCreate,
     request: Request,
     tenant: TenantDep,
-    db: DbDep,
-    r: RedisDep,
-    names: NamesDep,
-    settings: SettingsDep,
-    gate: GateDep,
+    door: DoorDep,
     idempotency_key: Annotated[
         str | None,
         Header(alias="Idempotency-Key", json_schema_extra={"minLength": 1, "maxLength": 255}),
     ] = None,
 ) -> JSONResponse:
     job, _created = await admission.submit(
-        db,
-        r,
-        names,
-        settings,
+        door.db,
+        door.redis,
+        door.names,
+        door.settings,
         tenant,
         body,
         idempotency_key,
         key_id=api_key_id(request),
-        gate=gate.enter,
+        gate=door.gate.enter,
     )
     return JSONResponse(job.to_api(), status_code=202)
 

@@ -14,36 +14,20 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any
 
-import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
-from api.deps import (
-    DbDep,
-    EventsDep,
-    HubDep,
-    NamesDep,
-    RedisDep,
-    SettingsDep,
-    TenantDep,
-    api_key_id,
-    stream_slot,
-)
+from api.deps import Door, DoorDep, SettingsDep, TenantDep, api_key_id, stream_slot
 from api.errors import APIError, documented, error_body
-from api.gate import TenantGate
-from api.hub import EventHub, Slot, StreamClosed
+from api.hub import Slot, StreamClosed
 from api.jobs.events import EVENT_STREAM, follow_job
 from models import jobs as job_repo
-from models.db import Database
 from models.records import JobRecord, TenantRecord
 from services import admission, cancellation
 from services import openai_compat as oa
 from services.requests import Refused
-from tierq.queue import EventLog
-from tierq.redis_names import RedisNames
-from tierq.settings import Settings
 from tierq.states import TERMINAL
 
 log = logging.getLogger(__name__)
@@ -81,25 +65,17 @@ def _model(name: str) -> dict[str, Any]:
 
 
 class _Context:
-    def __init__(
-        self,
-        request: Request,
-        tenant: TenantRecord,
-        db: Database,
-        r: aioredis.Redis,
-        names: RedisNames,
-        events: EventLog,
-        hub: EventHub,
-    ) -> None:
+    def __init__(self, request: Request, tenant: TenantRecord, door: Door) -> None:
         self.request = request
         self.tenant = tenant
-        self.db = db
-        self.r = r
-        self.names = names
-        self.events = events
-        self.hub = hub
+        self.db = door.db
+        self.r = door.redis
+        self.names = door.names
+        self.events = door.events
+        self.hub = door.hub
         self.key_id = api_key_id(request)
-        self.gate: TenantGate = request.app.state.admission_gate
+        self.gate = door.gate
+        self.settings = door.settings
 
     def follow(self, job: JobRecord) -> AsyncGenerator[tuple[int, Any], None]:
         return follow_job(self.hub, self.db, self.events, job, key_id=self.key_id)
@@ -129,16 +105,8 @@ class _Context:
         return job
 
 
-async def _context(
-    request: Request,
-    tenant: TenantDep,
-    db: DbDep,
-    r: RedisDep,
-    names: NamesDep,
-    events: EventsDep,
-    hub: HubDep,
-) -> _Context:
-    return _Context(request, tenant, db, r, names, events, hub)
+async def _context(request: Request, tenant: TenantDep, door: DoorDep) -> _Context:
+    return _Context(request, tenant, door)
 
 
 ContextDep = Annotated[_Context, Depends(_context)]
@@ -146,24 +114,22 @@ ContextDep = Annotated[_Context, Depends(_context)]
 
 @router.post("/chat/completions", response_model=None, responses=_COMPLETION)
 async def chat_completions(
-    body: oa.ChatCompletionRequest, ctx: ContextDep, settings: SettingsDep
+    body: oa.ChatCompletionRequest, ctx: ContextDep
 ) -> JSONResponse | StreamingResponse:
-    return await _complete(ctx, body, True, settings)
+    return await _complete(ctx, body, True)
 
 
 @router.post("/completions", response_model=None, responses=_COMPLETION)
 async def completions(
-    body: oa.CompletionRequest, ctx: ContextDep, settings: SettingsDep
+    body: oa.CompletionRequest, ctx: ContextDep
 ) -> JSONResponse | StreamingResponse:
-    return await _complete(ctx, body, False, settings)
+    return await _complete(ctx, body, False)
 
 
 async def _complete(
-    ctx: _Context,
-    body: oa.ChatCompletionRequest | oa.CompletionRequest,
-    chat: bool,
-    settings: Settings,
+    ctx: _Context, body: oa.ChatCompletionRequest | oa.CompletionRequest, chat: bool
 ) -> JSONResponse | StreamingResponse:
+    settings = ctx.settings
     try:
         job_body = body.to_job()
     except ValidationError as exc:
