@@ -251,7 +251,10 @@ class RawPool:
 
         if self._slots.locked():  # all in use: wait, but not forever
             try:
-                await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+                # A deadline, not wait_for: no task made for each wait (under a burst every
+                # admission waits here, and wait_for's task was 3 % of the API's CPU).
+                async with asyncio.timeout(self.timeout_s):
+                    await self._slots.acquire()
             except TimeoutError:
                 raise Unavailable("no database connection was free in time") from None
         else:

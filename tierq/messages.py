@@ -31,10 +31,19 @@ class JobMessage:
     trace: str | None = None
 
     def encode(self) -> dict[str, str]:
-        body = asdict(self)
-        body["tier"] = self.tier.value
-        if self.trace is None:
-            del body["trace"]  # an untraced entry stays as it was
+        # Field by field: dataclasses.asdict deep-copies, and every admission encodes one.
+        body: dict[str, Any] = {
+            "job_id": self.job_id,
+            "tenant_id": self.tenant_id,
+            "tier": self.tier.value,
+            "enqueued_at": self.enqueued_at,
+            "cost": self.cost,
+            "preemptions": self.preemptions,
+            "batch_id": self.batch_id,
+            "prefix": self.prefix,
+        }
+        if self.trace is not None:  # an untraced entry stays as it was
+            body["trace"] = self.trace
         return {"job": json.dumps(body, separators=(",", ":"))}
 
     @classmethod

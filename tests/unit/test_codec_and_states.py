@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -19,6 +20,33 @@ def test_job_message_round_trip() -> None:
     assert JobMessage.decode({b"job": msg.encode()["job"].encode()}) == msg
     with pytest.raises(ValueError):
         JobMessage.decode({"other": "x"})
+
+
+def test_a_job_message_encodes_every_field() -> None:
+    """The encoder names each field itself: one added to the message and not to it would
+    be lost on the way through a stream."""
+    full = JobMessage(
+        "job_1",
+        "ten_1",
+        Tier.INTERACTIVE,
+        enqueued_at=3.25,
+        cost=7,
+        preemptions=2,
+        batch_id="batch_1",
+        prefix="abc",
+        trace="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    )
+    defaults = JobMessage(full.job_id, full.tenant_id, full.tier)
+    # Every field of `full` differs from its default, so each one has to travel.
+    assert all(
+        getattr(full, f.name) != getattr(defaults, f.name)
+        for f in dataclasses.fields(JobMessage)
+        if f.name not in ("job_id", "tenant_id", "tier")
+    )
+    assert JobMessage.decode(full.encode()) == full
+    assert set(json.loads(full.encode()["job"])) == {f.name for f in dataclasses.fields(JobMessage)}
+    # Untraced, the entry carries no trace field at all (entries stay as they were).
+    assert "trace" not in json.loads(defaults.encode()["job"])
 
 
 def test_a_stream_entry_carries_no_request_and_old_entries_still_decode() -> None:
