@@ -26,7 +26,7 @@ from api.request_spans import RequestSpans
 from api.usage import router as usage_router
 from models.db import Database
 from tierq import __version__, metrics, token_count
-from tierq.queue import EventLog
+from tierq.queue import Enqueuer, EventLog
 from tierq.redis_conn import connect
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings, get_settings
@@ -69,6 +69,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
             app.state.events,
             app.state.hub,
             app.state.admission_gate,
+            Enqueuer(app.state.redis, app.state.names),
         )
         if freeze_gc:
             # What startup made lives as long as the process: out of the collector's
@@ -80,6 +81,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         try:
             yield
         finally:
+            await app.state.door.enqueuer.aclose()
             await app.state.hub.stop()
             await app.state.redis.aclose()
             await app.state.db.close()

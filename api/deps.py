@@ -25,7 +25,7 @@ from models.db import Database
 from models.records import TenantRecord
 from models.tables import utcnow
 from models.tenants import KeyOwner
-from tierq.queue import EventLog
+from tierq.queue import Enqueuer, EventLog
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
@@ -76,6 +76,7 @@ class Door:
     events: EventLog
     hub: EventHub
     gate: TenantGate
+    enqueuer: Enqueuer
 
 
 async def get_door(request: Request) -> Door:

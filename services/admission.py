@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import redis
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -53,9 +52,7 @@ from services.batch_input import RawLine, read_requests
 from services.requests import JobCreate, Refused, check
 from tierq import logs, metrics, token_count, tracing
 from tierq.ids import new_id
-from tierq.queue import enqueue
-from tierq.redis_conn import with_retries
-from tierq.redis_names import RedisNames
+from tierq.queue import Enqueuer
 from tierq.settings import Settings
 from tierq.states import TenantStatus
 from tierq.tiers import Tier
@@ -173,8 +170,7 @@ def resolve_tier(tenant: TenantRecord, requested: Tier | None) -> Tier:
 
 async def submit(
     db: Database,
-    r: aioredis.Redis,
-    names: RedisNames,
+    queue: Enqueuer,
     settings: Settings,
     tenant: TenantRecord,
     body: JobCreate,
@@ -184,7 +180,8 @@ async def submit(
     key_id: str | None = None,
     gate: Callable[[str], AbstractAsyncContextManager[None]] | None = None,
 ) -> tuple[JobRecord, bool]:
-    """Write the job row (the source of truth), then put it on its tier's stream.
+    """Write the job row (the source of truth), then put it on its tier's stream (through
+    the process's `Enqueuer`, which carries the jobs admitted meanwhile in the same call).
 
     When Redis refuses the XADD, an asynchronous job stays accepted (the reconciler enqueues
     it); an `online` one — a client waiting on the line — is cancelled and refused with 503.
@@ -246,7 +243,7 @@ async def submit(
         metrics.JOBS_SUBMITTED.labels(tier=job.tier.value).inc()
         metrics.TENANT_ADMITTED.labels(metrics.tenant_label(tenant.id), job.tier.value).inc()
         try:
-            await with_retries(lambda: enqueue(r, names, job.to_message()))
+            await queue.enqueue(job.to_message())
         except (redis.RedisError, OSError):
             if not online:
                 # The row is committed, so the job is accepted: the reconciler enqueues it.

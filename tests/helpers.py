@@ -37,10 +37,11 @@ async def admit_as(platform: Any, tenant: Any, body: Any, key_id: str | None = N
     """Admission as a route runs it, for a tenant (and key) authenticated a moment earlier:
     what a request already past authentication meets inside the admission transaction."""
     from services import admission
+    from tierq.queue import Enqueuer
 
-    names = platform.dispatcher.names
+    queue = Enqueuer(platform.r, platform.dispatcher.names)
     return await admission.submit(
-        platform.db, platform.r, names, platform.settings, tenant, body, None, key_id=key_id
+        platform.db, queue, platform.settings, tenant, body, None, key_id=key_id
     )
 
 

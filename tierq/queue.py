@@ -6,16 +6,20 @@ Names come from `RedisNames`; nothing here decides policy.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 from collections.abc import Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from tierq import tracing
+from tierq.aio import cancel_and_wait
 from tierq.messages import Heartbeat, JobEvent, JobMessage
-from tierq.redis_conn import redis_now
+from tierq.redis_conn import redis_now, with_retries
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
@@ -77,23 +81,73 @@ redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 return 1
 """
 
-# A job onto its stream, in one step (one command and one reply, where MULTI/EXEC made
-# eight of each — a tenth of an admission's CPU in the API). KEYS: the stream, the tier's
-# set of tenants with work, the set of jobs Redis holds, the arrivals counter, the
-# dispatcher's wake-up list, the job's trace context. ARGV: the entry's field and value;
-# the tenant, '' for the head-of-tier stream (else it joins the tier's set); the job; '1'
-# for an arrival (counted); the job's sampled trace context, kept for ARGV[7] s, or ''.
+# Jobs onto their streams, in one step (one command and one reply for any number of jobs,
+# where MULTI/EXEC made eight of each for one — a tenth of an admission's CPU in the API).
+# KEYS: the set of jobs Redis holds, the arrivals counter, the dispatcher's wake-up list;
+# then for each job its stream, its tier's set of tenants with work and its trace
+# context's key. ARGV, seven for each job: the entry's field and value; the tenant, '' for
+# the head-of-tier stream (else it joins the tier's set); the job; '1' for an arrival
+# (counted); the job's sampled trace context, kept for the next ARGV's seconds, or ''.
+# Returns the entries' ids, in order.
 _ENQUEUE = """
-local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-if ARGV[3] ~= '' then redis.call('SADD', KEYS[2], ARGV[3]) end
-redis.call('SADD', KEYS[3], ARGV[4])
-if ARGV[5] ~= '' then redis.call('INCR', KEYS[4]) end
-redis.call('LPUSH', KEYS[5], '1')
-redis.call('LTRIM', KEYS[5], 0, 0)
-if ARGV[6] ~= '' then redis.call('SET', KEYS[6], ARGV[6], 'EX', ARGV[7], 'NX') end
-return id
+local ids, arrivals = {}, 0
+for i = 0, (#KEYS - 3) / 3 - 1 do
+  local k, a = 3 + i * 3, i * 7
+  ids[i + 1] = redis.call('XADD', KEYS[k + 1], '*', ARGV[a + 1], ARGV[a + 2])
+  if ARGV[a + 3] ~= '' then redis.call('SADD', KEYS[k + 2], ARGV[a + 3]) end
+  redis.call('SADD', KEYS[1], ARGV[a + 4])
+  if ARGV[a + 5] ~= '' then arrivals = arrivals + 1 end
+  if ARGV[a + 6] ~= '' then
+    redis.call('SET', KEYS[k + 3], ARGV[a + 6], 'EX', ARGV[a + 7], 'NX')
+  end
+end
+if arrivals > 0 then redis.call('INCRBY', KEYS[2], arrivals) end
+redis.call('LPUSH', KEYS[3], '1')
+redis.call('LTRIM', KEYS[3], 0, 0)
+return ids
 """
 _ENQUEUE_SHA = hashlib.sha1(_ENQUEUE.encode()).hexdigest()
+_Part = tuple[tuple[str, str, str], tuple[str | int, ...]]  # one job's keys and arguments
+
+
+def _enqueue_part(names: RedisNames, msg: JobMessage, head_of_tier: bool, arrival: bool) -> _Part:
+    """One job's keys and arguments of the script, stamped with the caller's trace context
+    (so made in the caller's task)."""
+    msg = tracing.stamp(msg)
+    if head_of_tier:
+        stream = names.preempted_stream(msg.tier)
+    else:
+        stream = names.tier_stream(msg.tier, msg.tenant_id)
+    trace = msg.trace if msg.batch_id is None and tracing.sampled(msg.trace) else None
+    keys = (
+        stream,
+        names.tier_tenants(msg.tier),
+        names.trace_context(msg.job_id) if trace else stream,  # (unused without one)
+    )
+    ((field, value),) = msg.encode().items()
+    args = (
+        field,
+        value,
+        "" if head_of_tier else msg.tenant_id,
+        msg.job_id,
+        "1" if arrival else "",
+        trace or "",
+        tracing.TRACE_CONTEXT_TTL_S,
+    )
+    return keys, args
+
+
+async def _enqueue_parts(r: aioredis.Redis, names: RedisNames, parts: list[_Part]) -> list[str]:
+    keys = [names.inflight, names.arrivals, names.dispatch_wake]
+    args: list[str | int] = []
+    for job_keys, job_args in parts:
+        keys.extend(job_keys)
+        args.extend(job_args)
+    try:
+        ids = await r.evalsha(_ENQUEUE_SHA, len(keys), *keys, *args)
+    except NoScriptError:  # a restarted Redis, or SCRIPT FLUSH: EVAL loads it again
+        ids = await r.eval(_ENQUEUE, len(keys), *keys, *args)
+    return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
 
 
 async def enqueue(
@@ -110,35 +164,75 @@ async def enqueue(
     (handed back, preempted, re-enqueued by the reconciler). With tracing on, the entry
     carries the current trace context (tierq/tracing.py), and a job's first one keeps it
     for the job's SSE followers."""
-    msg = tracing.stamp(msg)
-    if head_of_tier:
-        stream = names.preempted_stream(msg.tier)
-    else:
-        stream = names.tier_stream(msg.tier, msg.tenant_id)
-    trace = msg.trace if msg.batch_id is None and tracing.sampled(msg.trace) else None
-    keys = (
-        stream,
-        names.tier_tenants(msg.tier),
-        names.inflight,
-        names.arrivals,
-        names.dispatch_wake,
-        names.trace_context(msg.job_id) if trace else stream,  # (unused without one)
-    )
-    ((field, value),) = msg.encode().items()
-    args = (
-        field,
-        value,
-        "" if head_of_tier else msg.tenant_id,
-        msg.job_id,
-        "1" if arrival else "",
-        trace or "",
-        tracing.TRACE_CONTEXT_TTL_S,
-    )
-    try:
-        entry_id = await r.evalsha(_ENQUEUE_SHA, len(keys), *keys, *args)
-    except NoScriptError:  # a restarted Redis, or SCRIPT FLUSH: EVAL loads it again
-        entry_id = await r.eval(_ENQUEUE, len(keys), *keys, *args)
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    part = _enqueue_part(names, msg, head_of_tier, arrival)
+    (entry_id,) = await _enqueue_parts(r, names, [part])
+    return entry_id
+
+
+class Enqueuer:
+    """The API's enqueues of admitted jobs, coalesced: while one script call is in flight,
+    the jobs admitted meanwhile wait, and the next call carries them all (up to
+    `max_batch`). Under a burst that is one command and one reply for many jobs, where each
+    job's own call cost it a fifth of its admission's CPU; a lone job goes at once.
+
+    Each waiter gets its own entry's id, or the error that stopped its call (after
+    `with_retries`); a waiter that goes away (its client hung up) does not stop its job's
+    enqueue, which runs in the Enqueuer's task, not the request's."""
+
+    def __init__(self, r: aioredis.Redis, names: RedisNames, max_batch: int = 256) -> None:
+        self.r = r
+        self.names = names
+        self.max_batch = max_batch
+        self.calls = 0  # script calls made (tests and the curious)
+        self._pending: list[tuple[_Part, asyncio.Future[str]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def enqueue(self, msg: JobMessage) -> str:
+        """`enqueue(r, names, msg)` (an arrival, on its tenant's stream), coalesced."""
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._pending.append((_enqueue_part(self.names, msg, False, True), future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush(), name="tierq-enqueue")
+        return await future
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch = self._pending[: self.max_batch]
+            del self._pending[: self.max_batch]
+            parts = [part for part, _ in batch]
+            try:
+                ids = await with_retries(functools.partial(self._call, parts))
+            except asyncio.CancelledError:
+                # Stopped (the API's stop): these jobs are committed, and the reconciler
+                # enqueues what Redis does not hold.
+                self._fail(batch + self._pending, RedisConnectionError("the API is stopping"))
+                self._pending = []
+                raise
+            except Exception as exc:
+                self._fail(batch, exc)
+                continue
+            for (_, future), entry_id in zip(batch, ids, strict=True):
+                if not future.done():
+                    future.set_result(entry_id)
+
+    async def _call(self, parts: list[_Part]) -> list[str]:
+        self.calls += 1
+        return await _enqueue_parts(self.r, self.names, parts)
+
+    @staticmethod
+    def _fail(batch: list[tuple[_Part, asyncio.Future[str]]], exc: BaseException) -> None:
+        for _, future in batch:
+            if not future.done():
+                future.set_exception(exc)
+
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """Let the enqueues under way finish (within `timeout_s`), then stop."""
+        flusher = self._flusher
+        if flusher is None or flusher.done():
+            return
+        done, _ = await asyncio.wait([flusher], timeout=timeout_s)
+        if not done:
+            await cancel_and_wait([flusher], 1.0)
 
 
 async def wake_dispatcher(r: aioredis.Redis, names: RedisNames) -> None:

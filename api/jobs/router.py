@@ -53,8 +53,7 @@ async def create_job(
 ) -> JSONResponse:
     job, _created = await admission.submit(
         door.db,
-        door.redis,
-        door.names,
+        door.enqueuer,
         door.settings,
         tenant,
         body,

@@ -75,6 +75,7 @@ class _Context:
         self.hub = door.hub
         self.key_id = api_key_id(request)
         self.gate = door.gate
+        self.enqueuer = door.enqueuer
         self.settings = door.settings
 
     def follow(self, job: JobRecord) -> AsyncGenerator[tuple[int, Any], None]:
@@ -140,8 +141,7 @@ async def _complete(
     try:
         job, _ = await admission.submit(
             ctx.db,
-            ctx.r,
-            ctx.names,
+            ctx.enqueuer,
             settings,
             ctx.tenant,
             job_body,

@@ -23,6 +23,7 @@ from services import admission
 from services.requests import JobCreate, Refused
 from tests.conftest import REDIS_TEST_URL
 from tierq import metrics
+from tierq.queue import Enqueuer
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
@@ -64,9 +65,10 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     assert db.local is not None and db.raw is None
     settings = Settings(database_url=str(db.url))
     body = JobCreate.model_validate(CHAT)
+    queue = Enqueuer(r, names)
 
     async def submit(tenant: TenantRecord, key: str | None = None) -> str:
-        job, created = await admission.submit(db, r, names, settings, tenant, body, key)
+        job, created = await admission.submit(db, queue, settings, tenant, body, key)
         assert created
         return job.id
 
@@ -76,7 +78,7 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     assert (_path("fast"), _path("exact")) == (fast + 1, exact)
     # An Idempotency-Key: the exact path (which answers a replay as the same job).
     keyed = await submit(plain, "k-1")
-    again, created = await admission.submit(db, r, names, settings, plain, body, "k-1")
+    again, created = await admission.submit(db, queue, settings, plain, body, "k-1")
     assert again.id == keyed and not created
     assert (_path("fast"), _path("exact")) == (fast + 1, exact + 2)
 

@@ -1,11 +1,19 @@
-"""Enqueueing on real Redis: the entry and every mark that goes with it, in one script."""
+"""Enqueueing on real Redis: the entry and every mark that goes with it, in one script, and
+the API's Enqueuer, which carries the jobs admitted together in one call."""
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
+import asyncio
 
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from tests.conftest import free_port
 from tierq.messages import JobMessage
-from tierq.queue import enqueue
+from tierq.queue import Enqueuer, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 from tierq.tiers import Tier
@@ -59,3 +67,94 @@ async def test_enqueue_after_redis_forgot_its_scripts(
     entries = await r.xrange(names.tier_stream(Tier.INTERACTIVE, "t1"))
     assert [JobMessage.decode(f).job_id for _, f in entries] == ["j1", "j2"]
     assert await r.smembers(names.inflight) == {"j1", "j2"}
+
+
+async def test_an_enqueuer_carries_a_burst_in_few_calls_each_job_on_its_own_stream(
+    settings: Settings, redis_client: aioredis.Redis
+) -> None:
+    """Admissions that arrive together share script calls; each gets its own entry, on
+    its tenant's stream, with every mark enqueue makes."""
+    r, names = redis_client, RedisNames(settings.redis_prefix)
+    queue = Enqueuer(r, names)
+    tiers = (Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH)
+    jobs = [JobMessage(f"j{i}", f"t{i % 3}", tiers[i % 3], enqueued_at=i) for i in range(60)]
+    ids = await asyncio.gather(*(queue.enqueue(m) for m in jobs))
+    assert queue.calls <= 2  # sixty jobs, one or two commands
+    for tier in tiers:
+        tenant = f"t{tiers.index(tier)}"
+        entries = await r.xrange(names.tier_stream(tier, tenant))
+        mine = [(i, m) for i, m in zip(ids, jobs, strict=True) if m.tier == tier]
+        # In the order they were admitted, each waiter told its own entry's id.
+        assert [(e, JobMessage.decode(f)) for e, f in entries] == mine
+        assert await r.smembers(names.tier_tenants(tier)) == {tenant}
+    assert await r.smembers(names.inflight) == {m.job_id for m in jobs}
+    assert await r.get(names.arrivals) == "60"
+    assert await r.llen(names.dispatch_wake) == 1
+    # A lone job later goes at once, in a call of its own.
+    await queue.enqueue(JobMessage("late", "t0", Tier.INTERACTIVE))
+    assert queue.calls <= 3
+    await queue.aclose()
+
+
+async def test_an_enqueuer_survives_its_connection_killed_and_enqueues_nothing_twice(
+    settings: Settings, redis_client: aioredis.Redis
+) -> None:
+    r, names = redis_client, RedisNames(settings.redis_prefix)
+    own = aioredis.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
+    try:
+        queue = Enqueuer(own, names)
+        await queue.enqueue(JobMessage("j0", "t1", Tier.STANDARD))
+        killed = await r.client_kill_filter(_type="normal", skipme=True)
+        assert killed >= 1
+        burst = [JobMessage(f"j{i}", "t1", Tier.STANDARD) for i in range(1, 11)]
+        await asyncio.gather(*(queue.enqueue(m) for m in burst))
+        entries = await r.xrange(names.tier_stream(Tier.STANDARD, "t1"))
+        assert [JobMessage.decode(f).job_id for _, f in entries] == [f"j{i}" for i in range(11)]
+        assert await r.get(names.arrivals) == "11"
+        await queue.aclose()
+    finally:
+        await own.aclose()
+
+
+async def test_an_enqueuer_without_redis_fails_each_waiter_and_then_works_again(
+    settings: Settings, redis_client: aioredis.Redis
+) -> None:
+    """Redis unreachable: every waiting admission is told (it then leaves its job to the
+    reconciler, or refuses an online request); the Enqueuer itself carries on."""
+    names = RedisNames(settings.redis_prefix)
+    gone = aioredis.Redis(
+        host="127.0.0.1", port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        queue = Enqueuer(gone, names)
+        results = await asyncio.gather(
+            *(queue.enqueue(JobMessage(f"j{i}", "t1", Tier.STANDARD)) for i in range(5)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(x, redis.ConnectionError) for x in results), results
+        assert queue._flusher is not None and queue._flusher.done()
+        # The same Enqueuer, once Redis answers, enqueues again.
+        queue.r = redis_client
+        await queue.enqueue(JobMessage("after", "t1", Tier.STANDARD))
+        entries = await redis_client.xrange(names.tier_stream(Tier.STANDARD, "t1"))
+        assert [JobMessage.decode(f).job_id for _, f in entries] == ["after"]
+        await queue.aclose()
+    finally:
+        await gone.aclose()
+
+
+async def test_a_waiter_that_goes_away_still_has_its_job_enqueued(
+    settings: Settings, redis_client: aioredis.Redis
+) -> None:
+    """A request cancelled while its job's enqueue is under way (its client hung up after
+    the job was committed): the job is enqueued all the same."""
+    r, names = redis_client, RedisNames(settings.redis_prefix)
+    queue = Enqueuer(r, names)
+    waiter = asyncio.create_task(queue.enqueue(JobMessage("j1", "t1", Tier.STANDARD)))
+    await asyncio.sleep(0)  # its job is handed to the Enqueuer
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await queue.aclose()  # lets the call under way finish
+    entries = await r.xrange(names.tier_stream(Tier.STANDARD, "t1"))
+    assert [JobMessage.decode(f).job_id for _, f in entries] == ["j1"]
