@@ -81,10 +81,12 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         try:
             yield
         finally:
-            await app.state.door.enqueuer.aclose()
-            await app.state.hub.stop()
-            await app.state.redis.aclose()
-            await app.state.db.close()
+            try:
+                await app.state.door.enqueuer.aclose()  # bounded: its calls' deadline
+            finally:
+                await app.state.hub.stop()
+                await app.state.redis.aclose()
+                await app.state.db.close()
 
     # /docs and /redoc are api/docs.py's: every asset served here, nothing from a CDN.
     app = FastAPI(

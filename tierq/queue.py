@@ -7,6 +7,7 @@ Names come from `RedisNames`; nothing here decides policy.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hashlib
 from collections.abc import Iterable
@@ -14,7 +15,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierq import tracing
 from tierq.aio import cancel_and_wait
@@ -87,20 +89,37 @@ return 1
 # then for each job its stream, its tier's set of tenants with work and its trace
 # context's key. ARGV, seven for each job: the entry's field and value; the tenant, '' for
 # the head-of-tier stream (else it joins the tier's set); the job; '1' for an arrival
-# (counted); the job's sampled trace context, kept for the next ARGV's seconds, or ''.
-# Returns the entries' ids, in order.
-_ENQUEUE = """
-local ids, arrivals = {}, 0
-for i = 0, (#KEYS - 3) / 3 - 1 do
-  local k, a = 3 + i * 3, i * 7
-  ids[i + 1] = redis.call('XADD', KEYS[k + 1], '*', ARGV[a + 1], ARGV[a + 2])
+# (counted, once: a retry of a call whose reply was lost finds the job held already); the
+# job's sampled trace context, kept for the next ARGV's seconds, or ''.
+# Returns the entries' ids, in order; a job that could not be enqueued gets ERROR_MARK and
+# its error instead (the others are not held up by it), and when none could, the call
+# fails with the first error (so that an unwritable Redis is waited out as before).
+ERROR_MARK = "error: "
+ENQUEUE_DEADLINE_S = 5.0  # the longest an admission waits for its enqueue's call
+_ENQUEUE = f"""
+local function one(k, a)
+  local id = redis.call('XADD', KEYS[k + 1], '*', ARGV[a + 1], ARGV[a + 2])
   if ARGV[a + 3] ~= '' then redis.call('SADD', KEYS[k + 2], ARGV[a + 3]) end
-  redis.call('SADD', KEYS[1], ARGV[a + 4])
-  if ARGV[a + 5] ~= '' then arrivals = arrivals + 1 end
+  local new = redis.call('SADD', KEYS[1], ARGV[a + 4])
   if ARGV[a + 6] ~= '' then
     redis.call('SET', KEYS[k + 3], ARGV[a + 6], 'EX', ARGV[a + 7], 'NX')
   end
+  return id, new == 1 and ARGV[a + 5] ~= ''
 end
+local ids, arrivals, failed, first = {{}}, 0, 0, nil
+for i = 0, (#KEYS - 3) / 3 - 1 do
+  local ok, id, arrived = pcall(one, 3 + i * 3, i * 7)
+  if ok then
+    ids[i + 1] = id
+    if arrived then arrivals = arrivals + 1 end
+  else
+    local why = type(id) == 'table' and id.err or tostring(id)
+    ids[i + 1] = '{ERROR_MARK}' .. why
+    failed = failed + 1
+    first = first or why
+  end
+end
+if failed == #ids then return redis.error_reply(first) end
 if arrivals > 0 then redis.call('INCRBY', KEYS[2], arrivals) end
 redis.call('LPUSH', KEYS[3], '1')
 redis.call('LTRIM', KEYS[3], 0, 0)
@@ -150,6 +169,13 @@ async def _enqueue_parts(r: aioredis.Redis, names: RedisNames, parts: list[_Part
     return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
 
 
+def _entry_id(result: str) -> str:
+    """A job's entry id from the script's reply, or its own error raised."""
+    if result.startswith(ERROR_MARK):
+        raise ResponseError(result.removeprefix(ERROR_MARK))
+    return result
+
+
 async def enqueue(
     r: aioredis.Redis,
     names: RedisNames,
@@ -166,7 +192,7 @@ async def enqueue(
     for the job's SSE followers."""
     part = _enqueue_part(names, msg, head_of_tier, arrival)
     (entry_id,) = await _enqueue_parts(r, names, [part])
-    return entry_id
+    return _entry_id(entry_id)
 
 
 class Enqueuer:
@@ -175,33 +201,49 @@ class Enqueuer:
     `max_batch`). Under a burst that is one command and one reply for many jobs, where each
     job's own call cost it a fifth of its admission's CPU; a lone job goes at once.
 
-    Each waiter gets its own entry's id, or the error that stopped its call (after
-    `with_retries`); a waiter that goes away (its client hung up) does not stop its job's
-    enqueue, which runs in the Enqueuer's task, not the request's."""
+    Each waiter gets its own entry's id, or its own error: its job's (the others' go on),
+    or its call's (after `with_retries`; a call that has not answered in `deadline_s` —
+    a connection gone half-open — fails with `redis.TimeoutError`, so that one stuck call
+    cannot hold every admission). A waiter that goes away (its client hung up) does not
+    stop its job's enqueue, which runs in the Enqueuer's task, not the request's. Once
+    `aclose` has begun, enqueues fail at once: the jobs are committed, and the reconciler
+    enqueues what Redis does not hold."""
 
-    def __init__(self, r: aioredis.Redis, names: RedisNames, max_batch: int = 256) -> None:
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        names: RedisNames,
+        max_batch: int = 256,
+        deadline_s: float = ENQUEUE_DEADLINE_S,
+    ) -> None:
         self.r = r
         self.names = names
         self.max_batch = max_batch
+        self.deadline_s = deadline_s
         self.calls = 0  # script calls made (tests and the curious)
         self._pending: list[tuple[_Part, asyncio.Future[str]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def enqueue(self, msg: JobMessage) -> str:
         """`enqueue(r, names, msg)` (an arrival, on its tenant's stream), coalesced."""
+        if self._closed:
+            raise RedisConnectionError("the API is stopping")
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pending.append((_enqueue_part(self.names, msg, False, True), future))
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush(), name="tierq-enqueue")
+            # In a context of its own: not the first request's (its log fields, its span).
+            self._flusher = asyncio.create_task(
+                self._flush(), name="tierq-enqueue", context=contextvars.Context()
+            )
         return await future
 
     async def _flush(self) -> None:
         while self._pending:
             batch = self._pending[: self.max_batch]
             del self._pending[: self.max_batch]
-            parts = [part for part, _ in batch]
             try:
-                ids = await with_retries(functools.partial(self._call, parts))
+                await self._send(batch)
             except asyncio.CancelledError:
                 # Stopped (the API's stop): these jobs are committed, and the reconciler
                 # enqueues what Redis does not hold.
@@ -210,10 +252,26 @@ class Enqueuer:
                 raise
             except Exception as exc:
                 self._fail(batch, exc)
+            finally:
+                # Whatever happened, no waiter of this batch is left waiting.
+                self._fail(batch, RedisConnectionError("the enqueue ended without a reply"))
+
+    async def _send(self, batch: list[tuple[_Part, asyncio.Future[str]]]) -> None:
+        parts = [part for part, _ in batch]
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                ids = await with_retries(functools.partial(self._call, parts))
+        except TimeoutError:
+            raise RedisTimeoutError(
+                f"Redis did not answer the enqueue in {self.deadline_s:.0f} s"
+            ) from None
+        for (_, future), result in zip(batch, ids, strict=True):
+            if future.done():
                 continue
-            for (_, future), entry_id in zip(batch, ids, strict=True):
-                if not future.done():
-                    future.set_result(entry_id)
+            try:
+                future.set_result(_entry_id(result))
+            except ResponseError as exc:
+                future.set_exception(exc)
 
     async def _call(self, parts: list[_Part]) -> list[str]:
         self.calls += 1
@@ -226,13 +284,17 @@ class Enqueuer:
                 future.set_exception(exc)
 
     async def aclose(self, timeout_s: float = 5.0) -> None:
-        """Let the enqueues under way finish (within `timeout_s`), then stop."""
+        """Refuse new enqueues, let those under way finish (within `timeout_s`), then
+        stop; a waiter left is told the API is stopping."""
+        self._closed = True
         flusher = self._flusher
         if flusher is None or flusher.done():
             return
         done, _ = await asyncio.wait([flusher], timeout=timeout_s)
         if not done:
             await cancel_and_wait([flusher], 1.0)
+        self._fail(self._pending, RedisConnectionError("the API is stopping"))
+        self._pending = []
 
 
 async def wake_dispatcher(r: aioredis.Redis, names: RedisNames) -> None:

@@ -4,6 +4,7 @@ the API's Enqueuer, which carries the jobs admitted together in one call."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis
@@ -13,7 +14,7 @@ from redis.backoff import NoBackoff
 
 from tests.conftest import free_port
 from tierq.messages import JobMessage
-from tierq.queue import Enqueuer, enqueue
+from tierq.queue import Enqueuer, _enqueue_part, _enqueue_parts, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 from tierq.tiers import Tier
@@ -96,16 +97,19 @@ async def test_an_enqueuer_carries_a_burst_in_few_calls_each_job_on_its_own_stre
     await queue.aclose()
 
 
-async def test_an_enqueuer_survives_its_connection_killed_and_enqueues_nothing_twice(
+async def test_an_enqueuer_survives_its_connection_killed(
     settings: Settings, redis_client: aioredis.Redis
 ) -> None:
     r, names = redis_client, RedisNames(settings.redis_prefix)
-    own = aioredis.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
+    # No retries of redis-py's own (the API's pool has none): the Enqueuer's must recover.
+    own = aioredis.Redis.from_url(
+        settings.resolved_redis_url, decode_responses=True, retry=Retry(NoBackoff(), 0)
+    )
     try:
         queue = Enqueuer(own, names)
         await queue.enqueue(JobMessage("j0", "t1", Tier.STANDARD))
-        killed = await r.client_kill_filter(_type="normal", skipme=True)
-        assert killed >= 1
+        # Its one pooled connection, killed by id (only this test's).
+        assert await r.client_kill_filter(_id=await own.client_id()) == 1
         burst = [JobMessage(f"j{i}", "t1", Tier.STANDARD) for i in range(1, 11)]
         await asyncio.gather(*(queue.enqueue(m) for m in burst))
         entries = await r.xrange(names.tier_stream(Tier.STANDARD, "t1"))
@@ -158,3 +162,104 @@ async def test_a_waiter_that_goes_away_still_has_its_job_enqueued(
     await queue.aclose()  # lets the call under way finish
     entries = await r.xrange(names.tier_stream(Tier.STANDARD, "t1"))
     assert [JobMessage.decode(f).job_id for _, f in entries] == ["j1"]
+
+
+async def test_a_traced_burst_keeps_each_jobs_trace_context(
+    settings: Settings, redis_client: aioredis.Redis
+) -> None:
+    r, names = redis_client, RedisNames(settings.redis_prefix)
+    queue = Enqueuer(r, names)
+    traced = [f"00-{i:032x}-00f067aa0ba902b7-01" for i in range(1, 6)]
+    jobs = [JobMessage(f"j{i}", "t1", Tier.STANDARD, trace=t) for i, t in enumerate(traced)]
+    jobs.insert(2, JobMessage("plain", "t1", Tier.STANDARD, trace=UNSAMPLED))
+    await asyncio.gather(*(queue.enqueue(m) for m in jobs))
+    assert queue.calls == 1
+    for m in jobs:
+        kept = await r.get(names.trace_context(m.job_id))
+        assert kept == (m.trace if m.job_id != "plain" else None), m.job_id
+    await queue.aclose()
+
+
+async def test_one_jobs_error_fails_that_job_alone(
+    settings: Settings, redis_client: aioredis.Redis
+) -> None:
+    """A job whose stream cannot be written (here a key of the wrong type) is refused on
+    its own; the jobs of the same call from other tenants are enqueued and counted."""
+    r, names = redis_client, RedisNames(settings.redis_prefix)
+    await r.set(names.tier_stream(Tier.STANDARD, "broken"), "not a stream")
+    queue = Enqueuer(r, names)
+    jobs = [JobMessage(f"j{i}", ("ok", "broken")[i % 2], Tier.STANDARD) for i in range(6)]
+    results = await asyncio.gather(*(queue.enqueue(m) for m in jobs), return_exceptions=True)
+    assert queue.calls == 1
+    for m, result in zip(jobs, results, strict=True):
+        if m.tenant_id == "broken":
+            assert isinstance(result, redis.ResponseError) and "WRONGTYPE" in str(result)
+        else:
+            assert isinstance(result, str)
+    entries = await r.xrange(names.tier_stream(Tier.STANDARD, "ok"))
+    assert [JobMessage.decode(f).job_id for _, f in entries] == ["j0", "j2", "j4"]
+    assert await r.get(names.arrivals) == "3"
+    # A call none of whose jobs could go fails as a whole (as one job's enqueue does).
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        await queue.enqueue(JobMessage("alone", "broken", Tier.STANDARD))
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        await enqueue(r, names, JobMessage("alone", "broken", Tier.STANDARD))
+    await queue.aclose()
+
+
+async def test_a_repeated_call_counts_its_arrivals_once(
+    settings: Settings, redis_client: aioredis.Redis
+) -> None:
+    """A call sent again after its reply was lost (with_retries) finds its jobs held
+    already: their entries may be there twice (the worker keeps one run), but the
+    arrivals, the autoscaling signal, are counted once."""
+    r, names = redis_client, RedisNames(settings.redis_prefix)
+    parts = [
+        _enqueue_part(names, JobMessage(f"j{i}", "t1", Tier.STANDARD), False, True)
+        for i in range(3)
+    ]
+    await _enqueue_parts(r, names, parts)
+    await _enqueue_parts(r, names, parts)
+    assert await r.get(names.arrivals) == "3"
+    assert await r.smembers(names.inflight) == {"j0", "j1", "j2"}
+
+
+async def test_a_stuck_call_fails_its_waiters_at_the_deadline_and_the_stop_is_bounded(
+    settings: Settings, redis_client: aioredis.Redis
+) -> None:
+    """Redis that takes the command and never answers it (writes paused here, as a
+    connection gone half-open would hold it): the waiters are told in `deadline_s`, not
+    held for ever, and the Enqueuer works again once Redis does. A stop while a call is
+    stuck tells its waiters the API is stopping, and refuses enqueues from then on."""
+    r, names = redis_client, RedisNames(settings.redis_prefix)
+    own = aioredis.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
+    try:
+        queue = Enqueuer(own, names, deadline_s=0.5)
+        await own.ping()
+        await r.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+        try:
+            began = time.monotonic()
+            results = await asyncio.gather(
+                *(queue.enqueue(JobMessage(f"j{i}", "t1", Tier.STANDARD)) for i in range(4)),
+                return_exceptions=True,
+            )
+            assert all(isinstance(x, redis.TimeoutError) for x in results), results
+            assert time.monotonic() - began < 3.0
+            stopping = Enqueuer(own, names, deadline_s=30)
+            waiter = asyncio.create_task(stopping.enqueue(JobMessage("s", "t1", Tier.STANDARD)))
+            await asyncio.sleep(0.1)
+            began = time.monotonic()
+            await stopping.aclose(timeout_s=0.2)
+            assert time.monotonic() - began < 2.0
+            with pytest.raises(redis.ConnectionError, match="stopping"):
+                await waiter
+            with pytest.raises(redis.ConnectionError, match="stopping"):
+                await stopping.enqueue(JobMessage("late", "t1", Tier.STANDARD))
+        finally:
+            await r.execute_command("CLIENT", "UNPAUSE")
+        await queue.enqueue(JobMessage("after", "t1", Tier.STANDARD))
+        entries = await r.xrange(names.tier_stream(Tier.STANDARD, "t1"))
+        assert "after" in [JobMessage.decode(f).job_id for _, f in entries]
+        await queue.aclose()
+    finally:
+        await own.aclose()
