@@ -283,14 +283,15 @@ class Enqueuer:
             if not future.done():
                 future.set_exception(exc)
 
-    async def aclose(self, timeout_s: float = 5.0) -> None:
-        """Refuse new enqueues, let those under way finish (within `timeout_s`), then
-        stop; a waiter left is told the API is stopping."""
+    async def aclose(self, timeout_s: float | None = None) -> None:
+        """Refuse new enqueues, let those under way finish (within `timeout_s`, by default
+        a call's deadline), then stop; a waiter left is told the API is stopping."""
         self._closed = True
         flusher = self._flusher
         if flusher is None or flusher.done():
             return
-        done, _ = await asyncio.wait([flusher], timeout=timeout_s)
+        wait_s = self.deadline_s if timeout_s is None else timeout_s
+        done, _ = await asyncio.wait([flusher], timeout=wait_s)
         if not done:
             await cancel_and_wait([flusher], 1.0)
         self._fail(self._pending, RedisConnectionError("the API is stopping"))
