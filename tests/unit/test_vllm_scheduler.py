@@ -22,6 +22,7 @@ from workers.engine.vllm_scheduler import (
     Tiering,
     _tiered,
     clear_step,
+    kv_lost_on_preemption,
     pick_victims,
     prioritise,
 )
@@ -290,6 +291,25 @@ def test_of_equally_bad_requests_the_one_preempted_least_often_goes_first() -> N
     assert pick_victims([other, resumed], waiting, 0, max_preemptions=4) == [resumed]
 
 
+def test_of_equally_bad_requests_the_one_with_least_kv_to_recompute_goes_first() -> None:
+    # Prefix caching keeps full blocks of 16: the tail past the last one is what is lost.
+    lost = kv_lost_on_preemption(16, prefix_caching=True)
+    short_tail = Req("short-tail", 100, 1.0, 50, 65)  # 65 computed: 1 past four blocks
+    long_tail = Req("long-tail", 100, 9.0, 50, 63)  # 15 past three blocks, the latest
+    waiting = [Req("chat", 0, 10.0, 40)]
+    assert pick_victims([short_tail, long_tail], waiting, 0, 4, lost) == [short_tail]
+    # Preempted before, the short tail is spared: fewest preemptions rank first.
+    short_tail.num_preemptions = 1
+    assert pick_victims([short_tail, long_tail], waiting, 0, 4, lost) == [long_tail]
+    # Without prefix caching every computed token is lost: the fewest go.
+    short_tail.num_preemptions = 0
+    everything = kv_lost_on_preemption(16, prefix_caching=False)
+    assert pick_victims([short_tail, long_tail], waiting, 0, 4, everything) == [long_tail]
+    # Equal losses: the latest arrival, as before.
+    tied = Req("tied", 100, 5.0, 50, 65)
+    assert pick_victims([short_tail, tied], waiting, 0, 4, lost) == [tied]
+
+
 def test_a_request_preempted_max_preemptions_times_keeps_its_slot() -> None:
     tired = decoding("tired", 100, 3.0)
     tired.num_preemptions = 2
@@ -503,6 +523,33 @@ def test_an_interactive_request_is_scheduled_in_the_next_step_on_an_engine_full_
         assert list(r.output_token_ids) == full_output(12), r.request_id
         assert e.sampled[r.request_id] == 12
     assert victim.num_preemptions == 1
+
+
+def test_the_victim_is_the_batch_request_with_least_kv_to_recompute_in_vllms_scheduler(
+    engine: Callable[..., Engine],
+) -> None:
+    """Four batch requests whose computed tokens end at different places in their last KV
+    block: the one with the fewest past a full block is preempted, and on resuming only
+    those are computed again (vLLM's prefix cache gives it the full blocks back)."""
+    from vllm.v1.request import RequestStatus
+
+    e = engine(slots=4)
+    # After 3 steps each has computed its prompt and 2 output tokens: 42, 49, 35, 42, so
+    # 10, 1, 3 and 10 tokens past their last full block of 16.
+    batch = [e.add(f"batch{i}", 100, prompt_len=n) for i, n in enumerate([40, 47, 33, 40])]
+    list(e.run(3))
+    assert [b.num_computed_tokens for b in batch] == [42, 49, 35, 42]
+    e.add("chat", 0)
+    out = e.step()
+    victim = batch[1]  # not the newest (batch3): the least to compute again
+    assert out.preempted_req_ids == {victim.request_id}
+    steps = list(e.run(40))
+    resumed = [s for s in steps if "batch1" in s.scheduled_cached_reqs.resumed_req_ids]
+    assert resumed
+    # Its 47 + 3 tokens less the 48 the cache held: two computed again.
+    assert resumed[0].num_scheduled_tokens["batch1"] == 2
+    assert victim.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert list(victim.output_token_ids) == full_output(12) and e.sampled["batch1"] == 12
 
 
 def test_requests_of_one_priority_never_preempt_each_other(

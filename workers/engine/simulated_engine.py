@@ -260,20 +260,23 @@ class SimulatedEngine:
     def running(self) -> int:
         return len(self._running)
 
+    def _recomputed(self, req: _Request) -> int:
+        """The tokens a preempted request computes again when it resumes: vLLM's prefix
+        cache hits whole blocks, short of the last token."""
+        tokens = req.prompt_tokens + req.generated
+        return tokens - (tokens - 1) // self.cost.block_size * self.cost.block_size
+
     def _preempt_for_priority(self) -> None:
         victims = pick_victims(
             self._running.values(),
             self._waiting,
             self.cost.slots - len(self._running),
             self.tiering.max_preemptions,
+            self._recomputed,
         )
         for victim in victims:
             del self._running[victim.request_id]
-            tokens = victim.prompt_tokens + victim.generated
-            # vLLM's prefix cache hits whole blocks, short of the last token.
-            victim.prefill_left = (
-                tokens - (tokens - 1) // self.cost.block_size * self.cost.block_size
-            )
+            victim.prefill_left = self._recomputed(victim)
             victim.num_preemptions += 1
             victim.next_decode_eligible_step = 0
             self._waiting.append(victim)

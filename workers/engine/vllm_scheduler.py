@@ -150,20 +150,36 @@ def _left(r: Any) -> int:
     return max(0, r.num_prompt_tokens - r.num_computed_tokens)
 
 
+def kv_lost_on_preemption(block_size: int, prefix_caching: bool) -> Callable[[Any], int]:
+    """What a preempted vLLM request computes again when it resumes, less its last token:
+    with prefix caching the tokens it computed past its last full block (the cache keeps
+    the full blocks), without it every token it computed."""
+    if not prefix_caching or block_size <= 0:
+        return lambda r: int(r.num_computed_tokens)
+    return lambda r: int(r.num_computed_tokens) % block_size
+
+
 def pick_victims(
-    running: Iterable[Any], waiting: Iterable[Any], free_slots: int, max_preemptions: int
+    running: Iterable[Any],
+    waiting: Iterable[Any],
+    free_slots: int,
+    max_preemptions: int,
+    kv_lost: Callable[[Any], int] | None = None,
 ) -> list[Any]:
     """Running requests to preempt so that better waiting ones get a slot now.
 
     `waiting` in the order it is admitted (best first). Each waiting request beyond the free
     slots takes the slot of a running request of the worst priority value strictly worse
     than its own, preempted fewer than `max_preemptions` times: of those, the one preempted
-    least often, then the latest to arrive (vLLM's own victim under KV pressure). A resumed
-    request is the latest arrival again, and would otherwise be preempted over and over,
-    its KV recomputed each time. Equal priorities never preempt each other."""
+    least often, then the one with the least KV to compute again when it resumes
+    (`kv_lost`: with prefix caching, the tokens past its last full block; the cache keeps
+    the full ones), then the latest to arrive (vLLM's own victim under KV pressure). A
+    resumed request is the latest arrival again, and would otherwise be preempted over and
+    over, its KV recomputed each time. Equal priorities never preempt each other."""
+    lost = kv_lost or (lambda _r: 0)
     candidates = sorted(
         (r for r in running if r.num_preemptions < max_preemptions),
-        key=lambda r: (r.priority, -r.num_preemptions, r.arrival_time),
+        key=lambda r: (r.priority, -r.num_preemptions, -lost(r), r.arrival_time),
     )
     victims: list[Any] = []
     for request in waiting:
@@ -377,6 +393,11 @@ def _tiered(base: type) -> type:
             )
             self.priority_preemptions = 0  # how many this scheduler made (logs, tests)
             self.first_steps = FirstSteps(policy, lambda r: r.arrival_time)
+            cache = getattr(self, "cache_config", None)
+            self.kv_lost = kv_lost_on_preemption(
+                int(getattr(self, "block_size", 0) or getattr(cache, "block_size", 0) or 0),
+                bool(getattr(cache, "enable_prefix_caching", False)),
+            )
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             if not (self._tiering and self.policy == SchedulingPolicy.PRIORITY):
@@ -435,6 +456,7 @@ def _tiered(base: type) -> type:
                 self._admissible(),
                 self._free_slots(),
                 self.tier_policy.max_preemptions,
+                self.kv_lost,
             )
             now = time.monotonic()
             for victim in victims:
