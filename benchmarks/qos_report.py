@@ -68,7 +68,8 @@ def metrics(run: Recorded, shape: Shape, cost: CostModel, speedup: float) -> dic
     span = (win.w1 - win.w0) * speedup  # simulated seconds measured
     ttft = _interactive_ttft(run, win)
     to_engine, in_engine = _interactive_parts(run, win)
-    served, by_tenant = _served_tokens(run, win)
+    served = _served_tokens(run, win)
+    gap, gap_s = tenant_gap(run, win)
     total = sum(served.values()) or 1.0
     batch_waits = [
         (run.trace.called.get(j, win.w1) - wall)
@@ -90,7 +91,8 @@ def metrics(run: Recorded, shape: Shape, cost: CostModel, speedup: float) -> dic
             Tier.STANDARD.value: run.settings.min_share_standard,
             Tier.BATCH.value: run.settings.min_share_batch,
         },
-        "tenant_gap": round(_tenant_gap(run, by_tenant), 2),
+        "tenant_gap": round(gap, 2),
+        "tenant_gap_backlogged_s": win.sim(gap_s),
         "batch_max_wait_s": win.sim(max(batch_waits) if batch_waits else 0.0),
         "idle_with_backlog": _idle_with_backlog(run, win, cost.slots),
         "throughput_tokens_per_s": round(total / span, 2),
@@ -129,26 +131,54 @@ def _interactive_arrivals(run: Recorded, win: Window) -> list[tuple[str, float]]
     ]
 
 
-def _served_tokens(run: Recorded, win: Window) -> tuple[dict[Tier, float], dict[str, float]]:
-    """Tokens served in the window per tier, and per batch tenant."""
+def _served_tokens(run: Recorded, win: Window) -> dict[Tier, float]:
+    """Tokens served in the window per tier."""
     served: dict[Tier, float] = defaultdict(float)
-    by_tenant: dict[str, float] = defaultdict(float)
     for t, rid, n in run.trace.tokens:
         if win.w0 <= t <= win.w1 and rid in run.jobs:
-            arrival = run.jobs[rid][0]
-            served[arrival.tier] += n
-            if arrival.tier == Tier.BATCH:
-                by_tenant[arrival.tenant] += n
-    return served, by_tenant
+            served[run.jobs[rid][0].tier] += n
+    return served
 
 
-def _tenant_gap(run: Recorded, by_tenant: dict[str, float]) -> float:
-    """The widest gap between two batch tenants' tokens, in jobs of the largest size."""
+def tenant_gap(run: Recorded, win: Window) -> tuple[float, float]:
+    """The widest gap between two batch tenants' tokens served while every batch tenant
+    was backlogged (had a job arrived and not yet begun), in jobs of the largest size, and
+    how long from the window's start that lasted (wall seconds).
+
+    Fairness is owed to backlogged tenants: once a tenant has nothing left waiting, the
+    others rightly take its share, and counting their tokens from then on would measure
+    the workload (how many jobs that tenant had), not the policy."""
     largest_job = max(a.prompt_tokens + a.max_tokens for a, _ in run.jobs.values())
-    tenants = sorted(by_tenant)
-    if len(tenants) <= 1:
-        return 0.0
-    return max(abs(by_tenant[x] - by_tenant[y]) for x in tenants for y in tenants) / largest_job
+    jobs: dict[str, list[str]] = defaultdict(list)
+    for j, (a, _) in run.jobs.items():
+        if a.tier == Tier.BATCH:
+            jobs[a.tenant].append(j)
+    if len(jobs) <= 1:
+        return 0.0, win.w1 - win.w0
+    until = min([win.w1, *(_backlog_ends(run, ids, win.w0) for ids in jobs.values())])
+    tenant_of = {j: tenant for tenant, ids in jobs.items() for j in ids}
+    served: dict[str, float] = dict.fromkeys(jobs, 0.0)
+    for t, rid, n in run.trace.tokens:
+        if win.w0 <= t <= until and rid in tenant_of:
+            served[tenant_of[rid]] += n
+    gap = max(served.values()) - min(served.values())
+    return gap / largest_job, max(0.0, until - win.w0)
+
+
+def _backlog_ends(run: Recorded, ids: list[str], start: float) -> float:
+    """The first time from `start` on at which none of these jobs waits (arrived, no first
+    token yet); infinity if some still wait at the end."""
+    events = [(run.jobs[j][1], 1) for j in ids]
+    events += [(run.trace.first_token[j], -1) for j in ids if j in run.trace.first_token]
+    events.sort()  # at one instant a job that begins counts before one that arrives
+    queued = 0
+    for t, change in events:
+        if t > start and queued == 0:
+            return start
+        queued += change
+        if t >= start and queued == 0:
+            return t
+    return start if queued == 0 else float("inf")
 
 
 def _intervals(run: Recorded, win: Window) -> list[tuple[float, float, int, int]]:
