@@ -141,9 +141,11 @@ def _served_tokens(run: Recorded, win: Window) -> dict[Tier, float]:
 
 
 def tenant_gap(run: Recorded, win: Window) -> tuple[float, float]:
-    """The widest gap between two batch tenants' tokens served while every batch tenant
-    was backlogged (had a job arrived and not yet begun), in jobs of the largest size, and
-    how long from the window's start that lasted (wall seconds).
+    """The widest gap between two batch tenants' tokens served, at any moment while every
+    batch tenant was backlogged (had a job arrived and not yet begun), counted from the
+    window's start, in jobs of the largest size; and how long from the window's start that
+    lasted (wall seconds). The widest at any moment, not at the end: serving one tenant
+    alone for a while and then the other would end even and still be a gap.
 
     Fairness is owed to backlogged tenants: once a tenant has nothing left waiting, the
     others rightly take its share, and counting their tokens from then on would measure
@@ -158,11 +160,12 @@ def tenant_gap(run: Recorded, win: Window) -> tuple[float, float]:
     until = min([win.w1, *(_backlog_ends(run, ids, win.w0) for ids in jobs.values())])
     tenant_of = {j: tenant for tenant, ids in jobs.items() for j in ids}
     served: dict[str, float] = dict.fromkeys(jobs, 0.0)
-    for t, rid, n in run.trace.tokens:
+    gap = 0.0
+    for t, rid, n in sorted(run.trace.tokens):
         if win.w0 <= t <= until and rid in tenant_of:
             served[tenant_of[rid]] += n
-    gap = max(served.values()) - min(served.values())
-    return gap / largest_job, max(0.0, until - win.w0)
+            gap = max(gap, max(served.values()) - min(served.values()))
+    return gap / largest_job, until - win.w0
 
 
 def _backlog_ends(run: Recorded, ids: list[str], start: float) -> float:
@@ -170,7 +173,7 @@ def _backlog_ends(run: Recorded, ids: list[str], start: float) -> float:
     token yet); infinity if some still wait at the end."""
     events = [(run.jobs[j][1], 1) for j in ids]
     events += [(run.trace.first_token[j], -1) for j in ids if j in run.trace.first_token]
-    events.sort()  # at one instant a job that begins counts before one that arrives
+    events.sort(key=lambda e: (e[0], -e[1]))  # at one instant an arrival counts first
     queued = 0
     for t, change in events:
         if t > start and queued == 0:

@@ -42,7 +42,16 @@ def test_the_gap_stops_counting_when_a_tenant_has_nothing_left_waiting() -> None
     )
     gap, backlogged_s = tenant_gap(run, Window(1.0, 10.0, 1.0))
     assert backlogged_s == pytest.approx(4.0)  # from the window's start (1) to 5
-    assert gap == pytest.approx(50 / JOB)
+    assert gap == pytest.approx(100 / JOB)  # at 2, small 100 ahead; at 3, big 50 ahead
+
+
+def test_the_gap_is_the_widest_at_any_moment_not_at_the_end() -> None:
+    # "a" served alone first, then "b" alone: even at the end, 300 apart midway.
+    run = recorded(
+        {"a": [1.0, None], "b": [1.0, None]},
+        [(2.0, "a-0", 300), (5.0, "b-0", 150), (7.0, "b-0", 150)],
+    )
+    assert tenant_gap(run, Window(1.0, 10.0, 1.0)) == (pytest.approx(300 / JOB), 9.0)
 
 
 def test_tenants_backlogged_to_the_end_are_compared_over_the_whole_window() -> None:
@@ -52,7 +61,7 @@ def test_tenants_backlogged_to_the_end_are_compared_over_the_whole_window() -> N
     )
     gap, backlogged_s = tenant_gap(run, Window(1.0, 10.0, 1.0))
     assert backlogged_s == pytest.approx(9.0)
-    assert gap == pytest.approx(200 / JOB)
+    assert gap == pytest.approx(300 / JOB)  # widest at 2, before b's 100
 
 
 def test_a_tenant_drained_before_the_window_leaves_nothing_to_compare() -> None:

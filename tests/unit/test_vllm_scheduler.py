@@ -301,13 +301,29 @@ def test_of_equally_bad_requests_the_one_with_least_kv_to_recompute_goes_first()
     # Preempted before, the short tail is spared: fewest preemptions rank first.
     short_tail.num_preemptions = 1
     assert pick_victims([short_tail, long_tail], waiting, 0, 4, lost) == [long_tail]
-    # Without prefix caching every computed token is lost: the fewest go.
+    # Without prefix caching every computed token is lost: the fewest go, though it is
+    # not the latest arrival.
     short_tail.num_preemptions = 0
+    fewest = Req("fewest", 100, 0.5, 50, 63)
     everything = kv_lost_on_preemption(16, prefix_caching=False)
-    assert pick_victims([short_tail, long_tail], waiting, 0, 4, everything) == [long_tail]
+    assert pick_victims([short_tail, fewest], waiting, 0, 4, everything) == [fewest]
     # Equal losses: the latest arrival, as before.
     tied = Req("tied", 100, 5.0, 50, 65)
     assert pick_victims([short_tail, tied], waiting, 0, 4, lost) == [tied]
+
+
+def test_kv_lost_counts_a_step_in_flight_and_a_request_that_skips_the_cache() -> None:
+    lost = kv_lost_on_preemption(16, prefix_caching=True)
+    # 64 computed, four full blocks: nothing past them...
+    assert lost(Req("r", 100, 1.0, 50, 64)) == 0
+    # ...unless the last was computed by the async step still in flight: its block is not
+    # cached yet, so all 16 of it are lost.
+    in_flight = Req("r", 100, 1.0, 50, 64)
+    in_flight.num_output_placeholders = 1  # type: ignore[attr-defined]
+    assert lost(in_flight) == 16
+    skipping = Req("r", 100, 1.0, 50, 64)
+    skipping.skip_reading_prefix_cache = True  # type: ignore[attr-defined]
+    assert lost(skipping) == 64
 
 
 def test_a_request_preempted_max_preemptions_times_keeps_its_slot() -> None:

@@ -260,11 +260,21 @@ class SimulatedEngine:
     def running(self) -> int:
         return len(self._running)
 
+    def _computed(self, req: _Request) -> int:
+        """Tokens whose KV the request holds: all but those left to prefill, or all but
+        the last sampled token while it decodes."""
+        return req.prompt_tokens + req.generated - max(req.prefill_left, 1)
+
+    def _kv_lost(self, req: _Request) -> int:
+        """What preempting the request throws away: its computed tokens past the last full
+        block (vLLM's prefix cache gives the full ones back)."""
+        return self._computed(req) % self.cost.block_size
+
     def _recomputed(self, req: _Request) -> int:
-        """The tokens a preempted request computes again when it resumes: vLLM's prefix
-        cache hits whole blocks, short of the last token."""
-        tokens = req.prompt_tokens + req.generated
-        return tokens - (tokens - 1) // self.cost.block_size * self.cost.block_size
+        """The tokens a preempted request has to compute when it resumes: everything past
+        its last cached full block, a prompt it had not finished prefilling included."""
+        cached = self._computed(req) // self.cost.block_size * self.cost.block_size
+        return req.prompt_tokens + req.generated - cached
 
     def _preempt_for_priority(self) -> None:
         victims = pick_victims(
@@ -272,7 +282,7 @@ class SimulatedEngine:
             self._waiting,
             self.cost.slots - len(self._running),
             self.tiering.max_preemptions,
-            self._recomputed,
+            self._kv_lost,
         )
         for victim in victims:
             del self._running[victim.request_id]

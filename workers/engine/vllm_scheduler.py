@@ -152,11 +152,26 @@ def _left(r: Any) -> int:
 
 def kv_lost_on_preemption(block_size: int, prefix_caching: bool) -> Callable[[Any], int]:
     """What a preempted vLLM request computes again when it resumes, less its last token:
-    with prefix caching the tokens it computed past its last full block (the cache keeps
-    the full blocks), without it every token it computed."""
+    with prefix caching the tokens it computed past its last full block that the cache
+    holds, without it (or for a request that does not read the cache) every token it
+    computed. Under async scheduling the step in flight (`num_output_placeholders`) is
+    counted as computed but its block is not cached yet. An estimate for one full-attention
+    KV group: hybrid and sliding-window models align cache hits otherwise."""
+
+    def everything(r: Any) -> int:
+        return int(r.num_computed_tokens)
+
     if not prefix_caching or block_size <= 0:
-        return lambda r: int(r.num_computed_tokens)
-    return lambda r: int(r.num_computed_tokens) % block_size
+        return everything
+
+    def past_cached_blocks(r: Any) -> int:
+        if getattr(r, "skip_reading_prefix_cache", False):
+            return everything(r)
+        computed = int(r.num_computed_tokens)
+        cached = max(0, computed - int(getattr(r, "num_output_placeholders", 0) or 0))
+        return computed - cached // block_size * block_size
+
+    return past_cached_blocks
 
 
 def pick_victims(
