@@ -6,7 +6,10 @@ polls too, with the admin key; `render` draws one frame of it and is all a test 
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -155,13 +158,38 @@ def top(
                 raise typer.Exit(1) from None
             Console().print(frame)
             return
-        with Live(Text("loading..."), auto_refresh=False, screen=False) as live:
-            try:
-                while True:
+        stop, restore = _stop_on_ctrl_c()
+        try:
+            with Live(Text("loading..."), auto_refresh=False, screen=False) as live:
+                while not stop.is_set():
                     try:
                         live.update(render(fetch(client, base, key)), refresh=True)
                     except (RuntimeError, httpx.HTTPError) as exc:
                         live.update(Text(str(exc), style="bold red"), refresh=True)
-                    time.sleep(interval)
-            except KeyboardInterrupt:
-                return
+                    stop.wait(interval)
+        except KeyboardInterrupt:  # a second Ctrl-C
+            return
+        finally:
+            restore()
+
+
+def _stop_on_ctrl_c() -> tuple[threading.Event, Callable[[], None]]:
+    """An event Ctrl-C sets, instead of raising KeyboardInterrupt wherever the main thread
+    is; and how to put the previous handler back. Raised inside httpx, between the acquire
+    of httpcore's connection-pool lock (a plain threading.Lock) and the block it guards,
+    the interrupt leaves that lock held, and the pool's own clean-up then waits on it for
+    ever: `tierq top` hung after Ctrl-C once in a full test run. A second Ctrl-C raises as
+    usual."""
+    stop = threading.Event()
+
+    def on_ctrl_c(_signum: int, _frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, previous)
+
+    return stop, restore
