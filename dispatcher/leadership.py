@@ -63,22 +63,41 @@ local got = redis.call(unpack(args))
 if not got then return {} end
 return got
 """
-# KEYS: lease. ARGV: value, group, then for each job: inbox, stream, entry id, n, and n
-# field/value strings. Each job: XADD to the inbox, XACK and XDEL its source entry.
+# KEYS: lease, workers hash. ARGV: value, group, then for each job: worker id, inbox,
+# stream, entry id, n, and n field/value strings. Each job whose worker is still there and
+# taking work (its heartbeat present, not draining, its engine alive): XADD to the inbox,
+# XACK and XDEL its source entry. Any other is left pending on its stream, so that a
+# retiring worker's deleted inbox is never made again (a stream nobody reads) from an old
+# snapshot of the heartbeats. Returns 1 or 0 a job: handed off or left.
 _HAND_OFF = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local group = ARGV[2]
 local i = 3
-local moved = 0
+local moved = {}
+local taking = {}
 while i <= #ARGV do
-  local inbox, stream, id, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
-  local fields = {'XADD', inbox, '*'}
-  for j = 1, n do fields[#fields + 1] = ARGV[i + 3 + j] end
-  redis.call(unpack(fields))
-  redis.call('XACK', stream, group, id)
-  redis.call('XDEL', stream, id)
-  moved = moved + 1
-  i = i + 4 + n
+  local worker, inbox, stream, id = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local n = tonumber(ARGV[i + 4])
+  if taking[worker] == nil then
+    local hb = redis.call('HGET', KEYS[2], worker)
+    local ok = false
+    if hb then
+      local decoded = cjson.decode(hb)
+      ok = decoded['draining'] ~= true and decoded['engine_ok'] ~= false
+    end
+    taking[worker] = ok
+  end
+  if taking[worker] then
+    local fields = {'XADD', inbox, '*'}
+    for j = 1, n do fields[#fields + 1] = ARGV[i + 4 + j] end
+    redis.call(unpack(fields))
+    redis.call('XACK', stream, group, id)
+    redis.call('XDEL', stream, id)
+    moved[#moved + 1] = 1
+  else
+    moved[#moved + 1] = 0
+  end
+  i = i + 5 + n
 end
 return moved
 """
@@ -216,16 +235,18 @@ class Leadership:
         return out
 
     async def hand_off(
-        self, group: str, moves: Sequence[tuple[str, str, str, dict[str, str]]]
-    ) -> None:
-        """Each (inbox, stream, entry id, fields): the job into the worker's inbox and its
-        source entry acknowledged and deleted — all of them or, fenced, none."""
+        self, group: str, moves: Sequence[tuple[str, str, str, str, dict[str, str]]]
+    ) -> list[bool]:
+        """Each (worker id, inbox, stream, entry id, fields): the job into the worker's
+        inbox and its source entry acknowledged and deleted — all of them or, fenced, none.
+        A job whose worker has gone or is draining stays pending on its stream (False)."""
         args: list[Any] = [self._fence(), group]
-        for inbox, stream, entry_id, fields in moves:
-            args += [inbox, stream, entry_id, 2 * len(fields)]
+        for worker_id, inbox, stream, entry_id, fields in moves:
+            args += [worker_id, inbox, stream, entry_id, 2 * len(fields)]
             for name, value in fields.items():
                 args += [name, value]
-        self._checked(await self._hand_off(keys=[self.names.dispatch_leader], args=args))
+        keys = [self.names.dispatch_leader, self.names.workers]
+        return [bool(m) for m in self._checked(await self._hand_off(keys=keys, args=args))]
 
     async def requeue(
         self, group: str, inbox: str, entry_id: str, stream: str | None, fields: dict[str, str]

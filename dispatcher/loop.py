@@ -58,7 +58,7 @@ from dispatcher.policy import (
 )
 from tierq import metrics, tracing
 from tierq.aio import being_cancelled
-from tierq.messages import Heartbeat, JobMessage, Served
+from tierq.messages import FAULT_UNIT, Heartbeat, JobMessage, Served, fault_share
 from tierq.queue import claim_all, live_workers, read_group
 from tierq.redis_conn import is_unavailable as redis_unavailable
 from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP, RedisNames
@@ -510,24 +510,40 @@ class Dispatcher:
             handed = [
                 (d, self.buffers[d.job.tier][d.job.tenant_id][d.job.entry_id]) for d in decisions
             ]
-            # One script, fenced by the lease: all of them or, another leading, none.
+            # One script, fenced by the lease: all of them or, another leading, none; a
+            # job whose worker left (or began draining) since `alive` was read stays.
             with tracing.dispatching([(b.msg, d.job.entry_id, d.worker_id) for d, b in handed]):
-                await self.leadership.hand_off(
+                moved = await self.leadership.hand_off(
                     DISPATCH_GROUP,
                     [
-                        (self.names.inbox(d.worker_id), b.stream, d.job.entry_id, b.msg.encode())
+                        (
+                            d.worker_id,
+                            self.names.inbox(d.worker_id),
+                            b.stream,
+                            d.job.entry_id,
+                            b.msg.encode(),
+                        )
                         for d, b in handed
                     ],
                 )
             # Committed: only now do the entries leave the read-ahead (a failed hand-off
-            # leaves them pending, and they are read again after the reconnect).
-            for d, b in handed:
+            # leaves them pending, and they are read again after the reconnect; one left
+            # by the script stays in the read-ahead for the next round).
+            left = [d for (d, _), ok in zip(handed, moved, strict=True) if not ok]
+            if left:
+                log.info("%d jobs not handed off: their worker left or is draining", len(left))
+                for d in left:  # not served after all: the policy's charge goes back
+                    self.policy.charge(d.job.tier, d.job.tenant_id, -d.job.cost, now)
+            for (d, b), ok in zip(handed, moved, strict=True):
+                if not ok:
+                    continue
                 del self.buffers[d.job.tier][d.job.tenant_id][d.job.entry_id]
                 self._buffered[b.stream] -= 1
                 metrics.JOBS_DISPATCHED.labels(d.job.tier.value).inc()
                 self.running[d.job.job_id] = RunningJob(
                     d.job.job_id, d.job.tier, d.worker_id, now, d.job.preemptions, d.job.tenant_id
                 )
+            decisions = [d for d, ok in zip(decisions, moved, strict=True) if ok]
         await self._maybe_preempt(slots, decisions)
         return len(decisions)
 
@@ -558,11 +574,14 @@ class Dispatcher:
         for hb in dead:
             inbox = self.names.inbox(hb.worker_id)
             moved = 0
+            # What each job it ran is charged when claimed again: nothing when the worker
+            # was stopping as planned (a drain cut short), else a share of its crash.
+            charge = 0 if hb.draining and hb.engine_ok else fault_share(len(hb.jobs))
             try:
                 # Entries the worker had read but not finished: claim them (atomically, so
                 # two dispatchers never both move one), then requeue; then the unread ones.
                 for entry_id, fields in await claim_all(self.r, inbox, WORKER_GROUP, self.consumer):
-                    moved += await self._requeue(inbox, entry_id, fields)
+                    moved += await self._requeue(inbox, entry_id, fields, charge)
                 while True:
                     got = await read_group(
                         self.r, WORKER_GROUP, self.consumer, {inbox: ">"}, count=100
@@ -571,7 +590,7 @@ class Dispatcher:
                     if not entries:
                         break
                     for entry_id, fields in entries:
-                        moved += await self._requeue(inbox, entry_id, fields)
+                        moved += await self._requeue(inbox, entry_id, fields, charge)
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -579,7 +598,7 @@ class Dispatcher:
                 # it still has is unclaimed by anyone; move them all.
                 leftover: Any = await self.r.xrange(inbox)
                 for entry_id, fields in leftover:
-                    moved += await self._requeue(inbox, entry_id, dict(fields or {}))
+                    moved += await self._requeue(inbox, entry_id, dict(fields or {}), charge)
             await self.leadership.forget_worker(inbox, hb.worker_id)
             for job_id in [j for j, r in self.running.items() if r.worker_id == hb.worker_id]:
                 del self.running[job_id]
@@ -588,12 +607,16 @@ class Dispatcher:
                 metrics.JOBS_RECLAIMED.inc(moved)
             log.warning("worker %s is dead; %d jobs moved back to their tiers", hb.worker_id, moved)
 
-    async def _requeue(self, inbox: str, entry_id: str, fields: dict[str, str]) -> int:
+    async def _requeue(
+        self, inbox: str, entry_id: str, fields: dict[str, str], charge: int = FAULT_UNIT
+    ) -> int:
         """Fenced: a leader that lost its lease mid-reclaim moves nothing (the new leader
-        claims the same entries and moves each once)."""
+        claims the same entries and moves each once). `charge`: what the job's delivery
+        there is charged should it be found unsettled (it ran there)."""
         stream = None
         if fields:
             msg = JobMessage.decode(fields)
             stream = self.names.tier_stream(msg.tier, msg.tenant_id)
+            fields = dataclasses.replace(msg, unsettled_charge=charge).encode()
         await self.leadership.requeue(WORKER_GROUP, inbox, entry_id, stream, fields)
         return 1 if fields else 0

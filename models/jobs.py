@@ -26,6 +26,7 @@ from models.records import JobHead, JobRecord, Progress, as_utc
 from models.tables import Job, JobTransition, UsageRecord, utcnow
 from tierq import metrics
 from tierq.ids import new_id
+from tierq.messages import FAULT_UNIT
 from tierq.states import TERMINAL, JobStatus, sources_for
 from tierq.tiers import Tier
 
@@ -256,25 +257,40 @@ def transition(
 
 
 async def start_job(
-    s: AsyncSession, job_id: str, worker_id: str, max_deliveries: int
+    s: AsyncSession,
+    job_id: str,
+    worker_id: str,
+    max_deliveries: int,
+    unsettled_charge: int = FAULT_UNIT,
 ) -> JobRecord | None:
     """`claim_job` in the session's transaction."""
-    return await s.run_sync(claim_job, job_id, worker_id, max_deliveries)
+    return await s.run_sync(claim_job, job_id, worker_id, max_deliveries, unsettled_charge)
 
 
-def claim_job(s: Session, job_id: str, worker_id: str, max_deliveries: int) -> JobRecord | None:
+def claim_job(
+    s: Session,
+    job_id: str,
+    worker_id: str,
+    max_deliveries: int,
+    unsettled_charge: int = FAULT_UNIT,
+) -> JobRecord | None:
     """Claim a job for a worker: queued -> running, or running -> running on redelivery.
 
-    Returns the job to run, or None when it must not run (finished, cancelled, unknown,
-    or dead-lettered here because it was delivered more than `max_deliveries` times, not
-    counting the deliveries that ended in a preemption). Synchronous, so that on SQLite
-    the whole claim is one hop to the writer's thread (`Database.write`).
+    A job found running was not settled by its last delivery's worker (it vanished): that
+    delivery is charged `unsettled_charge` (whoever put the entry back knows how many jobs
+    shared the fault, and that a planned stop is none of the job's). Returns the job to
+    run, or None when it must not run (finished, cancelled, unknown, or dead-lettered here
+    because it was charged MAX_DELIVERIES failed deliveries: `fault_charge`). Synchronous,
+    so that on SQLite the whole claim is one hop to the writer's thread (`Database.write`).
     """
     found = s.execute(select(Job).where(Job.id == job_id)).scalar_one_or_none()
     current = None if found is None else JobRecord.from_row(found)
     if current is None or current.status not in (JobStatus.QUEUED, JobStatus.RUNNING):
         return None
-    if current.deliveries - current.preemptions >= max_deliveries:
+    charge = current.fault_charge
+    if current.status == JobStatus.RUNNING:
+        charge += max(0, unsettled_charge)
+    if charge >= max_deliveries * FAULT_UNIT:
         dead = transition(
             s,
             job_id,
@@ -282,13 +298,21 @@ def claim_job(s: Session, job_id: str, worker_id: str, max_deliveries: int) -> J
             sources=(current.status,),
             detail="dead-lettered",
             finished_at=utcnow(),
+            fault_charge=charge,
             error_code="max_deliveries_exceeded",
-            error_message=f"the job was delivered {current.deliveries} times without finishing",
+            error_message=(
+                f"the job's runs failed {max_deliveries} times (engine errors, or engines and "
+                "workers that died while running it)"
+            ),
         )
         if dead is not None:  # counted as its transaction commits, but for a rare rollback
             metrics.DEAD_LETTERS.labels(current.tier.value).inc()
         return None
-    values: dict[str, Any] = {"deliveries": current.deliveries + 1, "worker_id": worker_id}
+    values: dict[str, Any] = {
+        "deliveries": current.deliveries + 1,
+        "worker_id": worker_id,
+        "fault_charge": charge,
+    }
     if current.started_at is None:
         values["started_at"] = utcnow()
     stmt = (
@@ -499,12 +523,17 @@ def requeue_job(
     *,
     preempted: bool = False,
     progress: Progress | None = None,
+    charge: int = 0,
 ) -> JobRecord | None:
-    """running -> queued: a worker hands the job back (drain, preemption) or it was found
-    orphaned. A preemption is counted, so that delivery is not held against the job.
+    """running -> queued: a worker hands the job back (drain, preemption, an engine error,
+    a dead engine) or it was found orphaned. `charge` is what this delivery is held
+    against the job, in thousandths of a failed one: nothing for a drain or a preemption
+    (it is counted); a share for a dead engine; one for an engine error or an orphan.
     `progress`, what the runs so far generated, replaces the kept one (the next delivery
     resumes after it); without it the kept one stays."""
     values: dict[str, Any] = {"preemptions": Job.preemptions + 1} if preempted else {}
+    if charge > 0:
+        values["fault_charge"] = Job.fault_charge + charge
     if progress is not None:
         values["progress"] = progress.to_json()
     return transition(

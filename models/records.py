@@ -123,6 +123,7 @@ class JobRecord:
     input_price: Decimal | None = None
     output_price: Decimal | None = None
     preemptions: int = 0  # deliveries that ended in a preemption (not failures)
+    fault_charge: int = 0  # failed deliveries held against it, in thousandths of one
     progress: Progress | None = None  # what earlier runs generated, to resume after
 
     @classmethod
@@ -156,6 +157,7 @@ class JobRecord:
             input_price=row.input_price,
             output_price=row.output_price,
             preemptions=row.preemptions or 0,
+            fault_charge=row.fault_charge or 0,
             progress=Progress.from_json(row.progress),
         )
 

@@ -116,6 +116,9 @@ class Job(Base):
     # Deliveries that ended in a preemption (room made for interactive work): they do not
     # count towards MAX_DELIVERIES, whichever process enqueues the job next.
     preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # The failed deliveries held against the job, in thousandths of one (models/jobs.py
+    # `charge_for`): it is dead-lettered at MAX_DELIVERIES x 1000.
+    fault_charge: Mapped[int] = mapped_column(Integer, server_default="0")
     # What the runs so far generated, kept when one stopped unfinished (preempted, handed
     # back): the next delivery resumes after it. Cleared when the job ends.
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)

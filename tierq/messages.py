@@ -9,6 +9,19 @@ from typing import Any
 
 from tierq.tiers import Tier
 
+# One failed delivery, in the thousandths `jobs.fault_charge` counts: a job is dead-lettered
+# once it was charged MAX_DELIVERIES of them.
+FAULT_UNIT = 1000
+
+
+def fault_share(jobs: int) -> int:
+    """Each job's charge for one fault that `jobs` jobs ran into together (a dead engine, a
+    vanished worker): any of them may have caused it, so each carries its share, rounded up.
+    A job that crashes every engine it runs in is charged in each of those crashes, and runs
+    alone (a whole delivery a crash) once the jobs beside it have finished; a job that only
+    ran beside it is charged for the crashes they shared, a fraction each."""
+    return -(-FAULT_UNIT // max(1, jobs))
+
 
 @dataclass(frozen=True)
 class JobMessage:
@@ -29,6 +42,10 @@ class JobMessage:
     # the worker's spans join the trace the API started. None: untraced (written only
     # when tracing is on; entries of older versions have no such field).
     trace: str | None = None
+    # What the job's previous delivery is charged should the claim find it unfinished
+    # (running: its worker vanished without settling it), in thousandths of a failed
+    # delivery: whoever puts such an entry back knows how many jobs shared the fault.
+    unsettled_charge: int = FAULT_UNIT
 
     def encode(self) -> dict[str, str]:
         # Field by field: dataclasses.asdict deep-copies, and every admission encodes one.
@@ -44,6 +61,8 @@ class JobMessage:
         }
         if self.trace is not None:  # an untraced entry stays as it was
             body["trace"] = self.trace
+        if self.unsettled_charge != FAULT_UNIT:
+            body["unsettled_charge"] = self.unsettled_charge
         return {"job": json.dumps(body, separators=(",", ":"))}
 
     @classmethod

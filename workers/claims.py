@@ -26,6 +26,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord
+from tierq.messages import FAULT_UNIT
+
+Pending = tuple[str, int, "asyncio.Future[JobRecord | None]"]  # job id, unsettled charge
 
 
 class Claims:
@@ -33,49 +36,52 @@ class Claims:
         self.db = db
         self.worker_id = worker_id
         self.max_deliveries = max_deliveries
-        self._pending: list[tuple[str, asyncio.Future[JobRecord | None]]] = []
+        self._pending: list[Pending] = []
         self._draining: asyncio.Task[None] | None = None
 
-    async def claim(self, job_id: str) -> JobRecord | None:
-        """The job to run, or None when it must not run (see `job_repo.claim_job`)."""
+    async def claim(self, job_id: str, unsettled_charge: int = FAULT_UNIT) -> JobRecord | None:
+        """The job to run, or None when it must not run (see `job_repo.claim_job`, which
+        charges an unsettled earlier delivery `unsettled_charge`)."""
         if self.db.local is not None:
             return await self.db.write(
-                job_repo.claim_job, job_id, self.worker_id, self.max_deliveries
+                job_repo.claim_job, job_id, self.worker_id, self.max_deliveries, unsettled_charge
             )
         future: asyncio.Future[JobRecord | None] = asyncio.get_running_loop().create_future()
-        self._pending.append((job_id, future))
+        self._pending.append((job_id, unsettled_charge, future))
         if self._draining is None or self._draining.done():
             self._draining = asyncio.create_task(self._drain(), name="claims")
         return await future
 
     async def _drain(self) -> None:
-        batch: list[tuple[str, asyncio.Future[JobRecord | None]]] = []
+        batch: list[Pending] = []
         try:
             while self._pending:
                 batch, self._pending = self._pending, []
-                batch = [(job_id, f) for job_id, f in batch if not f.done()]  # callers gone
+                batch = [p for p in batch if not p[2].done()]  # callers gone
                 if len(batch) == 1:
                     await self._one(*batch[0])
                     continue
                 try:
                     async with self.db.transaction() as s:
-                        claimed = [await self._start(s, job_id) for job_id, _ in batch]
+                        claimed = [await self._start(s, job_id, c) for job_id, c, _ in batch]
                 except Exception:
-                    for job_id, future in batch:  # alone, each succeeds or fails on its own
-                        await self._one(job_id, future)
+                    for pending in batch:  # alone, each succeeds or fails on its own
+                        await self._one(*pending)
                     continue
-                for (_, future), job in zip(batch, claimed, strict=True):
+                for (_, _, future), job in zip(batch, claimed, strict=True):
                     if not future.done():
                         future.set_result(job)
         finally:  # cancelled (the loop is closing): nobody may wait for ever
-            for _, future in [*batch, *self._pending]:
+            for _, _, future in [*batch, *self._pending]:
                 if not future.done():
                     future.cancel()
 
-    async def _one(self, job_id: str, future: asyncio.Future[JobRecord | None]) -> None:
+    async def _one(
+        self, job_id: str, unsettled_charge: int, future: asyncio.Future[JobRecord | None]
+    ) -> None:
         try:
             async with self.db.transaction() as s:
-                job = await self._start(s, job_id)
+                job = await self._start(s, job_id, unsettled_charge)
         except Exception as exc:
             if not future.done():
                 future.set_exception(exc)
@@ -83,5 +89,7 @@ class Claims:
         if not future.done():
             future.set_result(job)
 
-    async def _start(self, s: AsyncSession, job_id: str) -> JobRecord | None:
-        return await job_repo.start_job(s, job_id, self.worker_id, self.max_deliveries)
+    async def _start(self, s: AsyncSession, job_id: str, unsettled_charge: int) -> JobRecord | None:
+        return await job_repo.start_job(
+            s, job_id, self.worker_id, self.max_deliveries, unsettled_charge
+        )

@@ -15,6 +15,7 @@ run it after all, the job's delivery fence stops that run. One reconciler runs a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -25,6 +26,7 @@ from models import jobs as job_repo
 from models.db import Database
 from services import tenant_policy
 from tierq import metrics, tracing
+from tierq.messages import FAULT_UNIT
 from tierq.queue import enqueue, held_by_redis, live_workers
 from tierq.redis_conn import redis_now
 from tierq.redis_names import RedisNames
@@ -90,8 +92,14 @@ async def _reconcile(
         ):
             continue
         if job.status == JobStatus.RUNNING:
+            # Held by no live worker and by nothing in Redis: its worker died with Redis'
+            # copy, or gave the run up (the database refused its result). Either may be the
+            # job's doing, and nothing tells how many jobs shared it: one failed delivery.
             back = await db.write(
-                job_repo.requeue_job, job.id, "reconciler: lost by Redis", job.deliveries
+                functools.partial(job_repo.requeue_job, charge=FAULT_UNIT),
+                job.id,
+                "reconciler: lost by Redis",
+                job.deliveries,
             )
             if back is None:
                 continue  # it finished, or was delivered again, meanwhile

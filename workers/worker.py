@@ -48,7 +48,7 @@ from models.records import JobRecord, Progress
 from services import batch_signal
 from tierq import metrics, tracing
 from tierq.aio import being_cancelled, cancel_and_wait, raise_if_cancelled
-from tierq.messages import Heartbeat, JobEvent, JobMessage, Served
+from tierq.messages import FAULT_UNIT, Heartbeat, JobEvent, JobMessage, Served, fault_share
 from tierq.queue import (
     EventLog,
     delta_chars,
@@ -67,6 +67,7 @@ from tierq.tiers import vllm_priority
 from workers import observe
 from workers.claims import Claims
 from workers.engine.base import Engine, EngineDead, EngineRequestError, EngineWrapper
+from workers.first_steps import FirstSteps
 from workers.streaming import EventPublisher
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,9 @@ class Outcome:
     token_ids: list[int] = dataclasses.field(default_factory=list)  # the same tokens' ids
     resumed: int = 0  # of those, the tokens earlier runs generated (this one resumed after)
     first_token_at: float | None = None  # when this run streamed its first text
+    # What this delivery is held against the job when it goes back, in thousandths of a
+    # failed delivery (models/jobs.py `requeue_job`): a drain or a preemption costs nothing.
+    charge: int = 0
 
     @property
     def served(self) -> int:
@@ -198,6 +202,9 @@ class Worker:
         self._handed_back: set[str] = set()
         self._preempted: set[str] = set()
         self._superseded: set[str] = set()
+        # The jobs that may have killed the engine when it died, each with its share.
+        self._crashed: dict[str, int] = {}
+        self.first_steps = FirstSteps(SUSPECT_WAIT_S)
         self._settling: set[str] = set()  # entry ids whose run is being settled
         self._background: set[asyncio.Task[None]] = set()  # batch advance requests
         self._slot_freed = asyncio.Event()
@@ -261,8 +268,13 @@ class Worker:
 
     async def _register(self) -> None:
         await self._ensure_group()
+        # This worker id's last life, if it ended without retiring: a drain cut short
+        # (planned: its jobs are not at fault) or a crash (each shares the fault).
+        last: Any = await self.r.hget(self.names.workers, self.worker_id)
+        planned = last is not None and _planned_stop(Heartbeat.decode(last))
         await self._heartbeat()
-        await self._read_inbox("0")  # entries this worker id held when it last died
+        # Entries this worker id held when it last died.
+        await self._read_inbox("0", unsettled=0 if planned else None)
 
     async def _drain(self) -> None:
         await self._retrying("heartbeat", lambda: self._heartbeat(draining=True))
@@ -378,8 +390,20 @@ class Worker:
                 await self.engine.check_health()
             except EngineDead as exc:
                 log.error("engine health check failed: %s", exc)
-                self._engine_dead.set()
+                self._engine_died()
                 return
+
+    def _engine_died(self) -> None:
+        """The engine is dead: every job it ran shares the fault (any may have caused it)."""
+        if not self._engine_dead.is_set():
+            suspects = self.first_steps.suspects(self._tasks)
+            self._crashed = dict.fromkeys(suspects, fault_share(len(suspects)))
+            log.error(
+                "the engine died running %d jobs; suspected: %s",
+                len(self._tasks),
+                ", ".join(sorted(suspects)) or "none",
+            )
+        self._engine_dead.set()
 
     async def _control_listener(self) -> None:
         """Cancellations (from the API) and preemptions (from the dispatcher); resubscribes
@@ -465,8 +489,15 @@ class Worker:
                 delay = min(delay * 2, self.settings.outage_retry_max_s)
 
     async def _read_inbox(
-        self, start: str, count: int | None = None, block_ms: int | None = None
+        self,
+        start: str,
+        count: int | None = None,
+        block_ms: int | None = None,
+        unsettled: int | None = FAULT_UNIT,
     ) -> None:
+        """Take on what the inbox holds from `start`. `unsettled` is the charge of a job
+        that an earlier run of this worker id left unsettled (None: the read's jobs share
+        one fault, their worker's crash)."""
         got = await read_group(
             self.r,
             WORKER_GROUP,
@@ -478,7 +509,10 @@ class Worker:
         # Every entry read is taken on before anything else is awaited: an error below
         # must not leave one pending with nobody running it.
         done_with: list[tuple[str, JobMessage | None, str]] = []
-        for entry_id, fields in got[0][1] if got else []:
+        entries = got[0][1] if got else []
+        if unsettled is None:
+            unsettled = fault_share(sum(1 for _, fields in entries if fields))
+        for entry_id, fields in entries:
             if entry_id in self._settling:
                 continue  # its run is ending; the settle lets the entry go
             try:
@@ -498,6 +532,8 @@ class Worker:
                     done_with.append((held, msg, "duplicate"))
                 continue
             self._entries[msg.job_id] = entry_id
+            if start != ">":
+                msg = dataclasses.replace(msg, unsettled_charge=unsettled)
             self._tasks[msg.job_id] = asyncio.create_task(
                 tracing.run_job(self._run(msg), msg, self.worker_id), name=msg.job_id
             )
@@ -571,6 +607,7 @@ class Worker:
                 self._entries.pop(msg.job_id, None)
                 self._jobs.pop(msg.job_id, None)
                 self.publisher.forget(msg.job_id)
+                self._crashed.pop(msg.job_id, None)
                 for marks in (
                     self._cancelled,
                     self._handed_back,
@@ -583,7 +620,7 @@ class Worker:
 
     async def _start(self, msg: JobMessage) -> tuple[JobRecord | None, str]:
         """Claim the job in the database; (job, "") to run it, else (None, outcome)."""
-        job = await self.claims.claim(msg.job_id)
+        job = await self.claims.claim(msg.job_id, msg.unsettled_charge)
         if job is not None:
             return job, ""
         async with self.db.session() as s:
@@ -671,6 +708,7 @@ class Worker:
             return out  # it had generated everything: nothing is left to run
         first = True
         try:
+            await self.first_steps.begin(job.id, suspect=job.fault_charge > 0)
             async for chunk in tracing.engine_stream(
                 self.engine.generate(
                     job.id,
@@ -684,6 +722,7 @@ class Worker:
                 delivery=job.deliveries,
                 resumed_tokens=out.resumed,
             ):
+                self.first_steps.passed(job.id)
                 out.prompt_tokens = chunk.prompt_tokens
                 out.completion_tokens += chunk.new_tokens
                 if keep:
@@ -714,7 +753,7 @@ class Worker:
         except EngineRequestError as exc:
             return dataclasses.replace(out, kind="failed", code=exc.code, message=str(exc))
         except EngineDead:
-            self._engine_dead.set()
+            self._engine_died()
             self._handed_back.add(job.id)
         except Exception as exc:
             # Unknown, perhaps transient: another delivery, resuming after what this one
@@ -724,6 +763,8 @@ class Worker:
             return dataclasses.replace(
                 out, kind="retry", code="engine_error", message=f"{type(exc).__name__}: {exc}"
             )
+        finally:
+            self.first_steps.passed(job.id)
         out.text = "".join(text_parts)
         log.info(
             "job %s: the engine generated %d tokens in this run",
@@ -765,12 +806,17 @@ class Worker:
             # (the next delivery finds what followers have, and resumes after it).
             await self.publisher.flush(msg.job_id)
         if kind == "retry":
-            failed_deliveries = job.deliveries - job.preemptions if job is not None else 0
-            if job is not None and failed_deliveries < self.settings.max_deliveries:
+            # An error of the engine on this job's request: one whole failed delivery.
+            out = dataclasses.replace(out, charge=FAULT_UNIT)
+            limit = self.settings.max_deliveries * FAULT_UNIT
+            if job is not None and job.fault_charge + out.charge < limit:
                 kind = "handed_back"
                 log.warning("job %s goes back for another delivery: %s", msg.job_id, out.message)
             else:
                 kind = "failed"
+        elif kind == "handed_back":
+            # A dead engine shares its fault among the jobs it ran; a drain costs nothing.
+            out = dataclasses.replace(out, charge=self._crashed.get(msg.job_id, 0))
         settled = {
             "succeeded": self._ended,
             "failed": self._ended,
@@ -839,7 +885,13 @@ class Worker:
 
         def requeue(s: Session) -> JobRecord | None:
             return job_repo.requeue_job(
-                s, msg.job_id, why, delivery=delivery, preempted=preempted, progress=progress
+                s,
+                msg.job_id,
+                why,
+                delivery=delivery,
+                preempted=preempted,
+                progress=progress,
+                charge=out.charge,
             )
 
         async def hand_back() -> bool:
@@ -853,7 +905,9 @@ class Worker:
             metrics.PREEMPTED_TOKENS_WASTED.inc(out.completion_tokens - out.resumed)
         if preempted:
             metrics.PREEMPTIONS.labels(msg.tier.value).inc()
-        again = dataclasses.replace(msg, preemptions=msg.preemptions + preempted)
+        again = dataclasses.replace(
+            msg, preemptions=msg.preemptions + preempted, unsettled_charge=FAULT_UNIT
+        )
         await self._retrying(
             "enqueue",
             lambda: enqueue(self.r, self.names, again, head_of_tier=preempted, arrival=False),
@@ -893,11 +947,19 @@ class Worker:
         metrics.count_tokens_served(job.tenant_id, tier, out.prompt_tokens, out.completion_tokens)
 
 
+def _planned_stop(hb: Heartbeat) -> bool:
+    """Whether a worker's last heartbeat says it was stopping as planned (draining, its
+    engine alive): jobs it left unsettled were cut short by the stop, not by a fault."""
+    return hb.draining and hb.engine_ok
+
+
 def _final_event(job: JobRecord) -> JobEvent:
     return JobEvent("error" if job.status == JobStatus.FAILED else "done", job.to_api())
 
 
 CANCELLED_WAIT_S = 5.0  # how long a stopping worker waits for its cancelled side tasks
+# How long a job charged for a crash waits for the other runs' first steps before it starts.
+SUSPECT_WAIT_S = 10.0
 
 
 async def run_worker(

@@ -79,6 +79,8 @@ def _backfill(url: str) -> None:
     from datetime import UTC, datetime
     from decimal import Decimal
 
+    from sqlalchemy import insert
+
     from models import spend
     from models.db import Database
     from models.tables import Job, Tenant, UsageRecord
@@ -95,8 +97,10 @@ def _backfill(url: str) -> None:
                 for i, at in enumerate(days * 2):
                     job_id = f"job_{i}"
                     tier = "standard" if i < 2 else "batch"
-                    s.add(
-                        Job(
+                    # A Core insert of the columns given: the ORM would also read back
+                    # columns that later revisions add.
+                    await s.execute(
+                        insert(Job).values(
                             id=job_id,
                             tenant_id="ten_1",
                             tier=tier,
@@ -106,7 +110,6 @@ def _backfill(url: str) -> None:
                             created_at=at,
                         )
                     )
-                    await s.flush()
                     s.add(
                         UsageRecord(
                             job_id=job_id,

@@ -35,6 +35,7 @@ def test_a_job_message_encodes_every_field() -> None:
         batch_id="batch_1",
         prefix="abc",
         trace="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        unsettled_charge=250,
     )
     defaults = JobMessage(full.job_id, full.tenant_id, full.tier)
     # Every field of `full` differs from its default, so each one has to travel.
