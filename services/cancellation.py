@@ -59,7 +59,7 @@ async def cancel_job(
     job_id: str,
 ) -> JobRecord:
     """A tenant cancelling one of its jobs: 404 when it has no such job, 409 when the job
-    already finished; cancelling twice is harmless."""
+    already finished; cancelling twice is harmless (the second tells the workers again)."""
     async with db.transaction() as s:
         job = await job_repo.get_job(s, job_id, tenant_id)
         if job is None:
@@ -68,13 +68,19 @@ async def cancel_job(
         if cancelled is None:
             current = await job_repo.get_job(s, job_id, tenant_id)
             assert current is not None
-            if current.status == JobStatus.CANCELLED:
-                return current
-            raise Refused(
-                409,
-                f"The job is already {current.status.value} and cannot be cancelled.",
-                "job_not_cancellable",
-            )
+            if current.status != JobStatus.CANCELLED:
+                raise Refused(
+                    409,
+                    f"The job is already {current.status.value} and cannot be cancelled.",
+                    "job_not_cancellable",
+                )
+    if cancelled is None:
+        # Cancelled before: its notice may have been lost (the first call's reply with it),
+        # so a worker still running it is told again. Workers also see the cancel in the
+        # database within CANCEL_CHECK_INTERVAL_S, whatever Redis drops.
+        await r.publish(names.cancel_channel, job_id)
+        assert current is not None
+        return current
     await announce(r, names, events, [cancelled])
     return cancelled
 

@@ -136,6 +136,12 @@ END_TO_END = Histogram(
     ["tier"],
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 21600, 86400),
 )
+CANCELS_SEEN = Counter(
+    "tierq_worker_cancels_total",
+    "Runs a worker stopped because their job was cancelled, by how it learnt of it: the "
+    "notice on Redis, or the database (CANCEL_CHECK_INTERVAL_S) when the notice was lost",
+    ["seen_by"],
+)
 PREEMPTIONS = Counter(
     "tierq_preemptions_total",
     "Runs the dispatcher preempted for interactive work (aborted, back at the head of their "

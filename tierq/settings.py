@@ -173,6 +173,10 @@ class Settings(BaseSettings):
     # How often a worker asks its engine whether it is alive; a dead engine makes the
     # worker hand its jobs back and exit non-zero (its supervisor restarts it).
     engine_health_interval_s: float = 1.0
+    # How often a worker reads the status of the jobs it runs from the database: a cancel
+    # (a tenant's, a suspension's, a batch's) whose notice on Redis was lost stops its run
+    # within about this long, whatever Redis dropped.
+    cancel_check_interval_s: float = Field(default=1.0, gt=0)
     # A worker or dispatcher that cannot reach Redis or the database retries with backoff
     # (up to this long between tries) rather than exit, keeping its generations running.
     outage_retry_max_s: float = 2.0

@@ -235,6 +235,7 @@ class Worker:
             asyncio.create_task(self._control_listener(), name="control-listener"),
             asyncio.create_task(self.publisher.run(), name="event-publisher"),
             asyncio.create_task(self._health_loop(), name="engine-health"),
+            asyncio.create_task(self._cancel_watch(), name="cancel-watch"),
         ]
         stop = asyncio.create_task(self._stop_reading.wait(), name="stop")
         dead = asyncio.create_task(self._engine_dead.wait(), name="engine-dead")
@@ -433,12 +434,12 @@ class Worker:
                     if msg["channel"] == preempt:  # addressed to this worker, yet not here
                         log.info("not preempting job %s: it does not run here", job_id)
                     continue
-                if msg["channel"] == preempt:
-                    log.info("preempting job %s", job_id)
-                    self._preempted.add(job_id)
-                else:
+                if msg["channel"] != preempt:
                     log.info("aborting cancelled job %s", job_id)
-                    self._cancelled.add(job_id)
+                    await self._abort_cancelled(job_id, "notice")
+                    continue
+                log.info("preempting job %s", job_id)
+                self._preempted.add(job_id)
                 try:
                     await self.engine.abort(job_id)
                 except Exception:  # a dead engine refuses even this; the health loop acts
@@ -446,6 +447,41 @@ class Worker:
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()
+
+    async def _cancel_watch(self) -> None:
+        """The durable half of cancellation: the notice on the cancel channel is sent once
+        and lost with a dropped subscription or a Redis blip, so every
+        CANCEL_CHECK_INTERVAL_S the statuses of the jobs running here are read from the
+        database (one statement), and a run whose job was cancelled is stopped, as the
+        notice would have."""
+        while True:
+            await asyncio.sleep(self.settings.cancel_check_interval_s)
+            claimed = [j for j in self._jobs if j in self._tasks and j not in self._cancelled]
+            if not claimed:
+                continue
+            try:
+                async with self.db.session() as s:
+                    now = await job_repo.statuses(s, claimed)
+            except Exception as exc:
+                if not unavailable(exc) or being_cancelled():
+                    raise
+                log.warning("cancel watch: the database is unreachable (%s)", exc)
+                continue
+            for job_id, status in now.items():
+                if status == JobStatus.CANCELLED and job_id in self._tasks:
+                    log.info("aborting job %s: it was cancelled (seen in the database)", job_id)
+                    await self._abort_cancelled(job_id, "database")
+
+    async def _abort_cancelled(self, job_id: str, seen_by: str) -> None:
+        """Stop the run of a job its tenant (or an operator) cancelled, once."""
+        if job_id in self._cancelled:
+            return
+        self._cancelled.add(job_id)
+        metrics.CANCELS_SEEN.labels(seen_by).inc()
+        try:
+            await self.engine.abort(job_id)
+        except Exception:  # a dead engine refuses even this; the health loop acts
+            log.warning("aborting job %s failed", job_id, exc_info=True)
 
     def _superseded_elsewhere(self, job_id: str) -> None:
         """A later delivery of the job runs elsewhere: stop this one (its events are refused)."""
