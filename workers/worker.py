@@ -48,6 +48,7 @@ from models.records import JobRecord, Progress
 from services import batch_signal
 from tierq import metrics, tracing
 from tierq.aio import being_cancelled, cancel_and_wait, raise_if_cancelled
+from tierq.ids import new_id
 from tierq.messages import FAULT_UNIT, Heartbeat, JobEvent, JobMessage, Served, fault_share
 from tierq.queue import (
     EventLog,
@@ -617,8 +618,7 @@ class Worker:
             try:
                 outcome = await self._execute(msg)
             except Exception as exc:  # an unknown engine error, or a bug: another delivery
-                log.exception("job %s failed in the worker", msg.job_id)
-                outcome = Outcome("retry", "engine_error", f"{type(exc).__name__}: {exc}")
+                outcome = Outcome("retry", "engine_error", internal_error(msg.job_id, exc))
             # From here on the entry is this run's alone: an entry for the job read from now
             # on (the job handed back and dispatched here again) starts a run of its own.
             job = self._jobs.get(msg.job_id)
@@ -794,10 +794,9 @@ class Worker:
         except Exception as exc:
             # Unknown, perhaps transient: another delivery, resuming after what this one
             # generated (kept with the job when it goes back).
-            log.exception("job %s failed in the engine", job.id)
             out.text = "".join(text_parts)
             return dataclasses.replace(
-                out, kind="retry", code="engine_error", message=f"{type(exc).__name__}: {exc}"
+                out, kind="retry", code="engine_error", message=internal_error(job.id, exc)
             )
         finally:
             self.first_steps.passed(job.id)
@@ -981,6 +980,25 @@ class Worker:
         tier = job.tier.value
         metrics.JOBS_FINISHED.labels(tier, "succeeded").inc()
         metrics.count_tokens_served(job.tenant_id, tier, out.prompt_tokens, out.completion_tokens)
+
+
+def internal_error(job_id: str, exc: BaseException) -> str:
+    """What the tenant is told of an error inside the platform (an unknown engine error, a
+    bug, SQL refused): a stable text and a reference. The detail (exception, message,
+    traceback: SQL and its parameters, engine internals) goes to the operator's log and
+    the job's trace under that reference, never to the job's row, the API or a batch's
+    error file."""
+    ref = new_id("err")
+    log.error(
+        "job %s: internal error %s: %s: %s",
+        job_id,
+        ref,
+        type(exc).__name__,
+        exc,
+        exc_info=exc,
+        extra={"error_ref": ref},
+    )
+    return f"The platform failed while running the job (reference {ref})."
 
 
 def _planned_stop(hb: Heartbeat) -> bool:

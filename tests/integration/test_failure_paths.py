@@ -29,7 +29,7 @@ from tests.helpers import client, jobs_of, read_sse, wait_for
 from tierq.queue import enqueue
 from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP
 from workers import worker as worker_mod
-from workers.engine.base import Engine
+from workers.engine.base import Engine, EngineWrapper
 from workers.engine.faulty_engine import FaultyEngine
 from workers.engine.simulated_engine import CostModel
 from workers.reconcile import reconcile
@@ -607,3 +607,49 @@ async def test_redis_frozen_for_seconds_costs_no_running_generation(
         await assert_nothing_left(p, ids)
     finally:
         await p.stop()
+
+
+class LeakyEngine(EngineWrapper):
+    """Raises an unknown error whose text is what must never reach a tenant: SQL with its
+    parameters, as a driver error reads."""
+
+    SECRET = "SELECT key_hash FROM api_keys WHERE tenant_id = 'ten_other'"
+
+    def observe(self, request_id: str, resume: Any, run: Any) -> Any:
+        return self._fail()
+
+    async def _fail(self) -> Any:
+        raise RuntimeError(f"(psycopg.errors.InternalError) {self.SECRET}")
+        yield  # an async generator
+
+
+async def test_an_internal_error_reaches_the_tenant_as_a_code_and_a_reference(
+    platform: Platform, tenant_key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tenant sees `engine_error` and a stable message with a reference, on the job
+    API and the OpenAI surface; the operator's log has the detail under that reference."""
+    platform.settings.max_deliveries = 1
+    platform.start_dispatcher()
+    await platform.start_worker("w1", wrap=leaky)
+    caplog.set_level("ERROR", logger="workers.worker")
+    async with client(platform.url, tenant_key) as c:
+        (job_id,) = await submit(c, 1)
+        final = await wait_for(c, job_id, timeout=30)
+        chat = await c.post(
+            "/v1/chat/completions",
+            json={"model": platform.settings.served_model_name, **CHAT},
+        )
+    assert final["status"] == "failed" and final["error"]["code"] == "engine_error"
+    message = final["error"]["message"]
+    shown = message + chat.text
+    for leak in ("SELECT", "api_keys", "RuntimeError", "psycopg", "ten_other"):
+        assert leak not in shown, shown
+    assert chat.status_code >= 500 and chat.json()["error"]["code"] == "engine_error"
+    ref = message.split("reference ")[1].rstrip(").")
+    assert ref.startswith("err_")
+    logged = [r for r in caplog.records if ref in r.getMessage()]
+    assert logged and LeakyEngine.SECRET in logged[0].getMessage()
+
+
+def leaky(engine: Engine) -> Engine:
+    return LeakyEngine(engine, "leaky")
