@@ -94,7 +94,9 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
     )
     app.state.settings = settings
     app.state.names = RedisNames(settings.redis_prefix)
-    app.state.key_cache = KeyCache(settings.auth_cache_ttl_s)
+    app.state.key_cache = KeyCache(
+        settings.auth_cache_ttl_s, settings.auth_lookup_concurrency, settings.auth_lookup_queue
+    )
     errors.install(app)
     # Inside the size limit: what it buffers is bounded.
     app.add_middleware(HostileInput, max_bytes=settings.max_body_bytes)

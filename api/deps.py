@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from api.auth import KeyCache
+from api.auth import KeyCache, LookupsOverloaded, well_formed
 from api.errors import APIError
 from api.gate import TenantGate
 from api.hub import EventHub, Slot, TooManyStreams, slot_retry_after
@@ -113,6 +113,8 @@ async def get_tenant(request: Request) -> TenantRecord:
     suspended tenant is forgotten at once by every API process (the access channel).
     """
     secret = _bearer(request)
+    if not well_formed(secret):  # no key looks like this: no lookup
+        raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
     cache: KeyCache = request.app.state.key_cache
     db: Database = request.app.state.db  # not a dependency: every request authenticates
     key_hash = tenants.hash_key(secret)
@@ -121,7 +123,15 @@ async def get_tenant(request: Request) -> TenantRecord:
         async with db.session() as s:
             return await tenants.owner_of_key(s, secret)
 
-    owner = await cache.lookup(key_hash, load)
+    try:
+        owner = await cache.lookup(key_hash, load)
+    except LookupsOverloaded:
+        raise APIError(
+            503,
+            "Too many requests with unknown API keys are being checked; retry shortly.",
+            "auth_overloaded",
+            retry_after_s=1,
+        ) from None
     if owner is None:
         raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
     if cache.claim_touch(key_hash, owner, utcnow(), tenants.LAST_USED_RESOLUTION):
@@ -161,8 +171,10 @@ async def require_admin(request: Request, db: DbDep, settings: SettingsDep) -> N
     configured = settings.admin_api_key
     if configured and hmac.compare_digest(secret.encode(), configured.encode()):
         return
-    async with db.session() as s:
-        owner = await tenants.owner_of_key(s, secret)
+    owner = None
+    if well_formed(secret):  # a tenant's key, perhaps: say so (403), not merely 401
+        async with db.session() as s:
+            owner = await tenants.owner_of_key(s, secret)
     if owner is not None:
         raise APIError(
             403,

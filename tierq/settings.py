@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     # revocation, suspension or change reaches every process at once on the access
     # channel; this bounds it if that message is lost. Admission always reads both again.
     auth_cache_ttl_s: float = Field(default=5.0, ge=0)
+    # Key lookups an API process runs at once (the rest wait, at most AUTH_LOOKUP_QUEUE,
+    # then 503): requests with unknown keys hold no more of the database pool than this.
+    auth_lookup_concurrency: int = Field(default=4, ge=1)
+    auth_lookup_queue: int = Field(default=256, ge=0)
     max_body_bytes: int = 1_000_000
     # Uploads to /v1/files may be this large (streamed to disk, never held in memory).
     max_upload_bytes: int = 512 * 1024 * 1024

@@ -1,15 +1,19 @@
 """The API's key cache (api/auth.py): requests that miss it for one key at once share one
-lookup; a revocation during a lookup is not undone by it; a failed lookup is not kept; and
-a burst records the key's use once."""
+lookup; a revocation during a lookup is not undone by it; a failed lookup is not kept; a key that
+owns nothing is remembered as such; lookups run a few at once; and a burst records the
+key's use once."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from datetime import UTC, datetime, timedelta
 
-from api.auth import KeyCache
+import pytest
+
+from api.auth import KeyCache, LookupsOverloaded, well_formed
 from models.records import TenantRecord
-from models.tenants import KeyOwner
+from models.tenants import KEY_PREFIX, KeyOwner
 from tierq.states import TenantStatus
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
@@ -76,11 +80,56 @@ async def test_a_failed_lookup_fails_its_waiters_and_is_not_kept() -> None:
     assert await cache.lookup("h", again) == OWNER and again.calls == 1
 
 
-async def test_an_unknown_key_is_not_cached() -> None:
+async def test_an_unknown_key_is_remembered_as_such_until_access_changes() -> None:
+    """A wrong key retried costs one lookup for the TTL; any access change (a tenant let
+    back in, say) forgets it, as the key may own something now."""
     cache, load = KeyCache(ttl_s=60), Loads(result=None)
     load.release.set()
     assert await cache.lookup("h", load) is None
+    assert await cache.lookup("h", load) is None and load.calls == 1
+    cache.forget("changed:ten_1")
+    load.result = OWNER
+    assert await cache.lookup("h", load) == OWNER and load.calls == 2
+
+
+async def test_an_unknown_key_is_not_remembered_without_a_ttl() -> None:
+    cache, load = KeyCache(ttl_s=0), Loads(result=None)
+    load.release.set()
+    assert await cache.lookup("h", load) is None
     assert await cache.lookup("h", load) is None and load.calls == 2
+
+
+async def test_lookups_run_a_few_at_once_and_a_full_queue_refuses_at_once() -> None:
+    cache = KeyCache(ttl_s=60, lookup_concurrency=2, lookup_queue=3)
+    loads = [Loads(result=None) for _ in range(5)]
+    waiters = [asyncio.create_task(cache.lookup(f"h{i}", load)) for i, load in enumerate(loads)]
+    await asyncio.sleep(0.01)
+    assert [load.calls for load in loads] == [1, 1, 0, 0, 0]  # two run, three wait
+    with pytest.raises(LookupsOverloaded):
+        await cache.lookup("h-more", Loads())
+    loads[0].release.set()  # one ends: a waiting one runs, and the queue has room again
+    await asyncio.sleep(0.01)
+    assert [load.calls for load in loads] == [1, 1, 1, 0, 0]
+    more = Loads(result=None)
+    more.release.set()
+    extra = asyncio.create_task(cache.lookup("h-extra", more))
+    for load in loads:
+        load.release.set()
+    assert await asyncio.gather(*waiters[:4], extra) == [None] * 5
+
+
+def test_only_what_could_be_a_key_is_well_formed() -> None:
+    assert well_formed(KEY_PREFIX + secrets.token_urlsafe(32))
+    for junk in (
+        "",
+        "tq-",
+        "tq-abc",
+        KEY_PREFIX + "a" * 42,
+        KEY_PREFIX + "a" * 44,
+        "sk-" + "a" * 43,
+    ):
+        assert not well_formed(junk), junk
+    assert not well_formed(KEY_PREFIX + "a" * 42 + "/")
 
 
 def test_a_burst_records_the_keys_use_once() -> None:
