@@ -2,27 +2,55 @@
 
 The ledger is `usage_records`, one row per finished job (its primary key is the job id,
 so a job delivered twice is recorded once), with the tokens the engine reported, the
-prices the job was admitted under and the cost, all exact Decimals. Sums are taken in
-Python, in Decimal, so the result is the same on PostgreSQL and SQLite.
+prices the job was admitted under and the cost, all exact Decimals.
+
+Reports and invoices are sums the database takes (COUNT and SUM ... GROUP BY): a range
+of a million records answers in one small result, and the event loop only awaits it.
+Money is a decimal string (models.tables.Money), summed exactly on both backends:
+PostgreSQL casts it to `numeric`; SQLite has no exact decimal type, so each amount is
+split in SQL into its exponent and its digits in 9-digit integer chunks, the chunks are
+summed per group and exponent, and Python puts the few sums back together in Decimal.
+Either way a total is the Decimal that adding the records one by one (from Decimal(0))
+would give — the same digits, the same trailing zeros — only never rounded to 28 digits.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from decimal import Decimal
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from decimal import Context, Decimal, localcontext
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import (
+    Date,
+    Integer,
+    Numeric,
+    Select,
+    String,
+    case,
+    cast,
+    func,
+    literal_column,
+    select,
+    type_coerce,
+)
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.sql.elements import ColumnElement, Label
 
-from models.records import as_utc, unix
+from models.records import unix
 from models.tables import Invoice, UsageRecord, utcnow
 from tierq.ids import new_id
 
 GROUPS = ("day", "tier", "model")
+
+# Adding a few group sums never rounds: they are exact however many digits they take.
+_EXACT = Context(prec=200)
+# SQLite: a Money string (at most 40 characters) holds at most 39 digits, summed as
+# 9-digit chunks: a chunk's sum stays far inside 64 bits for billions of records.
+_CHUNK = 9
+_CHUNKS = -(-40 // _CHUNK)
 
 
 @dataclass
@@ -32,11 +60,12 @@ class Totals:
     completion_tokens: int = 0
     cost: Decimal = Decimal(0)
 
-    def add(self, row: UsageRecord) -> None:
-        self.requests += 1
-        self.prompt_tokens += row.prompt_tokens
-        self.completion_tokens += row.completion_tokens
-        self.cost += row.cost
+    def add(self, other: Totals) -> None:
+        self.requests += other.requests
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        with localcontext(_EXACT):
+            self.cost += other.cost
 
     def to_api(self) -> dict[str, Any]:
         return {
@@ -48,49 +77,201 @@ class Totals:
         }
 
 
-async def ledger(
+def total(parts: Iterable[Totals]) -> Totals:
+    t = Totals()
+    for part in parts:
+        t.add(part)
+    return t
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A report: totals per group (sorted by its key, as `data` rows) and overall."""
+
+    group_by: tuple[str, ...]
+    groups: dict[tuple[str, ...], Totals]
+
+    def data(self) -> list[dict[str, Any]]:
+        return [
+            {**dict(zip(self.group_by, key, strict=True)), **t.to_api()}
+            for key, t in sorted(self.groups.items())
+        ]
+
+    def total(self) -> Totals:
+        return total(self.groups.values())
+
+
+# --- the sums, in SQL ----------------------------------------------------------------
+
+
+def _key_column(name: str, dialect: str) -> ColumnElement[Any]:
+    if name == "day":  # the UTC date (SQLite holds UTC datetimes as text)
+        if dialect == "sqlite":
+            return func.substr(
+                type_coerce(UsageRecord.created_at, String), _literal(1), _literal(10)
+            )
+        return cast(func.timezone(literal_column("'UTC'"), UsageRecord.created_at), Date)
+    columns: dict[str, ColumnElement[Any]] = {
+        "tenant": UsageRecord.tenant_id.expression,
+        "tier": UsageRecord.tier.expression,
+        "model": UsageRecord.model.expression,
+    }
+    return columns[name]
+
+
+def _key_value(name: str, value: Any) -> str:
+    if name == "day":  # as datetime.strftime writes it
+        day = date.fromisoformat(value) if isinstance(value, str) else value
+        return str(day.strftime("%Y-%m-%d"))
+    return str(value)
+
+
+def _literal(value: int | str) -> ColumnElement[Any]:
+    """A constant written into the statement: the same expression in the select list and
+    the GROUP BY is then the same text, and no parameter is bound per use."""
+    return literal_column(repr(value) if isinstance(value, str) else str(value))
+
+
+class _PostgresSums:
+    """SUM of the amounts as `numeric`: exact, and its scale is the largest one summed."""
+
+    @staticmethod
+    def statement(keys: list[Label[Any]], where: list[ColumnElement[bool]]) -> Select[Any]:
+        return (
+            select(
+                *keys,
+                func.count(),
+                func.sum(UsageRecord.prompt_tokens),
+                func.sum(UsageRecord.completion_tokens),
+                func.sum(cast(type_coerce(UsageRecord.cost, String), Numeric)),
+            )
+            .where(*where)
+            .group_by(*keys)
+        )
+
+    @staticmethod
+    def cost(parts: Sequence[Any]) -> Decimal:
+        with localcontext(_EXACT):
+            return Decimal(0) + (parts[0] if parts[0] is not None else Decimal(0))
+
+
+class _SqliteSums:
+    """An amount as `str(Decimal)` writes it — `[-]digits[.digits][E[+|-]digits]` — is
+    sign x digits x 10**exponent. The records are first counted per key and amount (a
+    ledger holds far fewer distinct amounts than records, and this is the cheap part),
+    then each distinct amount is taken apart once: grouped by exponent, its digits
+    summed as 9-digit integer chunks, times its count."""
+
+    @staticmethod
+    def statement(keys: list[Label[Any]], where: list[ColumnElement[bool]]) -> Select[Any]:
+        amount = type_coerce(UsageRecord.cost, String).label("amount")
+        per_amount = (
+            select(
+                *keys,
+                amount,
+                func.count().label("n"),
+                func.sum(UsageRecord.prompt_tokens).label("prompt_tokens"),
+                func.sum(UsageRecord.completion_tokens).label("completion_tokens"),
+            )
+            .where(*where)
+            .group_by(*keys, amount)
+            .subquery()
+        )
+        text = per_amount.c.amount
+        e_at = func.instr(text, _literal("E"))
+        mantissa = case(
+            (e_at > _literal(0), func.substr(text, _literal(1), e_at - _literal(1))), else_=text
+        )
+        power = case(
+            (e_at > _literal(0), cast(func.substr(text, e_at + _literal(1)), Integer)),
+            else_=_literal(0),
+        )
+        point = func.instr(mantissa, _literal("."))
+        scale = case((point > _literal(0), func.length(mantissa) - point), else_=_literal(0))
+        digits = func.replace(
+            func.replace(mantissa, _literal("-"), _literal("")), _literal("."), _literal("")
+        )
+        signed = per_amount.c.n * case(
+            (func.substr(text, _literal(1), _literal(1)) == _literal("-"), _literal(-1)),
+            else_=_literal(1),
+        )
+        exponent = power - scale
+        outer_keys = [per_amount.c[k.name] for k in keys]
+        # substr() from the right: chunk k holds the digits k*9+1 .. k*9+9 from the end
+        # ('' past the start of a short number, and CAST('' AS INTEGER) is 0).
+        chunks = [
+            func.sum(
+                signed
+                * cast(func.substr(digits, _literal(-_CHUNK * (k + 1)), _literal(_CHUNK)), Integer)
+            )
+            for k in range(_CHUNKS)
+        ]
+        return select(
+            *outer_keys,
+            func.sum(per_amount.c.n),
+            func.sum(per_amount.c.prompt_tokens),
+            func.sum(per_amount.c.completion_tokens),
+            exponent,
+            *chunks,
+        ).group_by(*outer_keys, exponent)
+
+    @staticmethod
+    def cost(parts: Sequence[Any]) -> Decimal:
+        exponent, *chunks = parts
+        with localcontext(_EXACT):
+            # Decimal(0).scaleb(e) is 0 with exponent e: the sum keeps every trailing zero.
+            return Decimal(0) + sum(
+                (Decimal(int(c or 0)).scaleb(_CHUNK * k + exponent) for k, c in enumerate(chunks)),
+                Decimal(0),
+            )
+
+
+async def _sums(
     s: AsyncSession,
+    by: tuple[str, ...],
     tenant_id: str | None,
     start: datetime | None,
     end: datetime | None,
-) -> list[UsageRecord]:
-    stmt = select(UsageRecord)
+) -> dict[tuple[str, ...], Totals]:
+    """Totals of the records in [start, end) (of one tenant, or all), per key of `by`."""
+    dialect = s.get_bind().dialect.name
+    sums = _SqliteSums if dialect == "sqlite" else _PostgresSums
+    keys = [_key_column(name, dialect).label(f"key_{i}") for i, name in enumerate(by)]
+    where: list[ColumnElement[bool]] = []
     if tenant_id is not None:
-        stmt = stmt.where(UsageRecord.tenant_id == tenant_id)
+        where.append(UsageRecord.tenant_id == tenant_id)
     if start is not None:
-        stmt = stmt.where(UsageRecord.created_at >= start)
+        where.append(UsageRecord.created_at >= start)
     if end is not None:
-        stmt = stmt.where(UsageRecord.created_at < end)
-    return list((await s.execute(stmt.order_by(UsageRecord.created_at))).scalars())
+        where.append(UsageRecord.created_at < end)
+    out: dict[tuple[str, ...], Totals] = defaultdict(Totals)
+    n = len(by)
+    for row in (await s.execute(sums.statement(keys, where))).all():
+        key = tuple(_key_value(name, v) for name, v in zip(by, row[:n], strict=True))
+        requests, prompt_tokens, completion_tokens = row[n : n + 3]
+        # A key of several rows (on SQLite, one per exponent) adds up exactly.
+        out[key].add(
+            Totals(
+                int(requests),
+                int(prompt_tokens or 0),
+                int(completion_tokens or 0),
+                sums.cost(row[n + 3 :]),
+            )
+        )
+    return dict(out)
 
 
-def _key(row: UsageRecord, group_by: tuple[str, ...]) -> tuple[str, ...]:
-    parts = []
-    for g in group_by:
-        if g == "day":
-            parts.append((as_utc(row.created_at) or row.created_at).strftime("%Y-%m-%d"))
-        elif g == "tier":
-            parts.append(row.tier)
-        else:
-            parts.append(row.model)
-    return tuple(parts)
-
-
-def group(rows: Iterable[UsageRecord], group_by: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Rows of totals per group (sorted by its key), e.g. per day and tier."""
-    totals: dict[tuple[str, ...], Totals] = defaultdict(Totals)
-    for row in rows:
-        totals[_key(row, group_by)].add(row)
-    return [
-        {**dict(zip(group_by, key, strict=True)), **t.to_api()} for key, t in sorted(totals.items())
-    ]
-
-
-def total(rows: Iterable[UsageRecord]) -> Totals:
-    t = Totals()
-    for row in rows:
-        t.add(row)
-    return t
+async def usage(
+    s: AsyncSession,
+    tenant_id: str,
+    start: datetime | None,
+    end: datetime | None,
+    group_by: tuple[str, ...],
+) -> Usage:
+    """A tenant's usage over [start, end), per `group_by` (some of GROUPS)."""
+    if not set(group_by) <= set(GROUPS):
+        raise ValueError(f"group_by takes some of {GROUPS}, not {group_by}")
+    return Usage(group_by, await _sums(s, group_by, tenant_id, start, end))
 
 
 # --- invoices ------------------------------------------------------------------------
@@ -103,20 +284,40 @@ def month_bounds(period: str) -> tuple[datetime, datetime]:
     return start, end
 
 
-async def roll_up(s: AsyncSession, period: str) -> list[str]:
-    """Write (or rewrite) every tenant's invoice for the month from the ledger; running it
-    twice changes nothing. Returns the tenant ids invoiced."""
+@dataclass(frozen=True)
+class MonthUsage:
+    """Every tenant's usage over one month, per tier and model: what its invoice holds."""
+
+    period: str
+    lines: dict[str, Usage] = field(default_factory=dict)  # by tenant id
+
+
+async def month_usage(s: AsyncSession, period: str) -> MonthUsage:
+    """One aggregate over the month's records, grouped by tenant, tier and model (it
+    reads only, so it may run in a read session, outside the invoices' transaction)."""
     start, end = month_bounds(period)
-    by_tenant: dict[str, list[UsageRecord]] = defaultdict(list)
-    for row in await ledger(s, None, start, end):
-        by_tenant[row.tenant_id].append(row)
+    per_tenant: dict[str, dict[tuple[str, ...], Totals]] = defaultdict(dict)
+    for (tenant_id, tier, model), t in (
+        await _sums(s, ("tenant", "tier", "model"), None, start, end)
+    ).items():
+        per_tenant[tenant_id][(tier, model)] = t
+    return MonthUsage(
+        period,
+        {tenant_id: Usage(("tier", "model"), groups) for tenant_id, groups in per_tenant.items()},
+    )
+
+
+async def write_invoices(s: AsyncSession, month: MonthUsage) -> list[str]:
+    """Write (or rewrite) each tenant's invoice for the month from its usage; writing
+    the same usage twice changes nothing. Returns the tenant ids invoiced."""
+    period = month.period
     existing = {
         inv.tenant_id: inv
         for inv in (await s.execute(select(Invoice).where(Invoice.period == period))).scalars()
     }
-    for tenant_id, rows in by_tenant.items():
-        t = total(rows)
-        lines = group(rows, ("tier", "model"))
+    for tenant_id, used in month.lines.items():
+        t = used.total()
+        lines = used.data()
         inv = existing.get(tenant_id)
         if inv is None:
             inv = Invoice(id=new_id("inv"), tenant_id=tenant_id, period=period)
@@ -136,7 +337,13 @@ async def roll_up(s: AsyncSession, period: str) -> list[str]:
         inv.lines = lines
         inv.updated_at = utcnow()
     await s.flush()
-    return sorted(by_tenant)
+    return sorted(month.lines)
+
+
+async def roll_up(s: AsyncSession, period: str) -> list[str]:
+    """Write (or rewrite) every tenant's invoice for the month from the ledger, in one
+    session; running it twice changes nothing. Returns the tenant ids invoiced."""
+    return await write_invoices(s, await month_usage(s, period))
 
 
 def invoice_to_api(inv: Invoice) -> dict[str, Any]:
