@@ -170,7 +170,7 @@ class JobRecord:
             cost=estimate_tokens(self.messages, self.prompt, int(self.params.get("max_tokens", 1))),
             preemptions=self.preemptions,
             batch_id=self.batch_id,
-            prefix=prefix_key(self.messages, self.prompt),
+            prefix=prefix_key(self.messages, self.prompt, scope=self.tenant_id),
         )
 
     def to_api(self) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from models.records import JobRecord, TenantRecord
 from models.tables import utcnow
 from services import openai_compat
 from services.batch_input import RawLine, read_requests
-from services.requests import JobCreate, Refused, check
+from services.requests import JobCreate, Refused, check, refuse_unless_fits
 from tierq import logs, metrics, token_count, tracing
 from tierq.ids import new_id
 from tierq.queue import Enqueuer
@@ -146,7 +146,9 @@ def reservation(settings: Settings, body: JobCreate) -> int:
     its max_tokens: never below what the engine will bill; what quotas and budgets are
     checked against."""
     counter = token_count.for_settings(settings)
-    return counter.reserve(_messages(body), body.prompt, body.max_tokens)
+    floor, bound = counter.measure(_messages(body), body.prompt)
+    refuse_unless_fits(floor, body, settings)  # the engine would refuse it after queueing
+    return bound + body.max_tokens
 
 
 def _messages(body: JobCreate) -> list[dict[str, Any]] | None:
@@ -213,11 +215,16 @@ async def submit(
         request_hash=None if idempotency_key is None else request_hash(body),
         reserved_tokens=reserved,
     )
+    counted = False
+    if reserved > settings.max_model_len and token_count.for_settings(settings).exact:
+        # It may not fit the context: counted now (off the event loop, for a long prompt)
+        # and refused if it cannot, rather than queued for the engine to refuse.
+        new, counted = await _counted(settings, new, messages, body), True
     attributes = {"tenant_id": tenant.id, "tier": tier.value}
     admitting = tracing.span("tierq.admission", attributes=attributes)
     async with _gated(gate, tenant.id), admitting as span:
         job = None
-        created, counted = True, False
+        created = True
         # PostgreSQL: one round trip admits the job; an SQLite file: one thread hop, for a
         # request without an Idempotency-Key (models/admission_sqlite.py).
         fast = db.raw is not None or (db.local is not None and idempotency_key is None)
@@ -227,7 +234,8 @@ async def submit(
                 metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
                 job, quotas = await _admit_fast(db, settings, tenant, key_id, new)
             if job is None and quotas and db.raw is not None:
-                new, counted = await _counted(settings, new, messages, body), True
+                if not counted:
+                    new, counted = await _counted(settings, new, messages, body), True
                 metrics.ADMISSION_STATEMENTS.labels(path="quotas").inc()
                 job = await _admit_with_quotas(db.raw, settings, tenant, key_id, new)
         if job is None:
@@ -288,8 +296,12 @@ async def _counted(
     """The job reserving its prompt as the served model's tokenizer counts it: what quotas
     are checked against."""
     counter = token_count.for_settings(settings)
-    reserved = await counter.reserve_off_loop(messages, body.prompt, body.max_tokens)
-    return dataclasses.replace(new, reserved_tokens=reserved)
+    floor, bound = await counter.measure_off_loop(messages, body.prompt)
+    try:
+        refuse_unless_fits(floor, body, settings)
+    except Refused as exc:
+        raise _refuse(exc.status, exc.message, exc.code, exc.param) from None
+    return dataclasses.replace(new, reserved_tokens=bound + body.max_tokens)
 
 
 def _admission(settings: Settings, key_id: str | None, new: job_repo.NewJob) -> Admission:
@@ -474,6 +486,7 @@ def batch_line(settings: Settings, endpoint: str, item: RawLine) -> BatchLine:
     """A line's job, or the refusal that its error line will carry."""
     try:
         job, model = prepare_line(settings, endpoint, item)
+        reserved = reservation(settings, job)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
@@ -488,7 +501,7 @@ def batch_line(settings: Settings, endpoint: str, item: RawLine) -> BatchLine:
         messages=_messages(job),
         prompt=job.prompt,
         params=job.params(),
-        reserved_tokens=reservation(settings, job),
+        reserved_tokens=reserved,
     )
 
 
@@ -536,9 +549,9 @@ def file_reservation(
         for item in raw:
             try:
                 job, _model = prepare_line(settings, endpoint, item)
+                reserved = reservation(settings, job)
             except (ValidationError, Refused):
                 continue
-            reserved = reservation(settings, job)
             tokens += reserved
             cost += quota_repo.reservation_cost(reserved, job.max_tokens, price_in, price_out)
 

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from tierq import token_count
 from tierq.settings import Settings
 from tierq.tiers import Tier
 
@@ -248,4 +249,24 @@ def check(body: JobCreate, settings: Settings) -> str:
             "context_length_exceeded",
             "messages" if body.messages is not None else "prompt",
         )
+    # What provably cannot fit goes no further (no tokenizer run: bytes over the longest
+    # token of the vocabulary).
+    contents = [{"content": m.content} for m in body.messages or []]
+    floor = token_count.for_settings(settings).floor_quick(contents or None, body.prompt)
+    refuse_unless_fits(floor, body, settings)
     return model
+
+
+def refuse_unless_fits(prompt_tokens_at_least: int, body: JobCreate, settings: Settings) -> None:
+    """Refuse a request whose prompt takes at least `prompt_tokens_at_least` tokens when
+    that and its max_tokens pass the model's context, as the engine would after queueing."""
+    if prompt_tokens_at_least + body.max_tokens <= settings.max_model_len:
+        return
+    raise Refused(
+        400,
+        f"This model's maximum context length is {settings.max_model_len} tokens. However, "
+        f"the input takes at least {prompt_tokens_at_least} tokens and max_tokens is "
+        f"{body.max_tokens}: reduce the length of the input or max_tokens.",
+        "context_length_exceeded",
+        "messages" if body.messages is not None else "prompt",
+    )

@@ -82,11 +82,14 @@ _MESSAGE_FIELDS = frozenset(f.name for f in fields(JobMessage))
 PREFIX_CHARS = 1024  # the start of a prompt that placement keys on (a system prompt's worth)
 
 
-def prefix_key(messages: list[dict[str, Any]] | None, prompt: str | None) -> str:
-    """A digest of the first PREFIX_CHARS of a job's input (roles and contents in order):
-    jobs that share it — a tenant's system prompt, the turns of one conversation, the
-    lines of a batch with a common preamble — share the engine's prefix cache where they
-    run on one engine (dispatcher/policy.py places them so)."""
+def prefix_key(
+    messages: list[dict[str, Any]] | None, prompt: str | None, scope: str | None = None
+) -> str:
+    """A digest of the first PREFIX_CHARS of a job's input (roles and contents in order)
+    within `scope` (its tenant): jobs that share it — a tenant's system prompt, the turns
+    of one conversation, the lines of a batch with a common preamble — share the engine's
+    prefix cache where they run on one engine (dispatcher/policy.py places them so). The
+    cache is salted per tenant, so the same text of two tenants is two keys."""
     if prompt is not None:
         text = prompt[:PREFIX_CHARS]
     else:
@@ -99,6 +102,8 @@ def prefix_key(messages: list[dict[str, Any]] | None, prompt: str | None) -> str
             if size >= PREFIX_CHARS:
                 break
         text = "".join(parts)
+    if scope is not None:
+        text = f"{scope}\x1d{text}"
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 

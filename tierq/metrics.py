@@ -136,6 +136,12 @@ END_TO_END = Histogram(
     ["tier"],
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 21600, 86400),
 )
+PREFIX_CACHED_TOKENS = Counter(
+    "tierq_worker_prefix_cached_tokens_total",
+    "Prompt tokens of the runs a worker started that the engine's prefix cache already "
+    "held (the engine's own count per request); the cache is each tenant's own",
+    ["tier"],
+)
 CANCELS_SEEN = Counter(
     "tierq_worker_cancels_total",
     "Runs a worker stopped because their job was cancelled, by how it learnt of it: the "

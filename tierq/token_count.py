@@ -8,6 +8,12 @@ rendering the model's template: `bound` is that count plus a small margin for me
 across a message's edges. Without it, `bound` falls back to the prompt's UTF-8 bytes —
 a byte-level BPE or SentencePiece token covers at least one byte, so bytes can never
 under-count — plus a generous template allowance.
+
+What provably cannot fit is refused before anything is tokenized: with the tokenizer at
+hand, no token covers more bytes than its vocabulary's longest, so a prompt of B bytes is
+at least B / longest tokens (`floor_quick`: a 200,000-character prompt against a 2,048-token
+context is refused in microseconds). Where the prompt is tokenized anyway (to reserve it
+exactly), `measure` gives the count's floor as well as its bound, from one tokenization.
 """
 
 from __future__ import annotations
@@ -48,11 +54,24 @@ def _bytes(text: str) -> int:
     return max(raw, len(unicodedata.normalize("NFKC", text).encode()))
 
 
+def _fewest_bytes(text: str) -> int:
+    """The fewest UTF-8 bytes a tokenizer may see of the text: its own, or its NFKC form's
+    if shorter (normalisation may compose characters)."""
+    raw = len(text.encode())
+    if text.isascii():
+        return raw
+    return min(raw, len(unicodedata.normalize("NFKC", text).encode()))
+
+
 class PromptCounter:
-    def __init__(self, tokenizer: Any = None, base: int = 0, per_message: int = 0) -> None:
+    def __init__(
+        self, tokenizer: Any = None, base: int = 0, per_message: int = 0, longest: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self.base = base  # template tokens of a one-message conversation
         self.per_message = per_message  # template tokens each further message adds
+        # The most bytes one token of the vocabulary stands for (0: unknown, no floor).
+        self.longest = longest
 
     @property
     def exact(self) -> bool:
@@ -80,6 +99,34 @@ class PromptCounter:
             return max(1, self._tokens(prompt))
         contents = self._tokens_many([_text(m.get("content", "")) for m in messages or []])
         return self.base + self.per_message * max(0, len(contents) - 1) + sum(contents)
+
+    def floor_quick(self, messages: Sequence[dict[str, Any]] | None, prompt: str | None) -> int:
+        """At most as many tokens as the engine will count for this prompt, from its bytes
+        alone (no tokenizing): 0 without a tokenizer, whose longest token is unknown."""
+        if self.longest <= 0:
+            return 0
+        texts = (
+            [prompt]
+            if prompt is not None
+            else [_text(m.get("content", "")) for m in messages or []]
+        )
+        return sum(_fewest_bytes(t) for t in texts) // self.longest
+
+    def measure(
+        self, messages: Sequence[dict[str, Any]] | None, prompt: str | None
+    ) -> tuple[int, int]:
+        """(floor, bound): at most and at least as many tokens as the engine will count,
+        from one tokenization (the floor is 0 without a tokenizer)."""
+        if self.tokenizer is None:
+            return 0, self.bound(messages, prompt)
+        if prompt is not None:
+            counted = self._tokens(prompt) if prompt else 0
+            return counted, max(1, counted) + 2  # a BOS and an EOS the engine may add
+        contents = self._tokens_many([_text(m.get("content", "")) for m in messages or []])
+        template = self.base + self.per_message * max(0, len(contents) - 1)
+        edges = EDGE_MARGIN * (2 * len(contents) + 1)
+        # The floor leaves the template out (its tokens differ by role): contents only.
+        return max(0, sum(contents) - edges), template + sum(contents) + edges
 
     def bound(self, messages: Sequence[dict[str, Any]] | None, prompt: str | None) -> int:
         """At least as many tokens as the engine will count for this prompt."""
@@ -111,12 +158,25 @@ class PromptCounter:
             return self.reserve(messages, prompt, max_tokens)
         return await asyncio.to_thread(self.reserve, messages, prompt, max_tokens)
 
+    async def measure_off_loop(
+        self, messages: Sequence[dict[str, Any]] | None, prompt: str | None
+    ) -> tuple[int, int]:
+        """`measure`, in a thread when the prompt is long (the event loop keeps serving)."""
+        size = len(prompt or "") + sum(len(_text(m.get("content", ""))) for m in messages or [])
+        if self.tokenizer is None or size < INLINE_CHARS:
+            return self.measure(messages, prompt)
+        return await asyncio.to_thread(self.measure, messages, prompt)
+
     @classmethod
     def from_folder(cls, folder: Path) -> PromptCounter:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        counter = cls(tokenizer)
+        # A vocabulary entry's UTF-8 length is at least the bytes it stands for (byte-level
+        # BPE writes a byte as one character of up to two bytes; SentencePiece's space
+        # marker is three bytes for one): never below, so the floor never over-counts.
+        longest = max((len(t.encode()) for t in tokenizer.get_vocab()), default=0)
+        counter = cls(tokenizer, longest=longest)
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template = config.get("chat_template")

@@ -742,7 +742,7 @@ class Worker:
         if out.resumed and out.resumed >= int(params.get("max_tokens", 256)):
             out.text, out.finish_reason = "".join(text_parts), "length"
             return out  # it had generated everything: nothing is left to run
-        first = True
+        first, cache_counted = True, False
         try:
             await self.first_steps.begin(job.id, suspect=job.fault_charge > 0)
             async for chunk in tracing.engine_stream(
@@ -753,12 +753,16 @@ class Worker:
                     params,
                     vllm_priority(job.tier),
                     resume=tuple(out.token_ids),
+                    cache_salt=job.tenant_id,  # the prefix cache is the tenant's own
                 ),
                 job_id=job.id,
                 delivery=job.deliveries,
                 resumed_tokens=out.resumed,
             ):
                 self.first_steps.passed(job.id)
+                if chunk.cached_tokens and not cache_counted:
+                    metrics.PREFIX_CACHED_TOKENS.labels(job.tier.value).inc(chunk.cached_tokens)
+                    cache_counted = True
                 out.prompt_tokens = chunk.prompt_tokens
                 out.completion_tokens += chunk.new_tokens
                 if keep:

@@ -169,8 +169,13 @@ def metrics_ports() -> dict[str, str]:
     return {"RUN_METRICS_PORT": str(first), "API_PORT": str(first + 5)}
 
 
+# The admin API's key of `pg_platform` (with real service URLs, `tierq run` makes none).
+PG_ADMIN_KEY = f"e2e-admin-{uuid.uuid4().hex}"
+
+
 @pytest.fixture(scope="module")
 def pg_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatform]:
     """`tierq run` against the real PostgreSQL and Redis, serving its metrics ports."""
-    with pg_live(tmp_path_factory.mktemp("pg-platform"), metrics_ports()) as live:
+    env = {**metrics_ports(), "ADMIN_API_KEY": PG_ADMIN_KEY}
+    with pg_live(tmp_path_factory.mktemp("pg-platform"), env) as live:
         yield live

@@ -1,10 +1,12 @@
 """The whole platform as real processes with the real vLLM engine and the bundled model.
 
 `tierq run` with the real PostgreSQL and Redis URLs: submit, poll, SSE with a late
-joiner, cancel of a long job, prompts past the context refused by the engine itself, a
+joiner, cancel of a long job, prompts past the context refused at admission (and a
+long one that fits run), a
 worker killed with SIGKILL mid-job (its engine process dies with it; the job finishes on
 the restarted worker), an engine that dies under a live worker, interactive work behind
-a full engine, the engine core waiting for its steps without spinning, and the official
+a full engine, the engine core waiting for its steps without spinning, the prefix cache
+kept per tenant, and the official
 `openai` SDK (chat, streaming, a small batch) against it.
 """
 
@@ -26,7 +28,7 @@ from sqlalchemy import text
 
 from models.db import Database
 from tests.conftest import REDIS_TEST_URL
-from tests.e2e.conftest import LivePlatform
+from tests.e2e.conftest import PG_ADMIN_KEY, LivePlatform
 from tests.helpers import client, read_sse, wait_for
 from tierq.redis_names import RedisNames
 
@@ -169,24 +171,33 @@ async def _history_and_usage(database_url: str | None, job_id: str) -> tuple[lis
         await db.close()
 
 
-async def test_prompts_past_the_context_fail_at_once_and_leave_every_slot_free(
+async def test_prompts_past_the_context_are_refused_and_a_long_one_that_fits_runs(
     pg_platform: LivePlatform,
 ) -> None:
-    """70 prompts of about 3,000 tokens (the context is 2,048) from one tenant: each fails
-    with the engine's own validation error, none holds a slot, and a normal job after them
-    runs at once."""
+    """70 prompts of about 3,000 tokens (the context is 2,048) from one tenant: each is
+    refused at admission with context_length_exceeded (the API counts them with the served
+    model's tokenizer), none is queued, and a normal job after them runs at once. A long
+    prompt that fits (tokenized in a thread on the worker, its ids handed to vLLM) runs,
+    its prompt counted as the engine counts it."""
     too_long = {"prompt": "word " * 3000, "max_tokens": 16, "tier": "standard"}
+    fits = {"prompt": "word " * 1200 + "\nHow many words?", "max_tokens": 16, "temperature": 0}
     async with client(pg_platform.url, pg_platform.key, timeout=300) as c:
-        ids = [(await c.post("/v1/jobs", json=too_long)).json()["id"] for _ in range(70)]
-        finals = [await wait_for(c, i, timeout=300) for i in ids]
+        before = (await c.get("/v1/jobs", params={"limit": 100})).json()["data"]
+        refused = [await c.post("/v1/jobs", json=too_long) for _ in range(70)]
+        after = (await c.get("/v1/jobs", params={"limit": 100})).json()["data"]
         started = time.monotonic()
         ok = await wait_for(c, (await c.post("/v1/jobs", json=PARIS)).json()["id"], timeout=120)
         waited = time.monotonic() - started
-    assert {(f["status"], f["error"]["code"]) for f in finals} == {
-        ("failed", "context_length_exceeded")
+        long = await wait_for(c, (await c.post("/v1/jobs", json=fits)).json()["id"], timeout=120)
+    assert {(r.status_code, r.json()["error"]["code"]) for r in refused} == {
+        (400, "context_length_exceeded")
     }
+    assert [j["id"] for j in after] == [j["id"] for j in before]  # nothing was queued
     assert ok["status"] == "succeeded" and "Paris" in ok["result"]["text"]
-    assert waited < 30, f"the normal job waited {waited:.1f} s behind the failed ones"
+    assert waited < 30, f"the normal job waited {waited:.1f} s behind the refused ones"
+    assert long["status"] == "succeeded", long
+    # 1,200 words and a question: the engine counted every token (BOS included).
+    assert 1200 < long["usage"]["prompt_tokens"] < 1300, long["usage"]
 
 
 async def test_a_worker_killed_mid_job_is_restarted_and_the_job_finishes_once(
@@ -410,6 +421,60 @@ async def _worker_of(database_url: str | None, job_id: str) -> str:
             return str(got.scalar_one())
     finally:
         await db.close()
+
+
+def _cached_prompt_tokens(live: LivePlatform) -> float:
+    """The worker's tierq_worker_prefix_cached_tokens_total, over its tiers."""
+    assert live.metrics_port is not None
+    text = httpx.get(f"http://127.0.0.1:{live.metrics_port + 1}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tierq_worker_prefix_cached_tokens_total{")
+    )
+
+
+async def test_the_prefix_cache_is_each_tenants_own(pg_platform: LivePlatform) -> None:
+    """A long system prompt, new to the engine, sent by one tenant twice and then by another
+    twice: vLLM's own count of cached prompt tokens is 0 for each tenant's first request
+    and most of the prompt for its second — the first tenant's blocks never serve the
+    second (each request carries its tenant as vLLM's cache_salt)."""
+    system = (
+        f"[{os.urandom(8).hex()}] You are the archivist of the Northern Library. "
+        + (
+            "Answer in one short sentence, cite the shelf, never invent a title, and keep "
+            "the reader's question in mind. "
+        )
+        * 20
+    )
+    async with client(pg_platform.url, PG_ADMIN_KEY) as a:
+        other = (await a.post("/admin/tenants", json={"name": "cache-other"})).json()
+        other_key = (await a.post(f"/admin/tenants/{other['id']}/keys")).json()["key"]
+
+    async def cached(key: str, question: str) -> float:
+        before = _cached_prompt_tokens(pg_platform)
+        body = {
+            "tier": "standard",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        async with client(pg_platform.url, key, timeout=180) as c:
+            job = (await c.post("/v1/jobs", json=body)).json()
+            done = await wait_for(c, job["id"], timeout=120)
+        assert done["status"] == "succeeded", done
+        return _cached_prompt_tokens(pg_platform) - before
+
+    first = await cached(pg_platform.key, "Where are the atlases?")
+    again = await cached(pg_platform.key, "Where are the herbals?")
+    other_first = await cached(other_key, "Where are the atlases?")
+    other_again = await cached(other_key, "Where are the maps?")
+    assert first == 0 and other_first == 0, (first, again, other_first, other_again)
+    # The system prompt is about 500 tokens: most of it was served from the cache.
+    assert again >= 256 and other_again >= 256, (first, again, other_first, other_again)
 
 
 async def test_the_openai_sdk_chats_streams_and_runs_a_batch_on_the_real_engine(

@@ -250,8 +250,13 @@ async def test_a_client_that_hangs_up_cancels_its_job(platform: Platform, tenant
             break
         await asyncio.sleep(0.1)
     assert engine.running == 0
-    reports = await platform.r.xrange(platform.dispatcher.names.served)
-    mine = [Served.decode(f) for _, f in reports if Served.decode(f).job_id == job_id]
+    # The worker reports the run once it has ended it (after the engine let it go).
+    for _ in range(50):
+        reports = await platform.r.xrange(platform.dispatcher.names.served)
+        mine = [Served.decode(f) for _, f in reports if Served.decode(f).job_id == job_id]
+        if mine:
+            break
+        await asyncio.sleep(0.1)
     assert [m.outcome for m in mine] == ["cancelled"]
     assert 0 < mine[0].actual < mine[0].estimated - 500  # most of the 1,000 never generated
     # The tokens it did generate are billed: on the job, and once in the ledger.

@@ -183,11 +183,13 @@ class PoisonEngine(EngineWrapper):
         params: dict[str, Any],
         priority: int,
         resume: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Chunk]:
         poison = "POISON" in str(messages or prompt)
-        return self._run(
-            poison, self.inner.generate(request_id, messages, prompt, params, priority, resume)
+        run = self.inner.generate(
+            request_id, messages, prompt, params, priority, resume, cache_salt=cache_salt
         )
+        return self._run(poison, run)
 
     async def _run(self, poison: bool, run: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
         if self.dead:

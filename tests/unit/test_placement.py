@@ -149,6 +149,15 @@ def test_the_prefix_key_is_the_start_of_the_input() -> None:
     assert prefix_key(None, "x" * 2000 + "a") == prefix_key(None, "x" * 2000 + "b")
 
 
+def test_the_same_prompt_of_two_tenants_is_two_prefix_keys() -> None:
+    """The prefix cache is each tenant's own (the engine's cache_salt), so placement keys on
+    the tenant too: it gathers a tenant's shared prefixes, never two tenants'."""
+    system = [{"role": "system", "content": "You are terse. " * 100}]
+    assert prefix_key(system, None, scope="ten_a") == prefix_key(system, None, scope="ten_a")
+    assert prefix_key(system, None, scope="ten_a") != prefix_key(system, None, scope="ten_b")
+    assert prefix_key(system, None, scope="ten_a") != prefix_key(system, None)
+
+
 WORKERS = st.lists(
     st.tuples(st.integers(0, 12), st.integers(0, 12), st.integers(0, 12)),
     min_size=1,

@@ -194,6 +194,20 @@ async def test_chunks_say_how_much_of_the_prompt_the_prefix_cache_held() -> None
     assert {c.cached_tokens for c in warm} == {256}  # PREFIX_CHARS / 4 of its 600 tokens
 
 
+async def test_the_simulated_prefix_cache_is_salted_as_vllms() -> None:
+    engine = SimulatedEngine(dataclasses.replace(COST, prefix_cache_entries=4))
+    await engine.start()
+    prompt, params = "x" * 4 * 600, {"max_tokens": 2}
+    try:
+        runs = [
+            [c.cached_tokens async for c in engine.generate(rid, None, prompt, params, 0, (), salt)]
+            for rid, salt in (("a1", "ten_a"), ("b1", "ten_b"), ("a2", "ten_a"), ("b2", "ten_b"))
+        ]
+    finally:
+        await engine.shutdown()
+    assert [set(r) for r in runs] == [{0}, {0}, {256}, {256}]
+
+
 async def test_the_qos_bench_measures_how_fast_the_engine_runs_now() -> None:
     """`tierq bench qos --engine vllm` runs at the engine's speed at the hour it runs
     (benchmarks/qos.py `engine_speed`): here an engine at half the speed its cost model

@@ -1,6 +1,7 @@
 """The reservation never under-counts a prompt: the byte bound (no tokenizer) and the
 tokenizer's bound against what the engine counts — the served model's own chat template
-applied by transformers, as vLLM applies it — over adversarial text."""
+applied by transformers, as vLLM applies it — over adversarial text. And the floors that
+refuse what cannot fit never over-count it."""
 
 from __future__ import annotations
 
@@ -91,6 +92,35 @@ def test_the_byte_bound_covers_the_stand_in_count(turns: list[tuple[str, str]], 
     messages = [{"role": role, "content": content} for role, content in turns]
     assert counter.bound(messages, None) >= counter.count(messages, None)
     assert counter.bound(None, p) >= counter.count(None, p)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(ROLES, TEXT), min_size=1, max_size=6), TEXT)
+def test_no_conversation_is_over_counted_by_the_floors(
+    turns: list[tuple[str, str]], prompt: str
+) -> None:
+    """A prompt refused as too long for the context really is: both floors stay at or
+    below what the engine counts (so nothing that fits is refused)."""
+    counter = _counter()
+    messages = [{"role": role, "content": content} for role, content in turns]
+    for m, p in ((messages, None), (None, prompt)):
+        floor, bound = counter.measure(m, p)
+        assert counter.floor_quick(m, p) <= floor <= engine_count(m, p) <= bound
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_the_floors_are_near_the_count_for_long_text(text: str) -> None:
+    counter = _counter()
+    long = [{"role": "user", "content": text * 40}]
+    floor, bound = counter.measure(long, None)
+    assert bound - floor <= 64  # one tokenization gives both, a template apart
+    assert 0 < counter.floor_quick(long, None) <= floor
+    assert counter.longest > 0
+
+
+def test_without_a_tokenizer_nothing_is_refused_by_a_floor() -> None:
+    assert PromptCounter().floor_quick(None, "x" * 200_000) == 0
+    assert PromptCounter().measure(None, "x" * 200_000)[0] == 0
 
 
 def test_a_reservation_adds_every_token_the_job_may_generate() -> None:

@@ -64,7 +64,12 @@ class Engine(Protocol):
         params: dict[str, Any],
         priority: int,
         resume: Sequence[int] = (),
-    ) -> AsyncIterator[Chunk]: ...
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[Chunk]:
+        """The request's chunks as the engine makes them. Its prompt's prefix-cache entries
+        are shared only with requests of the same `cache_salt` (the worker passes its
+        tenant's id: one tenant's cached prefixes never speed up, nor reveal to, another)."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -92,8 +97,11 @@ class EngineWrapper:
         params: dict[str, Any],
         priority: int,
         resume: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Chunk]:
-        run = self.inner.generate(request_id, messages, prompt, params, priority, resume)
+        run = self.inner.generate(
+            request_id, messages, prompt, params, priority, resume, cache_salt=cache_salt
+        )
         return self.observe(request_id, resume, run)
 
     def observe(

@@ -21,11 +21,11 @@ request waits for a slot.
 
 A simulated prefix cache (`CostModel.prefix_cache_entries`, 0 = none, the default): each
 engine keeps an LRU of the prefix keys (`tierq.messages.prefix_key`, the digest placement
-keys on) of the requests it was given, at most that many; a request whose key is there
-skips the prefill of its first min(prompt tokens - 1, PREFIX_CHARS / 4) tokens (their KV
-is cached; the last prompt token is always computed, as in vLLM). It stands for vLLM's
-automatic prefix caching with room for that many prefixes, no more: it is a model, and
-figures measured with it say so.
+keys on, within the request's cache_salt as vLLM salts its cache) of the requests it was
+given, at most that many; a request whose key is there skips the prefill of its first
+min(prompt tokens - 1, PREFIX_CHARS / 4) tokens (their KV is cached; the last prompt token
+is always computed, as in vLLM). It stands for vLLM's automatic prefix caching with room
+for that many prefixes, no more: it is a model, and figures measured with it say so.
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ class SimulatedEngine:
         params: dict[str, Any],
         priority: int,
         resume: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Chunk]:
         prompt_tokens = self.counter.count(messages, prompt)
         max_tokens = int(params.get("max_tokens", 256))
@@ -211,7 +212,9 @@ class SimulatedEngine:
             generated=max_tokens - left,
             arrived_at=time.monotonic(),
         )
-        req.cached = self._cached_prefix(messages, prompt, prompt_tokens + req.generated)
+        req.cached = self._cached_prefix(
+            messages, prompt, prompt_tokens + req.generated, cache_salt
+        )
         req.prefill_left = prompt_tokens + req.generated - req.cached
         self._waiting.append(req)
         self._waiting.sort()
@@ -228,14 +231,18 @@ class SimulatedEngine:
             await self.abort(request_id)
 
     def _cached_prefix(
-        self, messages: list[dict[str, Any]] | None, prompt: str | None, prompt_tokens: int
+        self,
+        messages: list[dict[str, Any]] | None,
+        prompt: str | None,
+        prompt_tokens: int,
+        cache_salt: str | None,
     ) -> int:
         """Prompt tokens the simulated prefix cache holds for this request (0 on a miss);
         the request's prefix key becomes the most recent entry, evicting the least."""
         entries = self.cost.prefix_cache_entries
         if entries <= 0:
             return 0
-        key = prefix_key(messages, prompt)
+        key = prefix_key(messages, prompt, scope=cache_salt)
         self.prefix_lookups += 1
         if key in self._prefixes:
             self._prefixes.move_to_end(key)

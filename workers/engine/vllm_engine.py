@@ -6,11 +6,12 @@ build with a model of the operator's choosing; every knob comes from Settings.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from tierq import metrics
+from tierq import metrics, token_count
 from tierq.settings import Settings
 from workers.engine.base import Chunk, EngineDead, EngineRequestError, resumed_params
 from workers.engine.vllm_args import worker_engine_args
@@ -99,6 +100,11 @@ class VllmEngine:
         )
         return text
 
+    def _prompt_ids(self, messages: list[dict[str, Any]] | None, prompt: str | None) -> list[int]:
+        """The prompt's token ids, as vLLM tokenizes the rendered text of a text prompt."""
+        ids: list[int] = self._tokenizer.encode(self.render(messages, prompt))
+        return ids
+
     async def generate(
         self,
         request_id: str,
@@ -107,9 +113,10 @@ class VllmEngine:
         params: dict[str, Any],
         priority: int,
         resume: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Chunk]:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import TextPrompt, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params = resumed_params(params, len(resume))
@@ -133,12 +140,24 @@ class VllmEngine:
                 ignore_eos=bool(params.get("ignore_eos", False)),
                 output_kind=RequestOutputKind.DELTA,
             )
-            text = self.render(messages, prompt)
-            request: Any = text
-            if resume:
+            request: Any
+            size = len(prompt or "") + sum(len(str(m.get("content", ""))) for m in messages or [])
+            if size >= token_count.INLINE_CHARS:
+                # A long prompt is rendered and tokenized in a thread (vLLM would tokenize a
+                # text prompt on this event loop, which every other run's events wait for).
+                ids = await asyncio.to_thread(self._prompt_ids, messages, prompt)
+                request = TokensPrompt(prompt_token_ids=[*ids, *resume])
+            elif resume:
                 # The prompt as vLLM tokenizes a text prompt, then what was generated: the
                 # continuation decodes exactly as if the run had never stopped.
-                request = TokensPrompt(prompt_token_ids=[*self._tokenizer.encode(text), *resume])
+                ids = self._prompt_ids(messages, prompt)
+                request = TokensPrompt(prompt_token_ids=[*ids, *resume])
+            else:
+                request = TextPrompt(prompt=self.render(messages, prompt))
+            if cache_salt is not None:
+                # vLLM mixes the salt into the hash of the prompt's first KV block, so only
+                # requests of the same salt (tenant) can hit each other's cached blocks.
+                request["cache_salt"] = cache_salt
             prompt_tokens = 0
             async for out in self._llm.generate(request, sampling, request_id, priority=priority):
                 if out.prompt_token_ids is not None:
