@@ -120,6 +120,34 @@ async def transition(
     return None if row is None else BatchRecord.from_row(row)
 
 
+class LeaseLost(Exception):
+    """The batch's fence moved past this holder's: another Celery worker advances it now."""
+
+
+async def take_fence(s: AsyncSession, batch_id: str) -> int | None:
+    """Raise the batch's fence and return it: the token of the lease just taken (None: no
+    such batch). It waits for the row lock of a transaction of the previous holder, so
+    whatever that one commits comes before the new holder's first write."""
+    stmt = (
+        update(Batch)
+        .where(Batch.id == batch_id)
+        .values(lease_fence=Batch.lease_fence + 1)
+        .returning(Batch.lease_fence)
+        .execution_options(synchronize_session=False)
+    )
+    token = (await s.execute(stmt)).scalar_one_or_none()
+    return None if token is None else int(token)
+
+
+async def hold(s: AsyncSession, batch_id: str, fence: int) -> None:
+    """Lock the batch's row for this transaction if its fence is still `fence`, else
+    raise LeaseLost: the first statement of every transaction that advances a batch."""
+    stmt = select(Batch.lease_fence).where(Batch.id == batch_id).with_for_update()
+    now = (await s.execute(stmt)).scalar_one_or_none()
+    if now != fence:
+        raise LeaseLost(f"batch {batch_id}: fence {now}, not {fence}")
+
+
 async def count_unfinished(s: AsyncSession, tenant_id: str) -> int:
     """The tenant's batches not yet completed, failed, expired or cancelled."""
     stmt = select(func.count()).where(Batch.tenant_id == tenant_id, Batch.status.not_in(TERMINAL))

@@ -31,7 +31,7 @@ def utcnow() -> datetime:
 
 class Money(TypeDecorator[Decimal]):
     """An exact decimal amount, stored as its string: no float ever touches money, on
-    PostgreSQL or SQLite alike (sums are taken in Python, in Decimal)."""
+    PostgreSQL or SQLite alike (models.billing sums it exactly on both)."""
 
     impl = String(40)
     cache_ok = True
@@ -235,6 +235,8 @@ class Batch(Base):
     # their own reservations), zero once the batch stops expanding.
     reserved_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     reserved_cost: Mapped[Decimal] = mapped_column(Money, default=Decimal(0), server_default="0")
+    # The fencing token of the Celery worker advancing the batch (models.batches.fence).
+    lease_fence: Mapped[int] = mapped_column(BigInteger, server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -72,6 +72,12 @@ class Settings(BaseSettings):
     # batch output and error files; 0: never. Beat removes expired files this often.
     file_expiry_s: int = Field(default=30 * 86_400, ge=0)
     file_expiry_interval_s: float = Field(default=300.0, gt=0)
+    # Uploads a tenant may have in progress at once (every API process together; one more
+    # is refused with 429); 0: no limit. Their bytes on disk count against its quota.
+    files_max_concurrent_uploads: int = Field(default=2, ge=0)
+    # An upload's `.part` file untouched this long was left by a crash (an upload in
+    # progress touches its own every few seconds): the expiry task removes it.
+    files_part_max_age_s: float = Field(default=3600.0, ge=60)
     max_prompt_chars: int = 200_000
     # A tenant's online jobs that may wait in the queue at once when its quota sets no
     # max_queued of its own (0: no default); more are refused with 429 quota_exceeded.
@@ -244,6 +250,9 @@ class Settings(BaseSettings):
     batch_max_outstanding: int = 512
     batch_window_s: float = 86_400.0  # what completion_window "24h" means
     batch_tick_s: float = 2.0  # Celery beat re-drives every active batch this often
+    # The lease a Celery worker holds on a batch it advances (renewed every third of it):
+    # a worker killed mid-step holds its batch up this long at most.
+    batch_lease_s: float = Field(default=15.0, gt=0)
     batch_error_limit: int = 1000  # validation errors reported per batch, at most
     # Batches a tenant may have unfinished at once (validating, in progress, finalizing or
     # cancelling); one more is refused with 429 too_many_batches.

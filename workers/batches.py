@@ -77,48 +77,61 @@ class BatchRunner:
 
     async def advance(self, batch_id: str) -> None:
         await self.r.delete(self.names.batch_poke(batch_id))  # later requests start anew
-        async with batch_lease.lease(self.r, self.names.batch_lock(batch_id)) as held:
-            if not held:
+        ms = int(self.settings.batch_lease_s * 1000)
+        async with batch_lease.lease(self.r, self.names.batch_lock(batch_id), ms) as held:
+            if not held.held:
                 return  # another Celery worker is on it; it loops until nothing changes
-            for _ in range(MAX_STEPS):
-                if not await self._step(batch_id):
-                    break
+            async with self.db.transaction() as s:
+                fence = await batch_repo.take_fence(s, batch_id)
+            if fence is None:
+                return
+            try:
+                for _ in range(MAX_STEPS):
+                    if held.lost or not await self._step(batch_id, fence):
+                        break
+            except batch_repo.LeaseLost as exc:
+                # Another worker took the batch over (this one's lease ran out unnoticed):
+                # nothing of this one's was written after that; it has the batch now.
+                log.warning("stopped advancing: %s", exc)
 
-    async def _step(self, batch_id: str) -> bool:
-        """Do what the batch's status calls for; True when its status changed."""
+    async def _step(self, batch_id: str, fence: int) -> bool:
+        """Do what the batch's status calls for; True when its status changed. Every write
+        is in a transaction that holds the batch's fence (LeaseLost when it moved on)."""
         async with self.db.session() as s:
             batch = await batch_repo.get_batch(s, batch_id)
         if batch is None or batch.status in batch_repo.TERMINAL:
             return False
         if batch.status == BatchStatus.VALIDATING:
-            return await self._validate(batch)
+            return await self._validate(batch, fence)
         if batch.status == BatchStatus.CANCELLING:
-            return await self._wind_up(batch, BatchStatus.CANCELLED, "batch_cancelled")
+            return await self._wind_up(batch, fence, BatchStatus.CANCELLED, "batch_cancelled")
         if batch.status == BatchStatus.FINALIZING:
-            return await self._finalize(batch, BatchStatus.COMPLETED)
+            return await self._finalize(batch, fence, BatchStatus.COMPLETED)
         # in_progress
         if batch.expired_at is None and datetime.now(UTC) >= batch.expires_at:
             async with self.db.transaction() as s:
+                await batch_repo.hold(s, batch.id, fence)
                 await batch_repo.mark_expired(s, batch.id)
             return True
         if batch.expired_at is not None:
-            return await self._wind_up(batch, BatchStatus.EXPIRED, "batch_expired")
-        return await self._pump(batch)
+            return await self._wind_up(batch, fence, BatchStatus.EXPIRED, "batch_expired")
+        return await self._pump(batch, fence)
 
     # --- validating --------------------------------------------------------------------
 
-    async def _validate(self, batch: BatchRecord) -> bool:
+    async def _validate(self, batch: BatchRecord, fence: int) -> bool:
         async with self.db.session() as s:
             source = await file_repo.get_file(
                 s, batch.input_file_id, batch.tenant_id, include_expired=True
             )
         if source is None or not self.settings.file_path(source.id).exists():
             return await self._fail(
-                batch, [_error("file_not_found", "The input file no longer exists.")]
+                batch, fence, [_error("file_not_found", "The input file no longer exists.")]
             )
         if source.bytes > self.settings.batch_max_bytes:
             return await self._fail(
                 batch,
+                fence,
                 [
                     _error(
                         "file_too_large",
@@ -135,10 +148,10 @@ class BatchRunner:
             max_errors=self.settings.batch_error_limit,
         )
         if result.errors:
-            return await self._fail(batch, result.errors)
-        return await self._start(batch, result.requests)
+            return await self._fail(batch, fence, result.errors)
+        return await self._start(batch, fence, result.requests)
 
-    async def _start(self, batch: BatchRecord, requests: int) -> bool:
+    async def _start(self, batch: BatchRecord, fence: int, requests: int) -> bool:
         """Reserve what the whole file can cost and start the batch — or refuse it
         (failed, `budget_exceeded`), never half run. The check and the reservation are one
         transaction under the tenant's lock, like an online admission's: batches and
@@ -155,6 +168,7 @@ class BatchRunner:
             price_out,
         )
         async with self.db.transaction() as s:
+            await batch_repo.hold(s, batch.id, fence)
             refusal = await admission.batch_refusal(s, batch.tenant_id, tokens, cost)
             moved = None
             if refusal is None:
@@ -169,13 +183,14 @@ class BatchRunner:
                     reserved_cost=cost,
                 )
         if refusal is not None:  # nothing was written
-            return await self._fail(batch, [_error(refusal.code, refusal.message)])
+            return await self._fail(batch, fence, [_error(refusal.code, refusal.message)])
         if moved is not None:
             metrics.BATCHES.labels(status=BatchStatus.IN_PROGRESS).inc()
         return moved is not None
 
-    async def _fail(self, batch: BatchRecord, errors: list[dict[str, Any]]) -> bool:
+    async def _fail(self, batch: BatchRecord, fence: int, errors: list[dict[str, Any]]) -> bool:
         async with self.db.transaction() as s:
+            await batch_repo.hold(s, batch.id, fence)
             moved = await batch_repo.transition(
                 s,
                 batch.id,
@@ -190,7 +205,7 @@ class BatchRunner:
 
     # --- in_progress -------------------------------------------------------------------
 
-    async def _pump(self, batch: BatchRecord) -> bool:
+    async def _pump(self, batch: BatchRecord, fence: int) -> bool:
         """Top the batch's outstanding jobs up to the bound; finalise when all are done."""
         async with self.db.session() as s:
             source = await file_repo.get_file(s, batch.input_file_id, include_expired=True)
@@ -211,6 +226,7 @@ class BatchRunner:
             # loop keeps renewing the batch's lock meanwhile.
             lines = await asyncio.to_thread(self._lines, batch, raw)
             async with self.db.transaction() as s:
+                await batch_repo.hold(s, batch.id, fence)
                 prices = await admission.batch_prices(s, self.settings, batch.created_at)
                 queued = await batch_repo.expand(s, batch, lines, line, offset, prices)
                 if queued is None:
@@ -232,6 +248,7 @@ class BatchRunner:
                 counts = await batch_repo.job_counts(s, batch.id)
             if counts.get(JobStatus.QUEUED, 0) + counts.get(JobStatus.RUNNING, 0) == 0:
                 async with self.db.transaction() as s:
+                    await batch_repo.hold(s, batch.id, fence)
                     moved = await batch_repo.transition(
                         s,
                         batch.id,
@@ -247,22 +264,25 @@ class BatchRunner:
 
     # --- cancelling and expiry ---------------------------------------------------------
 
-    async def _wind_up(self, batch: BatchRecord, final: BatchStatus, code: str) -> bool:
+    async def _wind_up(self, batch: BatchRecord, fence: int, final: BatchStatus, code: str) -> bool:
         """Stop what is unfinished, then write what finished and close the batch."""
         reason = "the batch was cancelled" if code == "batch_cancelled" else "the batch expired"
         async with self.db.transaction() as s:
+            await batch_repo.hold(s, batch.id, fence)
             stopped = await batch_repo.stop_unfinished(s, batch.id, code, reason)
         await cancellation.announce(self.r, self.names, self.events, stopped)
-        return await self._finalize(batch, final)
+        return await self._finalize(batch, fence, final)
 
     # --- finalising --------------------------------------------------------------------
 
-    async def _finalize(self, batch: BatchRecord, final: BatchStatus) -> bool:
-        """Write the output and error files (in input order) and close the batch."""
+    async def _finalize(self, batch: BatchRecord, fence: int, final: BatchStatus) -> bool:
+        """Write the output and error files (in input order) and close the batch. The
+        files being written are this holder's own (named by its fence): a stale holder
+        that still writes never writes into the files of the one that took over."""
         files_dir = self.settings.resolved_files_dir
         files_dir.mkdir(parents=True, exist_ok=True)
-        out_tmp = files_dir / f"{batch.id}.output.part"
-        err_tmp = files_dir / f"{batch.id}.errors.part"
+        out_tmp = files_dir / f"{batch.id}.{fence}.output.part"
+        err_tmp = files_dir / f"{batch.id}.{fence}.errors.part"
         completed = failed = 0
         with out_tmp.open("w", encoding="utf-8") as out, err_tmp.open("w", encoding="utf-8") as err:
             after = -1
@@ -303,24 +323,30 @@ class BatchRunner:
         }
         if final != BatchStatus.EXPIRED or batch.expired_at is None:
             values[stamp] = now
-        async with self.db.transaction() as s:
-            moved = await batch_repo.transition(s, batch.id, final, sources, **values)
-            if moved is not None:
+        moved, kept_files = None, False
+        try:
+            async with self.db.transaction() as s:
+                await batch_repo.hold(s, batch.id, fence)
+                moved = await batch_repo.transition(s, batch.id, final, sources, **values)
+                if moved is not None:
+                    for kept in (output_id, error_id):
+                        if kept is not None:
+                            await file_repo.add_file(
+                                s,
+                                kept[0],
+                                batch.tenant_id,
+                                "batch_output",
+                                kept[1],
+                                kept[2],
+                                expires_after_s=self.settings.file_expiry_s,
+                            )
+            kept_files = moved is not None  # committed
+        finally:
+            if not kept_files:  # another closed it or took it over, or it failed: not needed
                 for kept in (output_id, error_id):
                     if kept is not None:
-                        await file_repo.add_file(
-                            s,
-                            kept[0],
-                            batch.tenant_id,
-                            "batch_output",
-                            kept[1],
-                            kept[2],
-                            expires_after_s=self.settings.file_expiry_s,
-                        )
-        if moved is None:  # someone else closed it meanwhile: our copies are not needed
-            for kept in (output_id, error_id):
-                if kept is not None:
-                    self.settings.file_path(kept[0]).unlink(missing_ok=True)
+                        self.settings.file_path(kept[0]).unlink(missing_ok=True)
+        if moved is None:
             return False
         metrics.BATCHES.labels(status=final).inc()
         log.info("batch %s %s: %d completed, %d failed", batch.id, final, completed, failed)

@@ -25,14 +25,18 @@ def child_env(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 class CeleryWorker:
-    def __init__(self, settings: Settings, pool: str = "solo", **env: str) -> None:
-        """`pool`: Celery's `--pool`; `prefork` runs tasks in two child processes."""
+    def __init__(
+        self, settings: Settings, pool: str = "solo", name: str = "celery", **env: str
+    ) -> None:
+        """`pool`: Celery's `--pool`; `prefork` runs tasks in two child processes. `name`
+        tells two workers of one test apart (their logs, their beat's schedule file)."""
         self.settings = settings
         self.pool = pool
+        self.name = name
         defaults = {"RECONCILE_GRACE_S": "2", "RECONCILE_INTERVAL_S": "2", "BATCH_TICK_S": "0.5"}
         self.env = child_env(settings, **{**defaults, **env})
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log = Path(settings.state_dir) / "celery.log"
+        self.log = Path(settings.state_dir) / f"{name}.log"
 
     def start(self) -> None:
         with self.log.open("ab") as out:
@@ -48,8 +52,9 @@ class CeleryWorker:
                     f"--pool={self.pool}",
                     *(["--concurrency=2"] if self.pool == "prefork" else []),
                     "--loglevel=INFO",
+                    f"--hostname={self.name}@%h",
                     "-s",
-                    str(Path(self.settings.state_dir) / "beat-schedule"),
+                    str(Path(self.settings.state_dir) / f"{self.name}-beat-schedule"),
                 ],
                 env=self.env,
                 stdout=out,
