@@ -43,7 +43,13 @@ async def add_file(
     *,
     expires_after_s: int = 0,
 ) -> FileRecord:
-    """A file row; it expires `expires_after_s` after its creation (0: never)."""
+    """A file row; it expires `expires_after_s` after its creation (0: never).
+
+    No quota is checked here: an upload checks its own under the tenant's lock first. A
+    batch's output and error files are added without a check, on purpose: the work is done
+    and paid for, so they are always kept — and counted like any file (`storage_used`), so
+    a tenant they take past its quota has its next uploads refused until it deletes files
+    or they expire."""
     now = utcnow()
     row = File(
         id=file_id,

@@ -137,6 +137,21 @@ class RedisNames:
         member a stream's id, score the end of its lease (Redis time, seconds)."""
         return f"{self.prefix}:tenant:{tenant_id}:streams"
 
+    def tenant_uploads(self, tenant_id: str) -> str:
+        """Sorted set of the tenant's uploads in progress (every API process): member an
+        upload's id, score the end of its lease (Redis time, seconds). Hash-tagged with the
+        two keys below: one script reads all three."""
+        return f"{self.prefix}:tenant:{{{tenant_id}}}:uploads"
+
+    def tenant_upload_bytes(self, tenant_id: str) -> str:
+        """Hash upload id -> the bytes that upload may hold on disk (its reservation)."""
+        return f"{self.prefix}:tenant:{{{tenant_id}}}:uploads:bytes"
+
+    def tenant_uploads_ended(self, tenant_id: str) -> str:
+        """Counter: one more each time one of the tenant's uploads ends (its file row, if
+        any, committed first): a storage figure read before it changed is stale."""
+        return f"{self.prefix}:tenant:{{{tenant_id}}}:uploads:ended"
+
     @property
     def access_channel(self) -> str:
         """Published when a tenant is suspended or deleted ("tenant:<id>") or a key revoked

@@ -115,7 +115,9 @@ def write_unexpanded(settings: Settings, batch: BatchRecord, err: IO[str]) -> in
 def keep(
     settings: Settings, batch: BatchRecord, tmp: Path, kind: str
 ) -> tuple[str, str, int] | None:
-    """Give a written .part file a file id: (id, filename, bytes); None (and removed) if empty."""
+    """Give a written .part file a file id: (id, filename, bytes); None (and removed) if empty.
+    Kept whatever the tenant's storage quota and file count: an output is never lost, and it
+    counts against both from its row on (models.files.add_file)."""
     size = tmp.stat().st_size
     if size == 0:
         tmp.unlink(missing_ok=True)

@@ -6,12 +6,18 @@ of expired files is deleted and their bytes unlinked inside one transaction, so 
 at any point leaves rows to take again (idempotent; bytes already gone are fine), never
 bytes that no row names. The input of a batch still in progress is left until the batch
 ends (models.files.delete_expired).
+
+It also removes the `.part` files (uploads, batch outputs being written) that a crash left
+behind: one untouched for FILES_PART_MAX_AGE_S. An upload in progress touches its own every
+few seconds (api/files/upload_lease.py) and a batch's writer writes to its own as it goes,
+so neither is ever one of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -41,6 +47,27 @@ async def remove_expired_files(
             break
     if removed:
         log.info("removed %d expired files", len(removed), extra={"files": len(removed)})
+    await asyncio.to_thread(remove_stale_parts, settings)
+    return removed
+
+
+def remove_stale_parts(settings: Settings, now: float | None = None) -> list[str]:
+    """Delete the `.part` files on the files volume last modified FILES_PART_MAX_AGE_S or
+    more before `now` (wall clock; default: now); their names."""
+    files_dir = settings.resolved_files_dir
+    if not files_dir.is_dir():
+        return []
+    oldest = (time.time() if now is None else now) - settings.files_part_max_age_s
+    removed: list[str] = []
+    for path in files_dir.glob("*.part"):
+        try:
+            if path.is_file() and path.stat().st_mtime <= oldest:
+                path.unlink()
+                removed.append(path.name)
+        except FileNotFoundError:  # renamed into place or removed meanwhile
+            continue
+    if removed:
+        log.info("removed %d stale .part files", len(removed), extra={"part_files": len(removed)})
     return removed
 
 

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse
-from starlette.datastructures import FormData, UploadFile
+from fastapi.responses import FileResponse, Response
 
-from api.deps import DbDep, SettingsDep, TenantDep, api_key_id
+from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, TenantDep, api_key_id
 from api.errors import APIError, documented, not_found
+from api.files.lingering import LingeringRefusal, Unread
+from api.files.multipart import Form, read_form
+from api.files.part_writer import PartWriter
+from api.files.upload_lease import UploadLease
 from api.pages import list_page
 from models import batches as batch_repo
 from models import files as file_repo
 from models.db import Database
+from models.records import FileRecord
 from models.tenants import lock_tenant
 from services.admission import refuse_unless_active
 from services.hostile import unstorable
@@ -26,11 +32,12 @@ from tierq.settings import Settings
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=documented(400, 401, 503))
 
 UPLOAD_PURPOSES = ("batch",)
-COPY_CHUNK = 1024 * 1024
 MAX_FIELDS = 8  # form fields besides the file
-# Room for the multipart framing and the other fields: a refusal by Content-Length alone
-# (before any byte is spooled) must never refuse a file that would fit.
-FRAMING_BYTES = 64 * 1024
+MAX_FIELD_BYTES = 8 * 1024  # each of them (held in memory)
+# Room for the multipart framing and the other fields (MAX_FIELDS of MAX_FIELD_BYTES): a
+# refusal by Content-Length alone (before any byte is read) must never refuse a file that
+# would fit.
+FRAMING_BYTES = 64 * 1024 + 2 * 1024
 # OpenAI's expires_after, as the SDKs send it in a multipart form.
 EXPIRES_ANCHOR, EXPIRES_SECONDS = "expires_after[anchor]", "expires_after[seconds]"
 EXPIRES_MIN_S, EXPIRES_MAX_S = 3600, 30 * 86_400
@@ -74,47 +81,126 @@ _UPLOAD = {
 }
 
 
-@router.post("", openapi_extra=_UPLOAD, responses=documented(413, 415))
+@router.post("", openapi_extra=_UPLOAD, response_model=None, responses=documented(413, 415, 429))
 async def create_file(
-    request: Request, tenant: TenantDep, db: DbDep, settings: SettingsDep
-) -> dict[str, Any]:
+    request: Request,
+    tenant: TenantDep,
+    db: DbDep,
+    settings: SettingsDep,
+    r: RedisDep,
+    names: NamesDep,
+) -> dict[str, Any] | Response:
     """multipart/form-data with `file`, `purpose` and optionally `expires_after[anchor]`
-    and `expires_after[seconds]` (OpenAI's contract). The tenant's storage quota and file
-    count are checked under its row lock in the transaction that adds the file."""
+    and `expires_after[seconds]` (OpenAI's contract). The file part is written to its
+    `.part` path as it arrives, counted against the tenant's quota with its other uploads
+    in progress (at most FILES_MAX_CONCURRENT_UPLOADS); the exact check of its storage
+    quota and file count is made under its row lock in the transaction that adds the file."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(
             415,
             "Upload a file as multipart/form-data with 'file' and 'purpose'.",
             "invalid_content_type",
         )
-    await _refuse_early(request, tenant.id, db, settings)
-    # Starlette spools a file part to a temporary file beyond 1 MB: never whole in memory.
-    async with request.form(max_files=1, max_fields=MAX_FIELDS) as form:
-        purpose, upload = _purpose(form), form.get("file")
-        if not isinstance(upload, UploadFile):
-            raise APIError(400, "'file' must be a file part.", "invalid_request", param="file")
-        expires_after_s, filename = _expires_after(form, settings), _filename(upload)
-        file_id = new_id("file")
-        size = await _store(upload, settings, file_id)
+    lease = UploadLease(r, names, tenant.id)
+    file_id = new_id("file")
+    target = settings.file_path(file_id)
+    part = target.with_name(target.name + ".part")
+    writer = PartWriter(part, settings, db, tenant.id, lease, _filename)
     try:
-        async with db.transaction() as s:
-            # The tenant's state as of now: a suspension or a revoked key refuses it.
-            limited = _limited(settings)
-            status = await lock_tenant(s, tenant.id, exclusive=limited, key_id=api_key_id(request))
-            refuse_unless_active(status)
-            if limited:
-                _check_room(await file_repo.storage_used(s, tenant.id), size, settings)
-            record = await file_repo.add_file(
-                s, file_id, tenant.id, purpose, filename, size, expires_after_s=expires_after_s
-            )
-    except BaseException:
-        settings.file_path(file_id).unlink(missing_ok=True)
-        raise
-    metrics.FILES_UPLOADED_BYTES.inc(size)
+        async with _slot(lease, settings) as committed:
+            try:
+                form = await _receive(request, db, settings, lease, writer)
+                purpose, expires_after_s = _purpose(form), _expires_after(form, settings)
+                part.rename(target)
+                record = await _add(
+                    request, tenant.id, db, settings, file_id, purpose, writer, expires_after_s
+                )
+                committed.set()
+            except BaseException:
+                part.unlink(missing_ok=True)
+                target.unlink(missing_ok=True)
+                raise
+    except Unread as unread:
+        return LingeringRefusal(unread.refusal)
+    metrics.FILES_UPLOADED_BYTES.inc(writer.size)
     return record.to_api()
 
 
-def _purpose(form: FormData) -> str:
+@contextlib.asynccontextmanager
+async def _slot(lease: UploadLease, settings: Settings) -> AsyncIterator[asyncio.Event]:
+    """One of the tenant's upload slots (429 at FILES_MAX_CONCURRENT_UPLOADS), let go once
+    the upload ended — after its row committed (set the event it yields then): see
+    api/files/upload_lease.py."""
+    most = settings.files_max_concurrent_uploads
+    if not await lease.take(most):
+        raise Unread(
+            APIError(
+                429,
+                f"Too many uploads in progress: this tenant may have {most} at once. Retry "
+                "when one has ended.",
+                "too_many_uploads",
+                retry_after_s=1,
+            )
+        )
+    committed = asyncio.Event()
+    try:
+        yield committed
+    finally:
+        await lease.release(committed.is_set())
+
+
+async def _receive(
+    request: Request, db: Database, settings: Settings, lease: UploadLease, writer: PartWriter
+) -> Form:
+    """Read the whole form, the file part into `writer`; a refusal before the body was
+    read whole is raised as Unread."""
+    try:
+        await _refuse_early(request, writer.tenant_id, db, settings)
+        await writer.prepare()
+        try:
+            async with lease.kept_alive(writer.part):
+                return await read_form(
+                    request.headers["content-type"],
+                    request.stream(),
+                    writer,
+                    max_fields=MAX_FIELDS,
+                    max_field_bytes=MAX_FIELD_BYTES,
+                )
+        finally:
+            await writer.close()
+    except APIError as exc:
+        raise Unread(exc) from None
+
+
+async def _add(
+    request: Request,
+    tenant_id: str,
+    db: Database,
+    settings: Settings,
+    file_id: str,
+    purpose: str,
+    writer: PartWriter,
+    expires_after_s: int,
+) -> FileRecord:
+    async with db.transaction() as s:
+        # The tenant's state as of now: a suspension or a revoked key refuses it.
+        limited = _limited(settings)
+        status = await lock_tenant(s, tenant_id, exclusive=limited, key_id=api_key_id(request))
+        refuse_unless_active(status)
+        if limited:
+            _check_room(await file_repo.storage_used(s, tenant_id), writer.size, settings)
+        return await file_repo.add_file(
+            s,
+            file_id,
+            tenant_id,
+            purpose,
+            writer.filename,
+            writer.size,
+            expires_after_s=expires_after_s,
+        )
+
+
+def _purpose(form: Form) -> str:
     purpose = form.get("purpose")
     if not isinstance(purpose, str) or not purpose:
         raise APIError(400, "'purpose' is required.", "invalid_request", param="purpose")
@@ -128,8 +214,9 @@ def _purpose(form: FormData) -> str:
     return purpose
 
 
-def _filename(upload: UploadFile) -> str:
-    filename = os.path.basename(upload.filename or "upload.jsonl")[:512] or "upload.jsonl"
+def _filename(given: str) -> str:
+    """The name kept for the file (checked before any of its bytes is written)."""
+    filename = os.path.basename(given or "upload.jsonl")[:512] or "upload.jsonl"
     why = unstorable(filename)
     if why is not None:  # PostgreSQL cannot store it: a 400, not a 500 at the INSERT
         raise APIError(
@@ -138,10 +225,10 @@ def _filename(upload: UploadFile) -> str:
     return filename
 
 
-def _expires_after(form: FormData, settings: Settings) -> int:
+def _expires_after(form: Form, settings: Settings) -> int:
     """Seconds from now until the upload expires (0: never): what the client asked for,
     else FILE_EXPIRY_S (OpenAI: batch files expire after 30 days unless asked otherwise)."""
-    asked = {key for key in form if key.startswith("expires_after")}
+    asked = {key for key in form.names() if key.startswith("expires_after")}
     if not asked:
         return settings.file_expiry_s
     unknown = sorted(asked - {EXPIRES_ANCHOR, EXPIRES_SECONDS})
@@ -201,7 +288,7 @@ def _check_room(used: file_repo.Storage, size: int, settings: Settings) -> None:
 
 
 async def _refuse_early(request: Request, tenant_id: str, db: Database, settings: Settings) -> None:
-    """Before a byte is spooled: refuse an upload whose Content-Length alone (less the
+    """Before a byte is read: refuse an upload whose Content-Length alone (less the
     framing) cannot fit, or one past the file count. Without a lock: the decision that
     holds is the one in the transaction that adds the file."""
     if not _limited(settings):
@@ -210,23 +297,6 @@ async def _refuse_early(request: Request, tenant_id: str, db: Database, settings
     async with db.session() as s:
         used = await file_repo.storage_used(s, tenant_id)
     _check_room(used, max(0, size - FRAMING_BYTES), settings)
-
-
-async def _store(upload: UploadFile, settings: Settings, file_id: str) -> int:
-    target = settings.file_path(file_id)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    part = target.with_name(target.name + ".part")
-    size = 0
-    try:
-        with part.open("wb") as out:
-            while chunk := await upload.read(COPY_CHUNK):
-                size += len(chunk)
-                await asyncio.to_thread(out.write, chunk)
-        part.rename(target)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-    return size
 
 
 @router.get("")

@@ -151,7 +151,10 @@ async def test_a_file_name_postgresql_cannot_store_is_a_400(
 async def test_concurrent_uploads_never_pass_the_quota(
     platform: Platform, a: httpx.AsyncClient
 ) -> None:
-    limit(platform.settings, file_storage_quota_bytes=3 * 1000 + 500)  # room for three
+    # All eight at once (the bound on concurrent uploads is tests/.../test_upload_bounds.py's).
+    limit(
+        platform.settings, file_storage_quota_bytes=3 * 1000 + 500, files_max_concurrent_uploads=0
+    )
     answers = await asyncio.gather(*(upload(a, 1000) for _ in range(8)))
     statuses = sorted(r.status_code for r in answers)
     assert statuses == [200] * 3 + [413] * 5, [r.text for r in answers]

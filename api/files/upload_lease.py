@@ -1,0 +1,179 @@
+"""A tenant's uploads in progress, held in Redis for every API process at once: at most
+FILES_MAX_CONCURRENT_UPLOADS of them, each on an expiring lease (a crashed process's slot
+lapses by itself after LEASE_S), each with the bytes it may hold on disk reserved.
+
+Invariant, checked at every reservation: the tenant's committed bytes (PostgreSQL) plus
+the reservations of its live uploads stay within its storage quota. A reservation carries
+the `ended` counter read before the committed figure it was computed from; an upload's
+reservation is dropped only after its file row committed, the counter bumped with it, so a
+figure read before that commit is refused as stale and read again — never undercounted.
+(Batch outputs do not move the counter: a figure older than FRESH_S is read again anyway,
+and the check under the tenant's lock is the exact one.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from enum import Enum
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from tierq.aio import raise_if_cancelled
+from tierq.redis_conn import with_retries
+from tierq.redis_names import RedisNames
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 30.0  # an upload's slot lapses this long after its process stopped renewing it
+ENDED_TTL_S = 86_400  # the `ended` counter outlives any upload; gone, it reads as stale
+
+# KEYS: uploads (zset), bytes (hash), ended (counter). ARGV: limit (0: none), lease, member.
+# Drops lapsed leases and their reservations, refuses at the limit, else adds this one.
+_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+  redis.call('HDEL', KEYS[2], m)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local limit = tonumber(ARGV[1])
+if limit > 0 and redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
+local ttl = math.ceil(tonumber(ARGV[2])) + 1
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[3], 0)
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+return 1
+"""
+
+# ARGV: member, total bytes wanted, room (quota less committed bytes), `ended` as read
+# before that figure. -2: the lease lapsed; -3: the figure is stale; -1: no room; else the
+# most this upload may hold as of now (room less the other live uploads' reservations).
+_RESERVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not held or tonumber(held) < now then return -2 end
+if (redis.call('GET', KEYS[3]) or '0') ~= ARGV[4] then return -3 end
+local others = 0
+local all = redis.call('HGETALL', KEYS[2])
+for i = 1, #all, 2 do
+  if all[i] ~= ARGV[1] then
+    local score = redis.call('ZSCORE', KEYS[1], all[i])
+    if score and tonumber(score) >= now then others = others + tonumber(all[i + 1]) end
+  end
+end
+local room = tonumber(ARGV[3]) - others
+if tonumber(ARGV[2]) > room then return -1 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return room
+"""
+
+# ARGV: lease, member. Extends a lease still held (XX): one that lapsed stays gone.
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local ttl = math.ceil(tonumber(ARGV[1])) + 1
+local n = redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[1]), ARGV[2])
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+return n
+"""
+
+# ARGV: member, the counter's TTL, 1 if the upload's row committed (then only, the counter
+# moves: a refused upload only gives room back, which a stale figure never overcounts).
+_RELEASE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if ARGV[3] == '1' then
+  redis.call('INCR', KEYS[3])
+  redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))
+end
+return 1
+"""
+
+
+class Reserved(Enum):
+    LAPSED = -2  # the lease is gone (Redis unreachable past LEASE_S, or flushed)
+    STALE = -3  # an upload ended since the committed figure was read: read it again
+    NO_ROOM = -1
+
+
+class UploadLease:
+    """One upload's slot among its tenant's; `take` it, then `release` it in a finally."""
+
+    def __init__(self, r: aioredis.Redis, names: RedisNames, tenant_id: str) -> None:
+        self.r = r
+        self.member = uuid.uuid4().hex
+        self.keys = [
+            names.tenant_uploads(tenant_id),
+            names.tenant_upload_bytes(tenant_id),
+            names.tenant_uploads_ended(tenant_id),
+        ]
+        self._acquire = r.register_script(_ACQUIRE)
+        self._reserve = r.register_script(_RESERVE)
+        self._renew = r.register_script(_RENEW)
+        self._release = r.register_script(_RELEASE)
+
+    async def take(self, limit: int) -> bool:
+        """False when the tenant already has `limit` uploads in progress (0: no limit)."""
+        args: list[str | int | float] = [limit, LEASE_S, self.member]
+        try:
+            got = await with_retries(lambda: self._acquire(keys=self.keys, args=args))
+        except BaseException:
+            await self.release(committed=False)  # in case it went through
+            raise
+        return bool(got)
+
+    async def ended(self) -> str:
+        """The `ended` counter, read before a committed figure that a reservation uses."""
+        value = await with_retries(lambda: self.r.get(self.keys[2]))
+        return "0" if value is None else value.decode() if isinstance(value, bytes) else value
+
+    async def reserve(self, total: int, room: int, ended: str) -> int | Reserved:
+        """Hold `total` bytes on disk for this upload, given `room` (the quota less the
+        committed bytes, read after `ended`): the most it may hold now, or why not."""
+        args: list[str | int | float] = [self.member, total, room, ended]
+        got = int(await with_retries(lambda: self._reserve(keys=self.keys, args=args)))
+        return Reserved(got) if got < 0 else got
+
+    async def release(self, committed: bool) -> None:
+        """Let the slot go once the upload's row `committed` (or not: it was refused). Best
+        effort: if Redis is away, the lease lapses by itself — but then a figure read before
+        the commit is not known to be stale for up to FRESH_S (part_writer.py)."""
+        args: list[str | int | float] = [self.member, ENDED_TTL_S, int(committed)]
+        try:
+            await self._release(keys=self.keys, args=args)
+        except Exception as exc:
+            raise_if_cancelled(exc)
+            log.warning("could not release an upload slot: %s", exc)
+
+    @contextlib.asynccontextmanager
+    async def kept_alive(self, part: Path) -> AsyncIterator[None]:
+        """Renew the lease and touch the `.part` file (the expiry task's sign of life)
+        every LEASE_S / 3 while the body is read: a client that pauses keeps both."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(LEASE_S / 3)
+                try:
+                    await self._renew(keys=self.keys[:2], args=[LEASE_S, self.member])
+                except Exception as exc:
+                    raise_if_cancelled(exc)
+                    log.warning("could not renew an upload slot: %s", exc)
+                with contextlib.suppress(FileNotFoundError):
+                    await asyncio.to_thread(os.utime, part)
+
+        task = asyncio.create_task(beat(), name="upload-lease")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
