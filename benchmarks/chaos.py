@@ -62,6 +62,7 @@ from benchmarks.harness import (
     as_json,
     base_env,
     error_code,
+    fault_schedule,
     platform_children,
     retry_after,
     sse_events,
@@ -309,41 +310,20 @@ async def _faults(
 ) -> None:
     """One fault every `fault_every_s`: each kind once per round of six, in a seeded order
     (so a short run still meets every kind), on a seeded target."""
-    rng = random.Random(cfg.seed)
-    deck: list[str] = []
-    start = time.monotonic()
-    for n in itertools.count(1):
-        at = start + n * cfg.fault_every_s
-        if at - start >= cfg.duration_s:
-            return
-        await asyncio.sleep(max(0.0, at - time.monotonic()))
-        if not deck:
-            deck = list(FAULT_KINDS)
-            rng.shuffle(deck)
-        kind = deck.pop()
-        fault = Fault(time.time(), kind)
-        try:
-            if kind == "client_kill":
-                fault.detail = f"{await redis_server.kill_clients()} connections"
-            elif kind == "redis_restart":
-                await redis_server.restart()
-            else:
-                prefix = {"kill_worker": "worker", "kill_celery": "celery"}.get(kind, kind[5:])
-                targets = sup.names(prefix)
-                fault.target = targets[rng.randrange(len(targets))] if targets else None
-                if fault.target is not None:
-                    sup.kill(fault.target)
-        except (aioredis.RedisError, OSError, RuntimeError) as exc:
-            fault.detail = f"not done: {exc}"
-            log.warning("fault %s could not be done: %s", kind, exc)
-        faults.append(fault)
-        log.info(
-            "fault %d: %s%s%s",
-            n,
-            kind,
-            f" {fault.target}" if fault.target else "",
-            f" ({fault.detail})" if fault.detail else "",
-        )
+
+    async def act(kind: str, fault: Fault, rng: random.Random) -> None:
+        if kind == "client_kill":
+            fault.detail = f"{await redis_server.kill_clients()} connections"
+        elif kind == "redis_restart":
+            await redis_server.restart()
+        else:
+            prefix = {"kill_worker": "worker", "kill_celery": "celery"}.get(kind, kind[5:])
+            targets = sup.names(prefix)
+            fault.target = targets[rng.randrange(len(targets))] if targets else None
+            if fault.target is not None:
+                sup.kill(fault.target)
+
+    await fault_schedule(FAULT_KINDS, cfg.seed, cfg.fault_every_s, cfg.duration_s, act, faults)
 
 
 # --- the run --------------------------------------------------------------------------------

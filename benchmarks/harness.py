@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -24,7 +26,7 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -58,6 +60,45 @@ class Fault:
     kind: str
     target: str | None = None
     detail: str | None = None
+
+
+async def fault_schedule(
+    kinds: tuple[str, ...],
+    seed: int,
+    every_s: float,
+    duration_s: float,
+    act: Callable[[str, Fault, random.Random], Awaitable[None]],
+    faults: list[Fault],
+) -> None:
+    """One fault every `every_s` for `duration_s`: each of `kinds` once per round, in a
+    seeded order (so a short run still meets every kind); `act(kind, fault, rng)` does it
+    (and may name its target and detail). A fault that could not be done is recorded so."""
+    rng = random.Random(seed)
+    deck: list[str] = []
+    start = time.monotonic()
+    for n in itertools.count(1):
+        at = start + n * every_s
+        if at - start >= duration_s:
+            return
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        if not deck:
+            deck = list(kinds)
+            rng.shuffle(deck)
+        kind = deck.pop()
+        fault = Fault(time.time(), kind)
+        try:
+            await act(kind, fault, rng)
+        except (aioredis.RedisError, OSError, RuntimeError) as exc:
+            fault.detail = f"not done: {exc}"
+            log.warning("fault %s could not be done: %s", kind, exc)
+        faults.append(fault)
+        log.info(
+            "fault %d: %s%s%s",
+            n,
+            kind,
+            f" {fault.target}" if fault.target else "",
+            f" ({fault.detail})" if fault.detail else "",
+        )
 
 
 def free_port() -> int:
@@ -113,12 +154,13 @@ class RedisServer:
         self.start()
         await self.wait_ready()
 
-    async def kill_clients(self) -> int:
-        """CLIENT KILL TYPE normal from a fresh admin connection (which it skips)."""
+    async def kill_clients(self, kind: str = "normal") -> int:
+        """CLIENT KILL TYPE `kind` (normal, pubsub) from a fresh admin connection (which it
+        skips)."""
         async with aioredis.Redis(
             host="127.0.0.1", port=self.port, socket_connect_timeout=1, socket_timeout=2
         ) as r:
-            return int(await r.execute_command("CLIENT", "KILL", "TYPE", "normal"))
+            return int(await r.execute_command("CLIENT", "KILL", "TYPE", kind))
 
 
 class Supervisor:
@@ -150,11 +192,13 @@ class Supervisor:
         c.start(self.envs[c.name])
         log.info("started %s (pid %s)", c.name, c.proc.pid if c.proc else "?")
 
-    def kill(self, name: str) -> None:
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` (SIGKILL: a crash; SIGTERM: a planned restart) to the child's
+        process group; it is started again as soon as it has exited."""
         c = self.children[name]
         if c.proc is not None and c.proc.poll() is None:
             self.planned.add(name)
-            c.signal_group(signal.SIGKILL)
+            c.signal_group(sig)
 
     def tick(self) -> None:
         now = time.monotonic()

@@ -396,6 +396,34 @@ def bench_chaos(
     _run_platform_bench(run_chaos(get_settings(), cfg))
 
 
+@bench_app.command("soak")
+def bench_soak(
+    duration: float = typer.Option(600.0, help="Seconds of mixed load, with faults."),
+    seed: int = typer.Option(0, help="Seeds the load and the fault schedule."),
+    rate: float = typer.Option(6.0, help="Submissions per second (jobs, cancels, hang-ups)."),
+    workers: int = typer.Option(3, help="Worker processes (simulated engines)."),
+    fault_every: float = typer.Option(10.0, help="Seconds between faults."),
+    settle: float = typer.Option(90.0, help="After the load: how long work may take to end."),
+    keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the processes' logs."),
+) -> None:
+    """A long mixed run (jobs, SSE, cancels, hang-ups, batches) while workers are restarted
+    and killed, pub/sub dropped and Redis restarted (simulated engine); one JSON line last."""
+    from benchmarks.soak import SoakConfig, run_soak
+
+    setup_logging("INFO")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = SoakConfig(
+        duration_s=duration,
+        seed=seed,
+        rate=rate,
+        workers=workers,
+        fault_every_s=fault_every,
+        settle_s=settle,
+        keep_logs=keep_logs,
+    )
+    _run_platform_bench(run_soak(get_settings(), cfg))
+
+
 @bench_app.command("isolation")
 def bench_isolation(
     duration: float = typer.Option(

@@ -7,49 +7,19 @@ the platform's processes on the simulated engine) and checks its JSON line.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import PG_ADMIN_URL
+from tests.integration.bench_proc import run_bench
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 
 def _run_chaos(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "DATABASE_URL": PG_ADMIN_URL}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "bench", "chaos", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # SIGINT first: the bench then kills every process group it started.
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        pytest.fail(f"bench chaos ran past {TIMEOUT_S} s:\n{err[-5000:]}")
-    assert proc.returncode == 0, err[-5000:]
-    lines = [line for line in out.splitlines() if line.strip()]
-    assert lines, err[-5000:]
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return run_bench("chaos", *args, timeout_s=TIMEOUT_S)
 
 
 def test_chaos_run_loses_nothing_and_doubles_nothing() -> None:
