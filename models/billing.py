@@ -34,11 +34,13 @@ from sqlalchemy import (
     func,
     literal_column,
     select,
+    text,
     type_coerce,
 )
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement, Label
 
+from models.db import Database
 from models.records import unix
 from models.tables import Invoice, UsageRecord, utcnow
 from tierq.ids import new_id
@@ -344,6 +346,25 @@ async def roll_up(s: AsyncSession, period: str) -> list[str]:
     """Write (or rewrite) every tenant's invoice for the month from the ledger, in one
     session; running it twice changes nothing. Returns the tenant ids invoiced."""
     return await write_invoices(s, await month_usage(s, period))
+
+
+async def roll_up_month(db: Database, period: str) -> list[str]:
+    """`roll_up` as beat and the admin API run it, however many at once. On PostgreSQL
+    under a transaction-scoped advisory lock per month, the sums read inside it: two
+    roll-ups of one month (beat's and an operator's) take turns, so the older sums are
+    never written last. On SQLite the sums are read before the writing transaction (it
+    holds the file's one write lock, which every job's ending waits for); its one process
+    of each kind makes overlapping roll-ups rare, and the next one corrects them."""
+    if db.raw is None:
+        async with db.session() as s:
+            usage = await month_usage(s, period)
+        async with db.transaction() as s:
+            return await write_invoices(s, usage)
+    async with db.transaction() as s:
+        await s.execute(
+            text("SELECT pg_advisory_xact_lock(hashtext(:key))"), {"key": f"invoices:{period}"}
+        )
+        return await roll_up(s, period)
 
 
 def invoice_to_api(inv: Invoice) -> dict[str, Any]:

@@ -122,6 +122,14 @@ async def delete_file(s: AsyncSession, file_id: str, tenant_id: str) -> bool:
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
+async def known_ids(s: AsyncSession, ids: list[str]) -> set[str]:
+    """Those of `ids` that name a file row (expired or not)."""
+    if not ids:
+        return set()
+    rows = await s.execute(select(File.id).where(File.id.in_(ids)))
+    return {file_id for (file_id,) in rows}
+
+
 async def delete_expired(s: AsyncSession, now: datetime, limit: int) -> list[str]:
     """Delete up to `limit` files expired by `now` that no active batch reads; their ids.
     The caller removes their bytes before it commits, so a failure in between leaves rows

@@ -11,9 +11,12 @@ under-count — plus a generous template allowance.
 
 What provably cannot fit is refused before anything is tokenized: with the tokenizer at
 hand, no token covers more bytes than its vocabulary's longest, so a prompt of B bytes is
-at least B / longest tokens (`floor_quick`: a 200,000-character prompt against a 2,048-token
-context is refused in microseconds). Where the prompt is tokenized anyway (to reserve it
-exactly), `measure` gives the count's floor as well as its bound, from one tokenization.
+at least B / longest tokens (`floor_quick`). That floor is loose (the bundled model's
+longest token is 162 bytes: 332,000 bytes of prompt before it alone refuses a 2,048-token
+context); what passes it but might not fit is tokenized (`measure`: the count's floor and
+bound from one tokenization, 0.1-0.2 s for 200,000 characters) in a small pool of
+threads of its own (COUNT_THREADS), so a tenant's flood of long prompts waits there, not
+in the default pool that file writes and every other thread hop of the process share.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import time
 import unicodedata
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,10 @@ BYTES_MESSAGE_TOKENS = 8
 EDGE_MARGIN = 2
 # Prompts shorter than this are counted on the event loop (a thread costs more).
 INLINE_CHARS = 4096
+# Threads that count long prompts (one API or Celery process): the tokenizer lets go of the
+# GIL, so two count at once on two cores; more would only queue for the CPU.
+COUNT_THREADS = 2
+_COUNTING = ThreadPoolExecutor(max_workers=COUNT_THREADS, thread_name_prefix="tierq-count")
 
 
 def _text(content: Any) -> str:
@@ -149,15 +157,6 @@ class PromptCounter:
         """What a job reserves: its prompt's bound plus every token it may generate."""
         return self.bound(messages, prompt) + max_tokens
 
-    async def reserve_off_loop(
-        self, messages: Sequence[dict[str, Any]] | None, prompt: str | None, max_tokens: int
-    ) -> int:
-        """`reserve`, in a thread when the prompt is long (the event loop keeps serving)."""
-        size = len(prompt or "") + sum(len(_text(m.get("content", ""))) for m in messages or [])
-        if self.tokenizer is None or size < INLINE_CHARS:
-            return self.reserve(messages, prompt, max_tokens)
-        return await asyncio.to_thread(self.reserve, messages, prompt, max_tokens)
-
     async def measure_off_loop(
         self, messages: Sequence[dict[str, Any]] | None, prompt: str | None
     ) -> tuple[int, int]:
@@ -165,7 +164,8 @@ class PromptCounter:
         size = len(prompt or "") + sum(len(_text(m.get("content", ""))) for m in messages or [])
         if self.tokenizer is None or size < INLINE_CHARS:
             return self.measure(messages, prompt)
-        return await asyncio.to_thread(self.measure, messages, prompt)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_COUNTING, self.measure, messages, prompt)
 
     @classmethod
     def from_folder(cls, folder: Path) -> PromptCounter:

@@ -7,6 +7,7 @@ are written as `.part` files beside the others and kept under a file id once com
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
@@ -124,4 +125,5 @@ def keep(
         return None
     file_id = new_id("file")
     tmp.rename(settings.file_path(file_id))
+    os.utime(settings.file_path(file_id))  # the orphan sweep counts its age from here
     return file_id, f"{batch.id}_{kind}.jsonl", size

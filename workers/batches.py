@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from datetime import UTC, datetime
 from typing import Any
 
@@ -294,37 +295,42 @@ class BatchRunner:
                 after = page[-1].batch_line or after
                 c, f = batch_output.write_results(page, batch.endpoint, out, err)
                 completed, failed = completed + c, failed + f
+                # Both are alive while written, an unwritten error file too: the expiry
+                # task removes only .part files left untouched (workers/files_expiry.py).
+                for tmp in (out_tmp, err_tmp):
+                    os.utime(tmp)
             if final == BatchStatus.EXPIRED:
                 failed += await asyncio.to_thread(
                     batch_output.write_unexpanded, self.settings, batch, err
                 )
-        output_id = await asyncio.to_thread(
-            batch_output.keep, self.settings, batch, out_tmp, "output"
-        )
-        error_id = await asyncio.to_thread(
-            batch_output.keep, self.settings, batch, err_tmp, "errors"
-        )
-        now = datetime.now(UTC)
-        stamp = {
-            BatchStatus.COMPLETED: "completed_at",
-            BatchStatus.CANCELLED: "cancelled_at",
-            BatchStatus.EXPIRED: "expired_at",
-        }[final]
-        sources = {
-            BatchStatus.COMPLETED: (BatchStatus.FINALIZING,),
-            BatchStatus.CANCELLED: (BatchStatus.CANCELLING,),
-            BatchStatus.EXPIRED: (BatchStatus.IN_PROGRESS, BatchStatus.VALIDATING),
-        }[final]
-        values: dict[str, Any] = {
-            "output_file_id": output_id[0] if output_id else None,
-            "error_file_id": error_id[0] if error_id else None,
-            "request_completed": completed,
-            "request_failed": failed,
-        }
-        if final != BatchStatus.EXPIRED or batch.expired_at is None:
-            values[stamp] = now
+        output_id = error_id = None
         moved, kept_files = None, False
         try:
+            output_id = await asyncio.to_thread(
+                batch_output.keep, self.settings, batch, out_tmp, "output"
+            )
+            error_id = await asyncio.to_thread(
+                batch_output.keep, self.settings, batch, err_tmp, "errors"
+            )
+            now = datetime.now(UTC)
+            stamp = {
+                BatchStatus.COMPLETED: "completed_at",
+                BatchStatus.CANCELLED: "cancelled_at",
+                BatchStatus.EXPIRED: "expired_at",
+            }[final]
+            sources = {
+                BatchStatus.COMPLETED: (BatchStatus.FINALIZING,),
+                BatchStatus.CANCELLED: (BatchStatus.CANCELLING,),
+                BatchStatus.EXPIRED: (BatchStatus.IN_PROGRESS, BatchStatus.VALIDATING),
+            }[final]
+            values: dict[str, Any] = {
+                "output_file_id": output_id[0] if output_id else None,
+                "error_file_id": error_id[0] if error_id else None,
+                "request_completed": completed,
+                "request_failed": failed,
+            }
+            if final != BatchStatus.EXPIRED or batch.expired_at is None:
+                values[stamp] = now
             async with self.db.transaction() as s:
                 await batch_repo.hold(s, batch.id, fence)
                 moved = await batch_repo.transition(s, batch.id, final, sources, **values)

@@ -19,10 +19,5 @@ async def roll_up_invoices(db: Database, period: str | None = None) -> list[str]
     """Returns "<period>:<tenant>" for every invoice written or confirmed."""
     done: list[str] = []
     for month in [period] if period else months_to_roll(datetime.now(UTC)):
-        # One aggregate over the month, read outside the transaction that writes the
-        # invoices (on SQLite that one holds the write lock every job's ending waits for).
-        async with db.session() as s:
-            usage = await billing.month_usage(s, month)
-        async with db.transaction() as s:
-            done += [f"{month}:{tenant}" for tenant in await billing.write_invoices(s, usage)]
+        done += [f"{month}:{tenant}" for tenant in await billing.roll_up_month(db, month)]
     return done

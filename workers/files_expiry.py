@@ -9,13 +9,16 @@ ends (models.files.delete_expired).
 
 It also removes the `.part` files (uploads, batch outputs being written) that a crash left
 behind: one untouched for FILES_PART_MAX_AGE_S. An upload in progress touches its own every
-few seconds (api/files/upload_lease.py) and a batch's writer writes to its own as it goes,
-so neither is ever one of them.
+few seconds (api/files/upload_lease.py) and a batch's writer touches both of its own every
+page, so neither is ever one of them. And the orphans: a file renamed into place (touched
+then) whose row never committed — its process killed between the rename and the commit —
+is removed once it is that old and still named by no row.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from datetime import datetime
@@ -48,7 +51,44 @@ async def remove_expired_files(
     if removed:
         log.info("removed %d expired files", len(removed), extra={"files": len(removed)})
     await asyncio.to_thread(remove_stale_parts, settings)
+    await remove_orphans(settings, db)
     return removed
+
+
+async def remove_orphans(settings: Settings, db: Database, now: float | None = None) -> list[str]:
+    """Delete the files on the volume that no row names, last touched FILES_PART_MAX_AGE_S
+    or more before `now` (wall clock); their names."""
+    files_dir = settings.resolved_files_dir
+    if not files_dir.is_dir():
+        return []
+    oldest = (time.time() if now is None else now) - settings.files_part_max_age_s
+    old = await asyncio.to_thread(_older_files, files_dir, oldest)
+    removed: list[str] = []
+    for start in range(0, len(old), PAGE):
+        page = old[start : start + PAGE]
+        async with db.session() as s:
+            known = await file_repo.known_ids(s, page)
+        gone = [name for name in page if name not in known]
+        await asyncio.to_thread(_unlink, files_dir, gone)
+        removed += gone
+    if removed:
+        log.warning(
+            "removed %d files no row names (left by a crash)",
+            len(removed),
+            extra={"orphan_files": len(removed)},
+        )
+    return removed
+
+
+def _older_files(files_dir: Path, oldest: float) -> list[str]:
+    names: list[str] = []
+    for path in files_dir.glob("file_*"):
+        if path.suffix == ".part":
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if path.is_file() and path.stat().st_mtime <= oldest:
+                names.append(path.name)
+    return names
 
 
 def remove_stale_parts(settings: Settings, now: float | None = None) -> list[str]:

@@ -83,12 +83,7 @@ async def invoices_csv(db: DbDep, tenant: str | None = None, period: Period = No
 async def roll_up_invoices(db: DbDep, period: Period = None) -> dict[str, Any]:
     """Roll the month's ledger up into invoices now (beat does it periodically)."""
     month = _period(period) or datetime.now(UTC).strftime("%Y-%m")
-    # The month's sums are read first, outside the transaction that writes the invoices:
-    # on SQLite that transaction holds the one write lock, and nothing waits for a scan.
-    async with db.session() as s:
-        usage = await billing_repo.month_usage(s, month)
-    async with db.transaction() as s:
-        tenants = await billing_repo.write_invoices(s, usage)
+    tenants = await billing_repo.roll_up_month(db, month)
     async with db.session() as s:
         rows = await billing_repo.invoices(s, None, month)
     return {"object": "list", "period": month, "tenants": tenants, "data": rows}

@@ -24,6 +24,11 @@ FLUSH_BYTES = 1024 * 1024  # bytes held in memory before they are written
 RESERVE_STEP = 256 * 1024
 FRESH_S = 2.0  # a committed-storage figure older than this is read again
 RESERVE_TRIES = 20  # stale figures in a row (uploads committed meanwhile) before a 503
+# A refusal that only other uploads in progress cause (the committed bytes alone leave
+# room) is asked again after this, a few times: one that has just committed holds its
+# reservation until it lets its slot go, counted twice for that moment.
+CROWDED_WAIT_S = 0.1
+CROWDED_TRIES = 5
 
 
 class PartWriter:
@@ -105,6 +110,7 @@ class PartWriter:
         if not quota:
             self._reserved = total
             return
+        crowded = 0
         for _ in range(RESERVE_TRIES):
             fresh = self._room is None or time.monotonic() - self._read_at > FRESH_S
             if fresh:
@@ -118,6 +124,12 @@ class PartWriter:
                     "upload_interrupted",
                     retry_after_s=1,
                 )
+            if got is Reserved.NO_ROOM and fresh and total <= self._room:
+                crowded += 1
+                if crowded <= CROWDED_TRIES:  # other uploads in flight: ask again shortly
+                    await asyncio.sleep(CROWDED_WAIT_S)
+                    self._room = None
+                    continue
             if got is Reserved.NO_ROOM and fresh:
                 raise APIError(
                     413,

