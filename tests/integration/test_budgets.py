@@ -108,6 +108,7 @@ async def _stream_and_hang_up(c: httpx.AsyncClient, chunks: int | None) -> int:
     return 200
 
 
+@pytest.mark.with_settings(files_max_concurrent_uploads=0)  # its five uploads go at once
 async def test_batches_and_online_jobs_at_once_never_pass_the_budget(
     running: Platform, celery: CeleryWorker
 ) -> None:

@@ -17,6 +17,7 @@ from cli.top import fetch, render
 from tests.conftest import Platform
 from tests.helpers import admin, assert_openai_error, client, new_tenant, wait_for
 from tests.integration.batch_helpers import jsonl, line, sdk, submit
+from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,13 @@ async def test_a_tenant_key_sees_nothing(platform: Platform) -> None:
         assert name in (await a.get("/admin/overview")).text  # where the data is
 
 
-async def test_the_overview_reports_what_the_platform_did(running: Platform) -> None:
+async def test_the_overview_reports_what_the_platform_did(platform: Platform) -> None:
+    # The worker's engine takes a shorter context (1,024) than the API admits (2,048): a
+    # prompt between the two is admitted, then refused by the engine — a job that fails.
+    running = platform
+    running.start_dispatcher()
+    short = CostModel(slots=running.settings.max_num_seqs, max_model_len=1024).scaled(20)
+    await running.start_worker("w1", cost=short)
     tenant_id, key = await new_tenant(platform=running, name=f"busy-{uuid.uuid4().hex[:8]}")
     async with admin(running) as a:
         quota = {"tier": "standard", "requests_per_minute": 10}
@@ -50,8 +57,8 @@ async def test_the_overview_reports_what_the_platform_did(running: Platform) -> 
         for tier in ("interactive", "standard", "standard", "standard"):
             body = {"tier": tier, "messages": CHAT, "max_tokens": 8}
             ids.append((await c.post("/v1/jobs", json=body)).json()["id"])
-        # Fails in the engine: too many prompt tokens for the context (2048).
-        bad = {"tier": "interactive", "prompt": "word " * 3000, "max_tokens": 8}
+        # Fails in the engine: too many prompt tokens for its context (1,024).
+        bad = {"tier": "interactive", "prompt": "word " * 1500, "max_tokens": 8}
         bad_id = (await c.post("/v1/jobs", json=bad)).json()["id"]
         finals = [await wait_for(c, i) for i in ids]
         failed = await wait_for(c, bad_id)
