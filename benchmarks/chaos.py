@@ -60,8 +60,8 @@ from benchmarks.harness import (
     ScratchPlatform,
     Supervisor,
     as_json,
-    base_env,
     error_code,
+    fault_env,
     fault_schedule,
     platform_children,
     retry_after,
@@ -330,19 +330,7 @@ async def _faults(
 
 
 def _env(cfg: ChaosConfig, settings: Settings, admin_key: str) -> dict[str, str]:
-    env = base_env(settings, admin_key)
-    env.update(
-        {
-            "MAX_NUM_SEQS": str(cfg.max_num_seqs),
-            "HEARTBEAT_INTERVAL_S": "0.5",
-            "WORKER_DEAD_AFTER_S": "3",
-            "RECONCILE_INTERVAL_S": "2",
-            "RECONCILE_GRACE_S": "2",
-            "RECONCILE_ORPHAN_GRACE_S": "2",
-            "DRAIN_TIMEOUT_S": "5",
-        }
-    )
-    return env
+    return fault_env(settings, admin_key, cfg.max_num_seqs)
 
 
 def _children(

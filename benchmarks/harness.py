@@ -396,6 +396,24 @@ def base_env(settings: Settings, admin_key: str) -> dict[str, str]:
     return env
 
 
+def fault_env(settings: Settings, admin_key: str, max_num_seqs: int) -> dict[str, str]:
+    """`base_env` with the timings of a run that faults its processes: a lost worker is
+    noticed in 3 s, the reconciler looks every 2 s, a drain lasts 5 s at most."""
+    env = base_env(settings, admin_key)
+    env.update(
+        {
+            "MAX_NUM_SEQS": str(max_num_seqs),
+            "HEARTBEAT_INTERVAL_S": "0.5",
+            "WORKER_DEAD_AFTER_S": "3",
+            "RECONCILE_INTERVAL_S": "2",
+            "RECONCILE_GRACE_S": "2",
+            "RECONCILE_ORPHAN_GRACE_S": "2",
+            "DRAIN_TIMEOUT_S": "5",
+        }
+    )
+    return env
+
+
 def platform_children(
     settings: Settings,
     logs: Path,

@@ -63,8 +63,8 @@ from benchmarks.harness import (
     RedisServer,
     ScratchPlatform,
     Supervisor,
-    base_env,
     error_code,
+    fault_env,
     fault_schedule,
     platform_children,
     retry_after,
@@ -359,19 +359,7 @@ async def run_soak(base: Settings, cfg: SoakConfig) -> dict[str, Any]:
     tag = f"soak_{cfg.seed}_{uuid.uuid4().hex[:8]}"
     async with ScratchPlatform(base, "soak", "simulated", REDIS_PREFIX, tag, cfg.keep_logs) as p:
         keys = [await ensure_tenant_key(p.settings, name, None) for name in TENANTS]
-        env = base_env(p.settings, p.admin_key)
-        env.update(
-            {
-                "MAX_NUM_SEQS": str(cfg.max_num_seqs),
-                "HEARTBEAT_INTERVAL_S": "0.5",
-                "WORKER_DEAD_AFTER_S": "3",
-                "RECONCILE_INTERVAL_S": "2",
-                "RECONCILE_GRACE_S": "2",
-                "RECONCILE_ORPHAN_GRACE_S": "2",
-                "DRAIN_TIMEOUT_S": "5",
-                "BATCH_TICK_S": "1",
-            }
-        )
+        env = {**fault_env(p.settings, p.admin_key, cfg.max_num_seqs), "BATCH_TICK_S": "1"}
         children = platform_children(
             p.settings, p.logs, env, cfg.workers, lambda i, name: {"WORKER_ID": f"soak-{name}"}
         )
