@@ -182,6 +182,26 @@ def migrate(
         migrations.upgrade(url, revision)
 
 
+@app.command("rebuild-usage-days")
+def rebuild_usage_days(
+    tenant: str | None = typer.Option(None, help="One tenant's days only (default: all)."),
+) -> None:
+    """Recompute the ledger's day sums from its records, after records were loaded around
+    tierq (an import, a repair); job endings wait while it runs. Prints the rows written."""
+    from models import billing
+    from models.db import Database
+
+    async def main() -> int:
+        db = Database(get_settings().resolved_database_url)
+        try:
+            async with db.transaction() as s:
+                return await billing.rebuild_days(s, tenant)
+        finally:
+            await db.close()
+
+    typer.echo(asyncio.run(main()))
+
+
 @app.command("prepare-model")
 def prepare_model() -> None:
     """Convert the bundled model once (cached); prints its folder."""

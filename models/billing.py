@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from decimal import Context, Decimal, localcontext
 from typing import Any
 
@@ -31,7 +31,9 @@ from sqlalchemy import (
     String,
     case,
     cast,
+    delete,
     func,
+    insert,
     literal_column,
     select,
     text,
@@ -42,7 +44,7 @@ from sqlalchemy.sql.elements import ColumnElement, Label
 
 from models.db import Database
 from models.records import unix
-from models.tables import Invoice, UsageRecord, utcnow
+from models.tables import Invoice, UsageDay, UsageRecord, utcnow
 from tierq.ids import new_id
 
 GROUPS = ("day", "tier", "model")
@@ -106,19 +108,49 @@ class Usage:
 # --- the sums, in SQL ----------------------------------------------------------------
 
 
-def _key_column(name: str, dialect: str) -> ColumnElement[Any]:
-    if name == "day":  # the UTC date (SQLite holds UTC datetimes as text)
-        if dialect == "sqlite":
-            return func.substr(
-                type_coerce(UsageRecord.created_at, String), _literal(1), _literal(10)
-            )
-        return cast(func.timezone(literal_column("'UTC'"), UsageRecord.created_at), Date)
-    columns: dict[str, ColumnElement[Any]] = {
-        "tenant": UsageRecord.tenant_id.expression,
-        "tier": UsageRecord.tier.expression,
-        "model": UsageRecord.model.expression,
-    }
-    return columns[name]
+@dataclass(frozen=True)
+class _Source:
+    """What is summed: the records themselves (`usage_records`, one request each), or
+    their day sums (`usage_days`, models.usage_days), which hold the same columns."""
+
+    table: type[UsageRecord] | type[UsageDay]
+    requests: ColumnElement[Any]  # a row's requests
+
+    def key(self, name: str, dialect: str) -> ColumnElement[Any]:
+        if name == "day":
+            if self.table is UsageDay:
+                return UsageDay.day.expression
+            if dialect == "sqlite":  # the UTC date (SQLite holds UTC datetimes as text)
+                return func.substr(
+                    type_coerce(UsageRecord.created_at, String), _literal(1), _literal(10)
+                )
+            return cast(func.timezone(literal_column("'UTC'"), UsageRecord.created_at), Date)
+        column = {"tenant": "tenant_id", "tier": "tier", "model": "model"}[name]
+        return getattr(self.table, column).expression
+
+    def within(
+        self, tenant_id: str | None, start: datetime | date | None, end: datetime | date | None
+    ) -> list[ColumnElement[bool]]:
+        """The rows of one tenant (or all) in [start, end): instants for the records, days
+        for the day sums."""
+        where: list[ColumnElement[bool]] = []
+        if tenant_id is not None:
+            where.append(self.table.tenant_id == tenant_id)
+        if self.table is UsageDay:
+            if start is not None:
+                where.append(UsageDay.day >= start.isoformat())
+            if end is not None:
+                where.append(UsageDay.day < end.isoformat())
+            return where
+        if start is not None:
+            where.append(UsageRecord.created_at >= start)
+        if end is not None:
+            where.append(UsageRecord.created_at < end)
+        return where
+
+
+_RECORDS = _Source(UsageRecord, literal_column("1"))
+_DAYS = _Source(UsageDay, UsageDay.requests.expression)
 
 
 def _key_value(name: str, value: Any) -> str:
@@ -138,14 +170,17 @@ class _PostgresSums:
     """SUM of the amounts as `numeric`: exact, and its scale is the largest one summed."""
 
     @staticmethod
-    def statement(keys: list[Label[Any]], where: list[ColumnElement[bool]]) -> Select[Any]:
+    def statement(
+        source: _Source, keys: list[Label[Any]], where: list[ColumnElement[bool]]
+    ) -> Select[Any]:
+        table = source.table
         return (
             select(
                 *keys,
-                func.count(),
-                func.sum(UsageRecord.prompt_tokens),
-                func.sum(UsageRecord.completion_tokens),
-                func.sum(cast(type_coerce(UsageRecord.cost, String), Numeric)),
+                func.sum(source.requests),
+                func.sum(table.prompt_tokens),
+                func.sum(table.completion_tokens),
+                func.sum(cast(type_coerce(table.cost, String), Numeric)),
             )
             .where(*where)
             .group_by(*keys)
@@ -159,21 +194,25 @@ class _PostgresSums:
 
 class _SqliteSums:
     """An amount as `str(Decimal)` writes it — `[-]digits[.digits][E[+|-]digits]` — is
-    sign x digits x 10**exponent. The records are first counted per key and amount (a
+    sign x digits x 10**exponent. The rows are first counted per key and amount (a
     ledger holds far fewer distinct amounts than records, and this is the cheap part),
     then each distinct amount is taken apart once: grouped by exponent, its digits
     summed as 9-digit integer chunks, times its count."""
 
     @staticmethod
-    def statement(keys: list[Label[Any]], where: list[ColumnElement[bool]]) -> Select[Any]:
-        amount = type_coerce(UsageRecord.cost, String).label("amount")
+    def statement(
+        source: _Source, keys: list[Label[Any]], where: list[ColumnElement[bool]]
+    ) -> Select[Any]:
+        table = source.table
+        amount = type_coerce(table.cost, String).label("amount")
         per_amount = (
             select(
                 *keys,
                 amount,
                 func.count().label("n"),
-                func.sum(UsageRecord.prompt_tokens).label("prompt_tokens"),
-                func.sum(UsageRecord.completion_tokens).label("completion_tokens"),
+                func.sum(source.requests).label("requests"),
+                func.sum(table.prompt_tokens).label("prompt_tokens"),
+                func.sum(table.completion_tokens).label("completion_tokens"),
             )
             .where(*where)
             .group_by(*keys, amount)
@@ -210,7 +249,7 @@ class _SqliteSums:
         ]
         return select(
             *outer_keys,
-            func.sum(per_amount.c.n),
+            func.sum(per_amount.c.requests),
             func.sum(per_amount.c.prompt_tokens),
             func.sum(per_amount.c.completion_tokens),
             exponent,
@@ -228,30 +267,22 @@ class _SqliteSums:
             )
 
 
-async def _sums(
+async def _sum_into(
+    out: dict[tuple[str, ...], Totals],
     s: AsyncSession,
+    source: _Source,
     by: tuple[str, ...],
-    tenant_id: str | None,
-    start: datetime | None,
-    end: datetime | None,
-) -> dict[tuple[str, ...], Totals]:
-    """Totals of the records in [start, end) (of one tenant, or all), per key of `by`."""
+    where: list[ColumnElement[bool]],
+) -> None:
     dialect = s.get_bind().dialect.name
     sums = _SqliteSums if dialect == "sqlite" else _PostgresSums
-    keys = [_key_column(name, dialect).label(f"key_{i}") for i, name in enumerate(by)]
-    where: list[ColumnElement[bool]] = []
-    if tenant_id is not None:
-        where.append(UsageRecord.tenant_id == tenant_id)
-    if start is not None:
-        where.append(UsageRecord.created_at >= start)
-    if end is not None:
-        where.append(UsageRecord.created_at < end)
-    out: dict[tuple[str, ...], Totals] = defaultdict(Totals)
+    keys = [source.key(name, dialect).label(f"key_{i}") for i, name in enumerate(by)]
     n = len(by)
-    for row in (await s.execute(sums.statement(keys, where))).all():
+    for row in (await s.execute(sums.statement(source, keys, where))).all():
         key = tuple(_key_value(name, v) for name, v in zip(by, row[:n], strict=True))
         requests, prompt_tokens, completion_tokens = row[n : n + 3]
-        # A key of several rows (on SQLite, one per exponent) adds up exactly.
+        # A key of several rows (on SQLite, one per exponent; a day's sums and the
+        # records of a part of a day) adds up exactly.
         out[key].add(
             Totals(
                 int(requests),
@@ -260,7 +291,78 @@ async def _sums(
                 sums.cost(row[n + 3 :]),
             )
         )
+
+
+def _whole_days(start: datetime | None, end: datetime | None) -> tuple[date | None, date | None]:
+    """The UTC days [first, last) that lie wholly inside [start, end) (None: unbounded)."""
+    first = last = None
+    if start is not None:
+        start = start.astimezone(UTC)
+        first = start.date() + timedelta(days=start != _midnight(start.date()))
+    if end is not None:
+        last = end.astimezone(UTC).date()
+    return first, last
+
+
+def _midnight(day: date) -> datetime:
+    return datetime(day.year, day.month, day.day, tzinfo=UTC)
+
+
+async def _sums(
+    s: AsyncSession,
+    by: tuple[str, ...],
+    tenant_id: str | None,
+    start: datetime | None,
+    end: datetime | None,
+) -> dict[tuple[str, ...], Totals]:
+    """Totals of the records in [start, end) (of one tenant, or all), per key of `by`:
+    the whole UTC days inside the range from their day sums, the parts of a day at
+    either end from the records. A day's sums are written with its records, in one
+    transaction, so the two always agree; a report costs a few rows per day plus at
+    most two partial days of records, however long the ledger."""
+    out: dict[tuple[str, ...], Totals] = defaultdict(Totals)
+    first, last = _whole_days(start, end)
+    if first is not None and last is not None and first >= last:  # inside one or two days
+        await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, start, end))
+        return dict(out)
+    await _sum_into(out, s, _DAYS, by, _DAYS.within(tenant_id, first, last))
+    if start is not None and first is not None and start < _midnight(first):
+        await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, start, _midnight(first)))
+    if end is not None and last is not None and _midnight(last) < end:
+        await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, _midnight(last), end))
     return dict(out)
+
+
+async def rebuild_days(s: AsyncSession, tenant_id: str | None) -> int:
+    """Recompute the day sums (of one tenant, or all) from the records, after records were
+    loaded around the application (an import, a repair); returns the rows written. On
+    PostgreSQL the table is locked first: job endings wait until it commits, and every
+    record committed before the lock is summed, every one after adds itself."""
+    if s.get_bind().dialect.name == "postgresql":
+        await s.execute(text("LOCK TABLE usage_days IN EXCLUSIVE MODE"))
+    gone = delete(UsageDay)
+    if tenant_id is not None:
+        gone = gone.where(UsageDay.tenant_id == tenant_id)
+    await s.execute(gone)
+    sums: dict[tuple[str, ...], Totals] = defaultdict(Totals)
+    by = ("tenant", "day", "tier", "model")
+    await _sum_into(sums, s, _RECORDS, by, _RECORDS.within(tenant_id, None, None))
+    rows = [
+        {
+            "tenant_id": tenant,
+            "day": day,
+            "tier": tier,
+            "model": model,
+            "requests": t.requests,
+            "prompt_tokens": t.prompt_tokens,
+            "completion_tokens": t.completion_tokens,
+            "cost": t.cost,
+        }
+        for (tenant, day, tier, model), t in sums.items()
+    ]
+    for at in range(0, len(rows), 1000):
+        await s.execute(insert(UsageDay), rows[at : at + 1000])
+    return len(rows)
 
 
 async def usage(

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from models import spend
+from models import spend, usage_days
 from models.db import Database
 from models.pages import after_anchor
 from models.prices import cost_of
@@ -373,7 +373,8 @@ def finish_job(
 
 
 def _record_usage(s: Session, job: JobRecord, prompt_tokens: int, completion_tokens: int) -> None:
-    """The ledger's row for a job, and the spend counters budgets are checked against."""
+    """The ledger's row for a job, the spend counters budgets are checked against, and
+    its day's sums (locked in that order: models.usage_days)."""
     record = _usage_record(job, prompt_tokens, completion_tokens)
     s.add(record)
     spend.add(
@@ -384,6 +385,7 @@ def _record_usage(s: Session, job: JobRecord, prompt_tokens: int, completion_tok
         record.cost,
         record.created_at,
     )
+    usage_days.add(s, record)
 
 
 def _usage_record(job: JobRecord, prompt_tokens: int, completion_tokens: int) -> UsageRecord:

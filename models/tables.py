@@ -47,6 +47,13 @@ class Money(TypeDecorator[Decimal]):
         return None if value is None else Decimal(value)
 
 
+class MoneySum(Money):
+    """A sum of amounts: exact like Money, its string as long as its digits need."""
+
+    impl = Text  # type: ignore[assignment]  # a wider string than Money's
+    cache_ok = True
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
 
@@ -155,7 +162,11 @@ class UsageRecord(Base):
     """Tokens served for one finished job, written once (the job id is the key)."""
 
     __tablename__ = "usage_records"
-    __table_args__ = (Index("ix_usage_tenant_created", "tenant_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_usage_tenant_created", "tenant_id", "created_at"),
+        # Every tenant's records of a report's partial first and last days (admin reports).
+        Index("ix_usage_created", "created_at"),
+    )
 
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
@@ -167,6 +178,26 @@ class UsageRecord(Base):
     output_price: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
     cost: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class UsageDay(Base):
+    """The ledger summed per tenant, UTC day, tier and model, kept as usage records are
+    written (in their transaction): a report's whole days and a month's invoice are read
+    from here — a few rows a day however many records the day holds (models.billing)."""
+
+    __tablename__ = "usage_days"
+    __table_args__ = (Index("ix_usage_days_day", "day"),)  # every tenant's days: invoices
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    day: Mapped[str] = mapped_column(String(10), primary_key=True)  # YYYY-MM-DD, UTC
+    tier: Mapped[str] = mapped_column(String(20), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cost: Mapped[Decimal] = mapped_column(MoneySum, default=Decimal(0))
 
 
 class SpendCounter(Base):

@@ -74,14 +74,14 @@ def test_round_trip_on_postgresql() -> None:
 
 
 def _backfill(url: str) -> None:
-    """0006 fills the spend counters from the ledger already written: a budget's spend
-    reads the same before and after the upgrade."""
+    """0006 fills the spend counters and 0011 the day sums from the ledger already
+    written: a budget's spend and a usage report read the same after the upgrade."""
     from datetime import UTC, datetime
     from decimal import Decimal
 
     from sqlalchemy import insert
 
-    from models import spend
+    from models import billing, spend
     from models.db import Database
     from models.tables import Job, Tenant, UsageRecord
 
@@ -125,26 +125,38 @@ def _backfill(url: str) -> None:
         finally:
             await db.close()
 
-    async def read() -> list[tuple[int, Decimal]]:
+    async def read() -> tuple[list[tuple[int, Decimal]], list[dict[str, object]]]:
         db = Database(url)
         try:
             async with db.session() as s:
-                return [
+                spent = [
                     await spend.spent(s, "ten_1", None, "total", days[0]),
                     await spend.spent(s, "ten_1", None, "month", days[0]),
                     await spend.spent(s, "ten_1", None, "day", days[1]),
                     await spend.spent(s, "ten_1", "batch", "total", days[1]),
                 ]
+                # From the day sums alone (no bound cuts a day).
+                report = await billing.usage(s, "ten_1", None, None, ("day", "tier"))
+                return spent, report.data()
         finally:
             await db.close()
 
     asyncio.run(write())
     migrations.upgrade(url)
-    total, october, first_nov, batch = asyncio.run(read())
+    (total, october, first_nov, batch), report = asyncio.run(read())
     assert total == (46, Decimal("0.000010"))  # 4 x 10 prompt + 0+1+2+3
     assert october == (10 + 0 + 10 + 2, Decimal("0.000004"))  # jobs 0 and 2
     assert first_nov == (10 + 1 + 10 + 3, Decimal("0.000006"))  # jobs 1 and 3
     assert batch == (10 + 2 + 10 + 3, Decimal("0.000007"))
+    assert [
+        (r["day"], r["tier"], r["requests"], r["completion_tokens"], Decimal(str(r["cost"])))
+        for r in report
+    ] == [
+        ("2026-10-31", "batch", 1, 2, Decimal("0.000003")),  # job 2
+        ("2026-10-31", "standard", 1, 0, Decimal("0.000001")),  # job 0
+        ("2026-11-01", "batch", 1, 3, Decimal("0.000004")),  # job 3
+        ("2026-11-01", "standard", 1, 1, Decimal("0.000002")),  # job 1
+    ]
 
 
 def test_spend_counters_are_filled_from_the_ledger_on_sqlite(tmp_path: Path) -> None:
