@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from decimal import Context, localcontext
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -40,15 +40,19 @@ def add(s: Session, record: UsageRecord) -> None:
     dialect = s.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     s.execute(insert(UsageDay).values(**key).on_conflict_do_nothing())
-    row = s.execute(
-        select(UsageDay)
-        .filter_by(**key)
-        .with_for_update()
-        .execution_options(populate_existing=True)
-    ).scalar_one()
-    row.requests += 1
-    row.prompt_tokens += record.prompt_tokens
-    row.completion_tokens += record.completion_tokens
+    cost = s.execute(select(UsageDay.cost).filter_by(**key).with_for_update()).scalar_one()
     with localcontext(_EXACT):
-        row.cost += record.cost
-    s.flush()
+        cost += record.cost
+    # A Core UPDATE that always writes the cost: the ORM skips a column whose new value
+    # compares equal (0 + 0.000000), and the sum would lose its trailing zeros.
+    s.execute(
+        update(UsageDay)
+        .filter_by(**key)
+        .values(
+            requests=UsageDay.requests + 1,
+            prompt_tokens=UsageDay.prompt_tokens + record.prompt_tokens,
+            completion_tokens=UsageDay.completion_tokens + record.completion_tokens,
+            cost=cost,
+        )
+        .execution_options(synchronize_session=False)
+    )

@@ -78,6 +78,11 @@ DISPATCH_DECISION = Histogram(
     buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2),
 )
 BATCHES = Counter("tierq_batches_total", "Batches that entered a status", ["status"])
+CELERY_TASK_ERRORS = Counter(
+    "tierq_celery_task_errors_total",
+    "Celery tasks that ended in an error (logged; the next run or tick does their work)",
+    ["task"],
+)
 # Set by the Celery worker advancing batches, each tick: in multiprocess mode (Celery's
 # pool), the value of the process that wrote last.
 BATCH_LINES = Gauge(

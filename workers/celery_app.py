@@ -12,7 +12,7 @@ from celery import Celery, signals
 from celery.signals import worker_init
 from kombu import Queue
 
-from tierq import logs
+from tierq import logs, memory_snapshots
 from tierq.redis_names import RedisNames
 from tierq.settings import get_settings
 
@@ -71,6 +71,12 @@ app.conf.update(
         },
     },
 )
+
+
+@worker_init.connect
+def _memory_snapshots(**_: object) -> None:
+    """MEMORY_SNAPSHOTS_DIR: a diagnostic (tierq.memory_snapshots)."""
+    memory_snapshots.install("celery")
 
 
 @worker_init.connect
