@@ -3,7 +3,9 @@ per-tenant ones are behind the admin key, api/admin/metrics.py)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -23,7 +25,19 @@ async def healthz() -> dict[str, str]:
     "/readyz",
     responses={503: {"description": "Not ready: the body says which check failed."}},
 )
-async def readyz(db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep) -> JSONResponse:
+async def readyz(
+    db: DbDep,
+    r: RedisDep,
+    names: NamesDep,
+    settings: SettingsDep,
+    min_workers: Annotated[int, Query(ge=0, le=100_000)] = 0,
+) -> JSONResponse:
+    """Whether this API replica can admit work: its database and Redis answer. What the
+    fleet behind it holds — live workers, engines that died — is reported in `workers`
+    and `dead_engines` and is no reason to take a replica out of its load balancer (with
+    every GPU down, or workers scaled to zero, jobs are still accepted and wait in their
+    tiers). `?min_workers=N` also asks for N live workers whose engines run: what
+    `tierq run` waits for before it says the platform is up."""
     checks: dict[str, str] = {}
     body_extra: dict[str, list[str]] = {}
     try:
@@ -32,6 +46,7 @@ async def readyz(db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep)
     except Exception as exc:  # any failure means not ready; say which
         checks["database"] = f"error: {type(exc).__name__}"
     workers = 0
+    fleet = "unknown"
     try:
         await r.ping()
         checks["redis"] = "ok"
@@ -39,21 +54,25 @@ async def readyz(db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep)
         dead_engines = sorted(w.worker_id for w in alive if not w.engine_ok)
         workers = len([w for w in alive if not w.draining and w.engine_ok])
         if workers:
-            checks["workers"] = "ok"
+            fleet = "ok"
         elif dead_engines:
-            checks["workers"] = f"error: engine dead on {', '.join(dead_engines)}"
+            fleet = f"engine dead on {', '.join(dead_engines)}"
         else:
-            checks["workers"] = "error: no live worker heartbeat"
+            fleet = "no live worker heartbeat"
         if dead_engines:
             body_extra["dead_engines"] = dead_engines
     except Exception as exc:
         checks["redis"] = f"error: {type(exc).__name__}"
-        checks["workers"] = "unknown"
+    if min_workers:
+        checks["workers"] = (
+            "ok" if workers >= min_workers else f"error: {workers} of {min_workers}: {fleet}"
+        )
     ready = all(v == "ok" for v in checks.values())
     body = {
         "status": "ready" if ready else "not_ready",
         "checks": checks,
         "workers": workers,
+        "fleet": fleet,
         **body_extra,
     }
     return JSONResponse(body, status_code=200 if ready else 503)

@@ -309,7 +309,7 @@ async def wait_ready(url: str, timeout_s: float, logs: Path) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=2) as client:
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
-                if (await client.get("/readyz")).status_code == 200:
+                if (await client.get("/readyz?min_workers=1")).status_code == 200:
                     return
             await asyncio.sleep(0.5)
     raise RuntimeError(f"the platform was not ready in {timeout_s:.0f} s; see {logs}")

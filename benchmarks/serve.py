@@ -315,7 +315,7 @@ def start_tierq(state_dir: Path) -> tuple[Server, str]:
     env.update({"STATE_DIR": str(state_dir), "API_HOST": "127.0.0.1", "API_PORT": str(port)})
     argv = [sys.executable, "-m", "cli.main", "run"]
     server = Server("tierq run", argv, env, f"http://127.0.0.1:{port}")
-    _ready_or_stop(server, "/readyz")
+    _ready_or_stop(server, "/readyz?min_workers=1")
     key = (state_dir / "dev-api-key").read_text().strip()
     return server, key
 

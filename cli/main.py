@@ -29,9 +29,19 @@ app.add_typer(batch_app, name="batch")
 app.add_typer(admin_app, name="admin")
 app.command()(top)
 
+
+@app.callback()
+def _diagnostics(ctx: typer.Context) -> None:
+    """MEMORY_SNAPSHOTS_DIR: snapshots of every tierq process on SIGUSR2 (a diagnostic)."""
+    from tierq import memory_snapshots
+
+    memory_snapshots.install(ctx.invoked_subcommand or "tierq")
+
+
 log = logging.getLogger("tierq")
 
 EXIT_ENGINE_DEAD = 3  # `tierq worker`'s exit status when its engine died
+EXIT_WORKER_ID_TAKEN = 4  # ... when another live worker holds its WORKER_ID
 
 KEY_OPTION = typer.Option(
     None, help="API key (default: TIERQ_API_KEY, else STATE_DIR/dev-api-key)."
@@ -156,6 +166,7 @@ def worker(
         await run_worker(settings, make_engine, install)
 
     from workers.engine.base import EngineDead
+    from workers.identity import WorkerIdTaken
 
     try:
         asyncio.run(main())
@@ -163,6 +174,9 @@ def worker(
         # Every job went back to its tier; the supervisor (tierq run, compose) restarts us.
         log.error("exiting: %s", exc)
         raise SystemExit(EXIT_ENGINE_DEAD) from None
+    except WorkerIdTaken as exc:
+        log.error("refusing to start: %s", exc)
+        raise SystemExit(EXIT_WORKER_ID_TAKEN) from None
 
 
 @app.command()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import secrets
@@ -182,6 +183,12 @@ def write_prometheus_config(settings: Settings, admin_key: str | None) -> Path:
     return path
 
 
+def default_worker_id(settings: Settings) -> str:
+    """`tierq run`'s worker id: the host's name and a digest of its state folder."""
+    folder = str(settings.state_dir.resolve()).encode()
+    return f"{os.uname().nodename}-{hashlib.sha256(folder).hexdigest()[:8]}"
+
+
 def components(settings: Settings, logs: Path | None) -> list[Child]:
     py = sys.executable
     celery = [py, "-m", "celery", "-A", "workers.celery_app"]
@@ -299,7 +306,9 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
         env["REDIS_URL"] = f"unix://{embedded_redis.socket_file}"
         log.info("embedded Redis on %s", embedded_redis.socket_file)
     env["DATABASE_URL"] = settings.resolved_database_url
-    env.setdefault("WORKER_ID", "local-worker")  # a restarted worker keeps its inbox
+    # One id per host and state folder, the same after a restart (a restarted worker keeps
+    # its inbox): two hosts' `tierq run`, or two on one host, never share one.
+    env.setdefault("WORKER_ID", default_worker_id(settings))
     child_settings = settings.model_copy(
         update={"redis_url": env["REDIS_URL"], "database_url": env["DATABASE_URL"]}
     )
@@ -423,7 +432,7 @@ def _alive(pid: int) -> bool:
 
 def _ready(base: str) -> bool:
     try:
-        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+        return httpx.get(f"{base}/readyz?min_workers=1", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 

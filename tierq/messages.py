@@ -176,10 +176,18 @@ class Heartbeat:
     # True: its engine preempts for priority itself; the dispatcher never aborts its jobs
     # for interactive work (`reserve` then counts the interactive jobs beyond its slots).
     engine_preempts: bool = False
+    # The process writing it ("<host>:<pid>:<nonce>"): a worker starting under a live id
+    # tells its own dead predecessor on this host from another live holder.
+    holder: str = ""
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
     def decode(cls, raw: str | bytes) -> Heartbeat:
-        return cls(**json.loads(raw))
+        # Fields a newer version adds are left out: an older reader keeps working.
+        given = json.loads(raw)
+        return cls(**{k: v for k, v in given.items() if k in _HEARTBEAT_FIELDS})
+
+
+_HEARTBEAT_FIELDS = frozenset(f.name for f in fields(Heartbeat))

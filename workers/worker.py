@@ -65,7 +65,7 @@ from tierq.redis_names import WORKER_GROUP, RedisNames
 from tierq.settings import Settings
 from tierq.states import JobStatus
 from tierq.tiers import vllm_priority
-from workers import observe
+from workers import identity, observe
 from workers.claims import Claims
 from workers.engine.base import Engine, EngineDead, EngineRequestError, EngineWrapper
 from workers.first_steps import FirstSteps
@@ -167,6 +167,7 @@ class Worker:
         self.r = r
         self.engine = engine
         self.worker_id = worker_id or settings.resolved_worker_id
+        self.holder = identity.holder_token()
         self.names = RedisNames(settings.redis_prefix)
         self.inbox = self.names.inbox(self.worker_id)
         self.events = EventLog.for_settings(r, self.names, settings)
@@ -274,6 +275,13 @@ class Worker:
         # (planned: its jobs are not at fault) or a crash (each shares the fault).
         last: Any = await self.r.hget(self.names.workers, self.worker_id)
         planned = last is not None and _planned_stop(Heartbeat.decode(last))
+        await identity.claim(
+            self.r,
+            self.names,
+            self.worker_id,
+            self.settings.worker_dead_after_s,
+            self.settings.heartbeat_interval_s / 2,
+        )
         await self._heartbeat()
         # Entries this worker id held when it last died.
         await self._read_inbox("0", unsettled=0 if planned else None)
@@ -367,6 +375,7 @@ class Worker:
             jobs=sorted(self._tasks),
             engine_ok=not self._engine_dead.is_set(),
             engine_preempts=self.engine_preempts,
+            holder=self.holder,
         )
         await write_heartbeat(self.r, self.names, hb)
         samples, self._latency = self._latency, {}

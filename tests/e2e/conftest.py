@@ -117,7 +117,7 @@ def start_platform(tmp: Path, env_extra: dict[str, str]) -> LivePlatform:
             raise RuntimeError(f"tierq run not ready in {READY_TIMEOUT_S} s:\n{logs}")
         time.sleep(1)
     live.key = (state / "dev-api-key").read_text().strip()
-    assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    assert httpx.get(f"{url}/readyz?min_workers=1", timeout=5).status_code == 200
     return live
 
 

@@ -34,6 +34,7 @@ from openai import AsyncOpenAI
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
+from launch.supervisor import default_worker_id
 from tests.browser import (
     errors_in,
     follow_batch,
@@ -49,6 +50,7 @@ from tests.dashboards import dashboard_metric_names
 from tests.e2e.conftest import LivePlatform, metrics_ports, pg_live
 from tests.helpers import client, wait_for
 from tests.integration.batch_helpers import finished, jsonl, line, submit
+from tierq.settings import Settings
 
 pytestmark = pytest.mark.e2e
 
@@ -173,6 +175,11 @@ def _workers_text(driver: WebDriver) -> str:
     return text_of(driver, "#workers tbody")
 
 
+def _worker_id(ops: LivePlatform) -> str:
+    """The id `tierq run` gave its worker (its host and state folder)."""
+    return default_worker_id(Settings(state_dir=ops.state_dir, _env_file=None))  # type: ignore[call-arg]
+
+
 async def test_the_console_follows_the_running_platform_in_a_browser(
     ops: LivePlatform, browser: WebDriver, tmp_path: Path
 ) -> None:
@@ -184,7 +191,8 @@ async def test_the_console_follows_the_running_platform_in_a_browser(
     )
     assert tiers == ["interactive", "standard", "batch"]
     # The worker `tierq run` started (its heartbeat, through Redis), and the dev tenant.
-    await off_loop(until, browser, lambda d: "local-worker" in _workers_text(d), 60)
+    worker_id = _worker_id(ops)
+    await off_loop(until, browser, lambda d: worker_id in _workers_text(d), 60)
     await off_loop(until, browser, lambda d: "dev" in text_of(d, "#tenants tbody"))
 
     # A batch on the real engine: the page follows its progress, to its end.
@@ -255,7 +263,7 @@ async def test_tierq_top_refreshes_in_a_terminal_and_stops_on_ctrl_c(ops: LivePl
     try:
         frames = "Workers (dispatcher leader:"
         first = await asyncio.to_thread(
-            term.read_until, lambda t: t.count(frames) >= 2 and "local-worker" in t, 60
+            term.read_until, lambda t: t.count(frames) >= 2 and _worker_id(ops) in t, 60
         )
         assert "interactive" in first and "standard" in first and "batch" in first
         # Something new on the platform shows up in the frames that follow, without a restart.

@@ -10,7 +10,7 @@ import pytest
 
 from models import jobs as job_repo
 from tests.conftest import Platform
-from tests.helpers import client, read_sse, wait_for
+from tests.helpers import assert_openai_error, client, read_sse, wait_for
 from workers.engine.base import Chunk, Engine, EngineWrapper
 from workers.engine.simulated_engine import CostModel
 
@@ -255,15 +255,31 @@ async def test_cancel_a_running_job_aborts_it_in_the_engine(
         assert record.completion_tokens is None
 
 
-async def test_readyz_needs_a_worker_heartbeat(platform: Platform) -> None:
-    async with client(platform.url, None) as c:
+async def test_readyz_admits_without_workers_and_reports_the_fleet(
+    platform: Platform, tenant_key: str
+) -> None:
+    """With no worker (a GPU outage, workers scaled to zero) the replica stays ready: it
+    admits, and says what the fleet lacks; `?min_workers=1` is what waits for engines."""
+    async with client(platform.url, None) as c, client(platform.url, tenant_key) as t:
         assert (await c.get("/healthz")).json() == {"status": "ok"}
-        not_ready = await c.get("/readyz")
-        assert not_ready.status_code == 503
-        assert not_ready.json()["checks"]["workers"].startswith("error")
-        await platform.start_worker("w1")
         ready = await c.get("/readyz")
-        assert ready.status_code == 200 and ready.json()["workers"] == 1
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["workers"] == 0
+        assert ready.json()["fleet"] == "no live worker heartbeat"
+        assert "workers" not in ready.json()["checks"]
+        waiting = await c.get("/readyz", params={"min_workers": 1})
+        assert waiting.status_code == 503
+        assert waiting.json()["checks"]["workers"] == "error: 0 of 1: no live worker heartbeat"
+        queued = await t.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4})
+        assert queued.status_code in (200, 201, 202) and queued.json()["status"] == "queued"
+        await platform.start_worker("w1")
+        platform.start_dispatcher()
+        for path in ("/readyz", "/readyz?min_workers=1"):
+            up = await c.get(path)
+            assert up.status_code == 200 and up.json()["workers"] == 1, up.text
+            assert up.json()["fleet"] == "ok"
+        assert (await wait_for(t, queued.json()["id"]))["status"] == "succeeded"
+        assert_openai_error(await c.get("/readyz", params={"min_workers": -1}), 400)
         metrics = await c.get("/metrics")
         assert metrics.status_code == 200 and "tierq_jobs_submitted_total" in metrics.text
 

@@ -10,12 +10,9 @@ the simulated engine (the engine is not the subject), stopped with real signals.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +22,7 @@ from dispatcher.leadership import Leadership
 from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client, wait_for
+from tests.integration.worker_proc import WorkerProcess, registered
 from tierq.messages import FAULT_UNIT, Heartbeat, JobMessage
 from tierq.queue import write_heartbeat
 from tierq.redis_names import DISPATCH_GROUP, RedisNames
@@ -34,72 +32,7 @@ from workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 SLOW = CostModel(slots=8).scaled(2)  # 60 tokens take about a second
-
-
-class WorkerProcess:
-    """`tierq worker` on the simulated engine, against the test's database and Redis."""
-
-    def __init__(self, platform: Platform, worker_id: str, log: Path) -> None:
-        s = platform.settings
-        env = {
-            **os.environ,
-            "DATABASE_URL": s.resolved_database_url,
-            "REDIS_URL": s.redis_url or "",
-            "REDIS_PREFIX": s.redis_prefix,
-            "ENGINE": "simulated",
-            "WORKER_ID": worker_id,
-            "HEARTBEAT_INTERVAL_S": "0.2",
-            "DRAIN_TIMEOUT_S": "0.5",
-            "MAX_NUM_SEQS": "8",
-            "MAX_DELIVERIES": str(s.max_deliveries),
-            "PIN_AUX_PROCESSES": "false",
-            "STATE_DIR": str(s.state_dir),
-        }
-        self.worker_id = worker_id
-        self.log = log
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", "worker"],
-                cwd=ROOT,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    async def exited(self, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        while self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"worker {self.worker_id} still running; see {self.log}")
-            await asyncio.sleep(0.05)
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-@pytest.fixture
-def processes() -> Iterator[list[WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    yield started
-    for p in started:
-        p.kill()
-
-
-async def _registered(platform: Platform, worker_id: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await platform.r.hexists(platform.dispatcher.names.workers, worker_id):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"worker {worker_id} never sent a heartbeat")
-        await asyncio.sleep(0.05)
 
 
 async def test_three_sigterms_during_one_long_job_cost_it_no_delivery(
@@ -126,7 +59,7 @@ async def test_three_sigterms_during_one_long_job_cost_it_no_delivery(
         for restart in range(3):
             worker = WorkerProcess(platform, f"rolling-{restart}", tmp_path / f"w{restart}.log")
             processes.append(worker)
-            await _registered(platform, worker.worker_id)
+            await registered(platform, worker.worker_id)
             await wait_for(c, job["id"], ("running",), timeout=60)
             before = await _generated(platform, job["id"])
             # Let this run generate some tokens of its own, then restart it as planned.
