@@ -661,7 +661,13 @@ def bench_batch(
 
 
 def main() -> None:
-    app(prog_name="tierq")
+    from tierq.redis_conn import EvictingRedis
+
+    try:
+        app(prog_name="tierq")
+    except EvictingRedis as exc:  # a deployment mistake, said in one line, not a traceback
+        typer.echo(f"tierq: refusing to start: {exc}", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -41,12 +41,38 @@ async def connect(
         client = aioredis.Redis.from_pool(pool)
         try:
             await client.ping()
-            return client
+            policy = await _eviction_policy(client)
         except (redis.ConnectionError, OSError) as exc:
             last = exc
             await client.aclose()
             await asyncio.sleep(delay_s)
+            continue
+        if policy not in (None, "noeviction"):
+            await client.aclose()
+            raise EvictingRedis(
+                f"Redis at {url} runs with maxmemory-policy {policy}, which may evict "
+                "tierq's keys (leases, delivery fences, stream slots, the streams that hold "
+                "accepted jobs); set it to noeviction (`CONFIG SET maxmemory-policy "
+                "noeviction`, or the service's parameter group) and give Redis the memory "
+                "its queues need"
+            )
+        return client
     raise RuntimeError(f"Redis at {url} did not answer PING: {last}")
+
+
+class EvictingRedis(RuntimeError):
+    """Redis may evict keys under memory pressure: tierq refuses to run on it."""
+
+
+async def _eviction_policy(client: aioredis.Redis) -> str | None:
+    """The server's maxmemory-policy, from INFO (which managed services that rename or
+    forbid CONFIG still answer); None when it does not say."""
+    try:
+        info = await client.info("memory")
+    except redis.ResponseError:  # INFO forbidden: nothing to check with
+        return None
+    policy = info.get("maxmemory_policy")
+    return str(policy) if policy is not None else None
 
 
 # Errors that mean Redis could not be reached (a restart, a killed connection): retried.
