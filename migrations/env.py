@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from alembic import context
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from models.db import make_engine
@@ -28,6 +29,11 @@ def _run(connection: Connection) -> None:
         compare_type=True,
     )
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Once per deployment, however many hosts start at once: each upgrade waits
+            # for the one before it (in its transaction; the lock goes with the commit),
+            # then reads the version that one left and has nothing more to do.
+            connection.execute(text("SELECT pg_advisory_xact_lock(hashtext('tierq:migrations'))"))
         context.run_migrations()
 
 

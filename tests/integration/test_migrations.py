@@ -165,3 +165,57 @@ def test_spend_counters_are_filled_from_the_ledger_on_sqlite(tmp_path: Path) -> 
 
 def test_spend_counters_are_filled_from_the_ledger_on_postgresql() -> None:
     _on_a_new_postgresql_database(_backfill)
+
+
+def _four_hosts_at_once(url: str) -> None:
+    """Four `tierq migrate` processes on a new database (four hosts of a fleet coming up),
+    made to start together: the test holds the migrations' lock until all four wait on
+    it, then lets go. Each waits for the one before it, every one succeeds, and the schema
+    is the ORM's, at one version."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from sqlalchemy import text
+
+    env = {**os.environ, "DATABASE_URL": url}
+    root = Path(__file__).resolve().parents[2]
+    lock = "SELECT pg_advisory_xact_lock(hashtext('tierq:migrations'))"
+    waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+
+    async def run() -> list[subprocess.Popen[bytes]]:
+        engine = make_engine(url)
+        try:
+            async with engine.connect() as holder, engine.connect() as watch:
+                await holder.execute(text(lock))  # in holder's transaction, until commit
+                procs = [
+                    subprocess.Popen(
+                        [sys.executable, "-m", "cli.main", "migrate"],
+                        cwd=root,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                    )
+                    for _ in range(4)
+                ]
+                deadline = time.monotonic() + 120
+                while (await watch.execute(text(waiting))).scalar_one() < 4:
+                    assert time.monotonic() < deadline, "the upgrades never waited on the lock"
+                    assert all(p.poll() is None for p in procs), "an upgrade ended unlocked"
+                    await watch.rollback()
+                    await asyncio.sleep(0.1)
+                await holder.commit()
+                return procs
+        finally:
+            await engine.dispose()
+
+    procs = asyncio.run(run())
+    outputs = [p.communicate(timeout=180)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], "\n---\n".join(outputs)
+    tables, diff = _state(url)
+    assert tables == set(Base.metadata.tables) | {"alembic_version"} and diff == []
+
+
+def test_migrations_run_once_when_hosts_start_together_on_postgresql() -> None:
+    _on_a_new_postgresql_database(_four_hosts_at_once)
