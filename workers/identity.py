@@ -45,19 +45,46 @@ def _gone_from_this_host(holder: str) -> bool:
     return False
 
 
+# Take the id only if its heartbeat is still the one judged (none: ARGV[2] is ''): of two
+# workers starting at once under one id, one takes it and the other judges the winner.
+_TAKE = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if (current or '') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+
 async def claim(
     r: aioredis.Redis,
     names: RedisNames,
     worker_id: str,
+    holder: str,
     dead_after_s: float,
     poll_s: float,
 ) -> None:
-    """Return once no other live process holds `worker_id`; raise WorkerIdTaken if one
-    does (its heartbeat moved while this waited)."""
-    raw = await r.hget(names.workers, worker_id)
-    if raw is None:
-        return
-    last = Heartbeat.decode(raw)
+    """Return once this process holds `worker_id` (its heartbeat names `holder`, draining
+    and empty until the worker's first real one); raise WorkerIdTaken if another live
+    process holds it (its heartbeat moved while this waited)."""
+    take = r.register_script(_TAKE)
+    while True:
+        raw = await r.hget(names.workers, worker_id)
+        if raw is not None:
+            await _wait_out(r, names, worker_id, Heartbeat.decode(raw), dead_after_s, poll_s)
+        mine = Heartbeat(worker_id, 0, 0, await redis_now(r), draining=True, holder=holder)
+        if await take(keys=[names.workers], args=[worker_id, raw or "", mine.encode()]):
+            return
+
+
+async def _wait_out(
+    r: aioredis.Redis,
+    names: RedisNames,
+    worker_id: str,
+    last: Heartbeat,
+    dead_after_s: float,
+    poll_s: float,
+) -> None:
+    """Return when `last`'s holder is gone; raise WorkerIdTaken when it lives."""
     if last.holder and _gone_from_this_host(last.holder):
         return
     while True:

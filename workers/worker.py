@@ -279,6 +279,7 @@ class Worker:
             self.r,
             self.names,
             self.worker_id,
+            self.holder,
             self.settings.worker_dead_after_s,
             self.settings.heartbeat_interval_s / 2,
         )

@@ -78,7 +78,7 @@ async def test_a_heartbeat_that_stops_moving_is_taken_once_it_is_dead(platform: 
         platform.r, names, Heartbeat("w-far", 8, 0, now - 1, holder="elsewhere:1234:abcd")
     )
     started = time.monotonic()
-    await identity.claim(platform.r, names, "w-far", dead_after_s=2.0, poll_s=0.1)
+    await identity.claim(platform.r, names, "w-far", "here:1:a", dead_after_s=2.0, poll_s=0.1)
     waited = time.monotonic() - started
     assert 0.5 < waited < 10, waited  # it waited for the heartbeat to go stale, no longer
 
@@ -98,7 +98,9 @@ async def test_a_heartbeat_that_stops_moving_is_taken_once_it_is_dead(platform: 
     beating = asyncio.create_task(keep_beating())
     try:
         with pytest.raises(identity.WorkerIdTaken, match="held by a live worker"):
-            await identity.claim(platform.r, names, "w-live", dead_after_s=30.0, poll_s=0.1)
+            await identity.claim(
+                platform.r, names, "w-live", "here:2:b", dead_after_s=30.0, poll_s=0.1
+            )
     finally:
         beating.cancel()
 
@@ -112,3 +114,36 @@ def test_tierq_run_gives_each_host_and_state_folder_its_own_worker_id(tmp_path: 
     a, b = of(tmp_path / "a"), of(tmp_path / "b")
     assert a != b and a == of(tmp_path / "a")  # stable across restarts
     assert a.startswith(f"{os.uname().nodename}-")
+
+
+async def test_of_two_workers_starting_at_once_under_one_id_one_takes_it(
+    platform: Platform,
+) -> None:
+    """No heartbeat yet, two claims at the same moment: one takes the id (its placeholder
+    heartbeat written only if there was still none), the other judges the winner — here
+    a live one, whose heartbeat moves — and is refused."""
+    names = platform.dispatcher.names
+    holders = {"far:1:one", "far:2:two"}
+    claims = {
+        asyncio.create_task(
+            identity.claim(platform.r, names, "w-race", h, dead_after_s=30.0, poll_s=0.05)
+        ): h
+        for h in holders
+    }
+    done, pending = await asyncio.wait(claims, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1 and len(pending) == 1
+    winner = claims[next(iter(done))]
+    assert (await _heartbeat(platform, "w-race")).holder == winner
+
+    async def keep_beating() -> None:
+        while True:
+            ts = await redis_now(platform.r)
+            await write_heartbeat(platform.r, names, Heartbeat("w-race", 8, 0, ts, holder=winner))
+            await asyncio.sleep(0.05)
+
+    beating = asyncio.create_task(keep_beating())
+    try:
+        with pytest.raises(identity.WorkerIdTaken):
+            await asyncio.wait_for(next(iter(pending)), 20)
+    finally:
+        beating.cancel()
