@@ -275,9 +275,20 @@ async def _sum_into(
     where: list[ColumnElement[bool]],
 ) -> None:
     dialect = s.get_bind().dialect.name
-    sums = _SqliteSums if dialect == "sqlite" else _PostgresSums
     keys = [source.key(name, dialect).label(f"key_{i}") for i, name in enumerate(by)]
     n = len(by)
+    if dialect == "sqlite" and source is _DAYS:
+        # A day's sum may hold more digits than the chunks take (its string has no
+        # length): the few day rows are added here, in Decimal.
+        table = UsageDay
+        stmt = select(
+            *keys, table.requests, table.prompt_tokens, table.completion_tokens, table.cost
+        ).where(*where)
+        for row in (await s.execute(stmt)).all():
+            key = tuple(_key_value(name, v) for name, v in zip(by, row[:n], strict=True))
+            out[key].add(Totals(int(row[n]), int(row[n + 1]), int(row[n + 2]), row[n + 3]))
+        return
+    sums = _SqliteSums if dialect == "sqlite" else _PostgresSums
     for row in (await s.execute(sums.statement(source, keys, where))).all():
         key = tuple(_key_value(name, v) for name, v in zip(by, row[:n], strict=True))
         requests, prompt_tokens, completion_tokens = row[n : n + 3]
@@ -339,6 +350,8 @@ async def rebuild_days(s: AsyncSession, tenant_id: str | None) -> int:
     PostgreSQL the table is locked first: job endings wait until it commits, and every
     record committed before the lock is summed, every one after adds itself."""
     if s.get_bind().dialect.name == "postgresql":
+        # Not waiting long behind an open ending: every ending queues behind the request.
+        await s.execute(text("SET LOCAL lock_timeout = '10s'"))
         await s.execute(text("LOCK TABLE usage_days IN EXCLUSIVE MODE"))
     gone = delete(UsageDay)
     if tenant_id is not None:

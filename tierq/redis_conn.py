@@ -65,14 +65,26 @@ class EvictingRedis(RuntimeError):
 
 
 async def _eviction_policy(client: aioredis.Redis) -> str | None:
-    """The server's maxmemory-policy, from INFO (which managed services that rename or
-    forbid CONFIG still answer); None when it does not say."""
+    """The server's maxmemory-policy when it can evict, from INFO (which managed services
+    that rename or forbid CONFIG still answer): None when it does not say, and when no
+    `maxmemory` is set (Redis then never evicts, whatever the policy)."""
     try:
         info = await client.info("memory")
-    except redis.ResponseError:  # INFO forbidden: nothing to check with
+    except redis.ResponseError as exc:  # INFO forbidden: nothing to check with
+        log.warning("cannot read Redis' eviction policy (%s); it must be noeviction", exc)
         return None
     policy = info.get("maxmemory_policy")
-    return str(policy) if policy is not None else None
+    if policy is None:
+        log.warning("Redis does not report its eviction policy; it must be noeviction")
+        return None
+    if str(policy) != "noeviction" and int(info.get("maxmemory", 0) or 0) == 0:
+        log.warning(
+            "Redis' maxmemory-policy is %s with no maxmemory (nothing is evicted today); "
+            "set it to noeviction before giving Redis a memory limit",
+            policy,
+        )
+        return None
+    return str(policy)
 
 
 # Errors that mean Redis could not be reached (a restart, a killed connection): retried.

@@ -3,7 +3,8 @@ one inbox and overwrite one heartbeat. A worker starting under an id whose heart
 live takes it only from a predecessor that is gone: its own host's process that no longer
 runs (a supervisor's restart after a crash: at once), or a heartbeat that stops moving
 (another host's, or a frozen one: once WORKER_DEAD_AFTER_S passes without a refresh). A
-heartbeat refreshed meanwhile has a live holder, and the new worker refuses to start."""
+heartbeat refreshed meanwhile has a live holder, and the new worker refuses to start —
+unless it is draining (a rolling restart): then it waits for it to retire or go stale."""
 
 from __future__ import annotations
 
@@ -22,20 +23,51 @@ class WorkerIdTaken(RuntimeError):
     """Another live worker holds this worker id."""
 
 
+# Holders of this process's running workers (an in-process worker that ended is gone).
+_LIVE: set[str] = set()
+
+
+def _machine() -> str:
+    """This kernel's boot and pid namespace: a pid means the same process only where both
+    match (containers sharing a host name, with host networking, have pid namespaces of
+    their own; a reboot starts pids again)."""
+    parts = []
+    for path, read in (
+        ("/proc/sys/kernel/random/boot_id", lambda p: open(p).read().strip()[:8]),  # noqa: SIM115
+        ("/proc/self/ns/pid", lambda p: os.readlink(p).strip("pid:[]")),
+    ):
+        try:
+            parts.append(read(path))
+        except OSError:
+            parts.append("?")
+    return ".".join(parts)
+
+
 def holder_token() -> str:
-    """This process, as its heartbeats name it: host, pid and a nonce (pids are reused)."""
-    return f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
+    """This process, as its heartbeats name it: host, pid, boot and pid namespace, and a
+    nonce (pids are reused)."""
+    return f"{os.uname().nodename}:{os.getpid()}:{_machine()}:{secrets.token_hex(4)}"
+
+
+def hold(holder: str) -> None:
+    _LIVE.add(holder)
+
+
+def release(holder: str) -> None:
+    _LIVE.discard(holder)
 
 
 def _gone_from_this_host(holder: str) -> bool:
-    """The holder ran on this host, in another process that has ended."""
-    host, _, rest = holder.partition(":")
-    pid_text = rest.partition(":")[0]
-    if host != os.uname().nodename or not pid_text.isdigit():
+    """The holder ran on this machine (same host name, boot and pid namespace), in a
+    process that has ended or a worker of this process that is no longer running."""
+    fields = holder.split(":")
+    if len(fields) != 4 or fields[0] != os.uname().nodename or not fields[1].isdigit():
         return False
-    pid = int(pid_text)
-    if pid == os.getpid():  # an earlier worker of this process (its tasks are gone)
-        return True
+    if fields[2] != _machine() or "?" in fields[2]:
+        return False
+    pid = int(fields[1])
+    if pid == os.getpid():
+        return holder not in _LIVE
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -69,7 +101,7 @@ async def claim(
     take = r.register_script(_TAKE)
     while True:
         raw = await r.hget(names.workers, worker_id)
-        if raw is not None:
+        if raw is not None and Heartbeat.decode(raw).holder != holder:  # not our own claim
             await _wait_out(r, names, worker_id, Heartbeat.decode(raw), dead_after_s, poll_s)
         mine = Heartbeat(worker_id, 0, 0, await redis_now(r), draining=True, holder=holder)
         if await take(keys=[names.workers], args=[worker_id, raw or "", mine.encode()]):
@@ -95,6 +127,9 @@ async def _wait_out(
         if raw is None:
             return  # retired meanwhile
         now = Heartbeat.decode(raw)
+        if now.ts != last.ts and now.draining and now.holder == last.holder:
+            last = now  # a predecessor draining (a rolling restart): wait for it to retire
+            continue
         if now.ts != last.ts:
             raise WorkerIdTaken(
                 f"worker id {worker_id!r} is held by a live worker ({now.holder or 'unknown'}"

@@ -10,10 +10,11 @@ import asyncio
 import logging
 import os
 import traceback
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from celery.exceptions import SoftTimeLimitExceeded
 
 from models.db import Database
 from tierq import metrics
@@ -37,20 +38,6 @@ class _Runtime:
             connect(settings, attempts=3, role="celery")
         )
 
-    def run(self, task: str, coro: Coroutine[Any, Any, T]) -> T | None:
-        """Run a task's coroutine. An error is logged, counted and cleared here, not
-        raised to Celery: every task is idempotent and re-run by beat's next tick (a
-        batch's advance too: the tick advances every active batch), and Celery keeps
-        each raised error's traceback info alive (celery/celery#8882: its memory grew
-        tens of MB an hour while Redis restarts failed tasks)."""
-        try:
-            return self.loop.run_until_complete(coro)
-        except Exception as exc:
-            log.exception("task %s failed; its next run does its work", task)
-            metrics.CELERY_TASK_ERRORS.labels(task).inc()
-            traceback.clear_frames(exc.__traceback__)
-            return None
-
 
 _runtime: _Runtime | None = None
 
@@ -62,37 +49,56 @@ def _rt() -> _Runtime:
     return _runtime
 
 
+def _run(task: str, work: Callable[[_Runtime], Coroutine[Any, Any, T]]) -> T | None:
+    """Run a task's coroutine on this process's runtime (made on first use). An error —
+    the runtime's own too (Redis unreachable, or refused) — is logged, counted and
+    cleared here, not raised to Celery: every task is idempotent and re-run by beat's
+    next tick (a batch's advance too: the tick advances every active batch), and Celery
+    keeps each raised error's traceback info alive (celery/celery#8882: its memory grew
+    tens of MB an hour while Redis restarts failed tasks)."""
+    try:
+        rt = _rt()
+        return rt.loop.run_until_complete(work(rt))
+    except SoftTimeLimitExceeded:
+        raise
+    except Exception as exc:
+        log.exception("task %s failed; its next run does its work", task)
+        metrics.CELERY_TASK_ERRORS.labels(task).inc()
+        error: BaseException | None = exc
+        seen: set[int] = set()
+        while error is not None and id(error) not in seen:  # the chain's frames too
+            seen.add(id(error))
+            traceback.clear_frames(error.__traceback__)
+            error = error.__cause__ or error.__context__
+        return None
+
+
 @app.task(name="tierq.reconcile")
 def reconcile_task() -> list[str]:
     """Re-enqueue the jobs Postgres holds as unfinished that no Redis stream holds."""
-    rt = _rt()
-    return rt.run("reconcile", reconcile(settings, rt.db, rt.r)) or []
+    return _run("reconcile", lambda rt: reconcile(settings, rt.db, rt.r)) or []
 
 
 @app.task(name="tierq.batches.tick")
 def batches_tick() -> None:
     """Advance every active batch (expansion, finalisation, cancellation, expiry)."""
-    rt = _rt()
-    rt.run("batches.tick", BatchRunner(settings, rt.db, rt.r).tick())
+    _run("batches.tick", lambda rt: BatchRunner(settings, rt.db, rt.r).tick())
 
 
 @app.task(name="tierq.batches.advance")
 def batch_advance(batch_id: str) -> None:
     """Advance one batch now (asked for by the API or a worker when something changed)."""
-    rt = _rt()
-    rt.run("batches.advance", BatchRunner(settings, rt.db, rt.r).advance(batch_id))
+    _run("batches.advance", lambda rt: BatchRunner(settings, rt.db, rt.r).advance(batch_id))
 
 
 @app.task(name="tierq.billing.rollup")
 def billing_rollup(period: str | None = None) -> list[str]:
     """Roll the ledger up into invoices: the given month, else this one and the last (so
     the last month's invoice is final once its late-finishing jobs are in). Idempotent."""
-    rt = _rt()
-    return rt.run("billing.rollup", roll_up_invoices(rt.db, period)) or []
+    return _run("billing.rollup", lambda rt: roll_up_invoices(rt.db, period)) or []
 
 
 @app.task(name="tierq.files.expire")
 def files_expire() -> int:
     """Remove expired files (rows and bytes), except the input of a batch in progress."""
-    rt = _rt()
-    return len(rt.run("files.expire", remove_expired_files(settings, rt.db)) or [])
+    return len(_run("files.expire", lambda rt: remove_expired_files(settings, rt.db)) or [])

@@ -168,6 +168,7 @@ class Worker:
         self.engine = engine
         self.worker_id = worker_id or settings.resolved_worker_id
         self.holder = identity.holder_token()
+        self._last_life: bool | None = None  # whether its last life ended as planned
         self.names = RedisNames(settings.redis_prefix)
         self.inbox = self.names.inbox(self.worker_id)
         self.events = EventLog.for_settings(r, self.names, settings)
@@ -230,6 +231,12 @@ class Worker:
     async def run(self) -> None:
         """Serve until stopped; raise EngineDead (after handing every job back) if the
         engine dies. Cancelling this task is a crash: nothing is cleaned up."""
+        try:
+            await self._serve()
+        finally:
+            identity.release(self.holder)  # this process no longer runs it
+
+    async def _serve(self) -> None:
         await self._retrying("register", self._register)
         tasks = [
             asyncio.create_task(self._inbox_loop(), name="inbox"),
@@ -273,8 +280,11 @@ class Worker:
         await self._ensure_group()
         # This worker id's last life, if it ended without retiring: a drain cut short
         # (planned: its jobs are not at fault) or a crash (each shares the fault).
-        last: Any = await self.r.hget(self.names.workers, self.worker_id)
-        planned = last is not None and _planned_stop(Heartbeat.decode(last))
+        if self._last_life is None:  # once: a retried registration finds its own claim
+            last: Any = await self.r.hget(self.names.workers, self.worker_id)
+            self._last_life = last is not None and _planned_stop(Heartbeat.decode(last))
+        planned = self._last_life
+        identity.hold(self.holder)
         await identity.claim(
             self.r,
             self.names,

@@ -274,6 +274,10 @@ async def test_readyz_admits_without_workers_and_reports_the_fleet(
         assert queued.status_code in (200, 201, 202) and queued.json()["status"] == "queued"
         await platform.start_worker("w1")
         platform.start_dispatcher()
+        deadline = asyncio.get_running_loop().time() + 30  # its first heartbeat
+        while (await c.get("/readyz", params={"min_workers": 1})).status_code != 200:
+            assert asyncio.get_running_loop().time() < deadline, "the worker never showed up"
+            await asyncio.sleep(0.05)
         for path in ("/readyz", "/readyz?min_workers=1"):
             up = await c.get(path)
             assert up.status_code == 200 and up.json()["workers"] == 1, up.text

@@ -182,7 +182,11 @@ def _four_hosts_at_once(url: str) -> None:
     env = {**os.environ, "DATABASE_URL": url}
     root = Path(__file__).resolve().parents[2]
     lock = "SELECT pg_advisory_xact_lock(hashtext('tierq:migrations'))"
-    waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+    waiting = (  # this database's waiters on this lock (the upper 32 bits are 0 here)
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        " AND objid::bigint = hashtext('tierq:migrations')::bigint & 4294967295"
+    )
 
     async def run() -> list[subprocess.Popen[bytes]]:
         engine = make_engine(url)
@@ -211,7 +215,11 @@ def _four_hosts_at_once(url: str) -> None:
             await engine.dispose()
 
     procs = asyncio.run(run())
-    outputs = [p.communicate(timeout=180)[0].decode() for p in procs]
+    try:
+        outputs = [p.communicate(timeout=180)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert [p.returncode for p in procs] == [0, 0, 0, 0], "\n---\n".join(outputs)
     tables, diff = _state(url)
     assert tables == set(Base.metadata.tables) | {"alembic_version"} and diff == []

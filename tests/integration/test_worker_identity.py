@@ -147,3 +147,29 @@ async def test_of_two_workers_starting_at_once_under_one_id_one_takes_it(
             await asyncio.wait_for(next(iter(pending)), 20)
     finally:
         beating.cancel()
+
+
+async def test_a_draining_holder_is_waited_for_not_refused(platform: Platform) -> None:
+    """A rolling restart: the new worker starts while the old one drains (its heartbeat
+    still moving, draining). It waits, and takes the id once the old one retires."""
+    names = platform.dispatcher.names
+    old = "far:7:seven"
+
+    async def drain_then_retire() -> None:
+        for _ in range(20):
+            ts = await redis_now(platform.r)
+            await write_heartbeat(
+                platform.r, names, Heartbeat("w-roll", 8, 1, ts, draining=True, holder=old)
+            )
+            await asyncio.sleep(0.05)
+        await platform.r.hdel(names.workers, "w-roll")  # retired
+
+    await write_heartbeat(
+        platform.r,
+        names,
+        Heartbeat("w-roll", 8, 1, await redis_now(platform.r), draining=True, holder=old),
+    )
+    draining = asyncio.create_task(drain_then_retire())
+    await identity.claim(platform.r, names, "w-roll", "far:8:new", dead_after_s=30, poll_s=0.05)
+    assert draining.done()  # it waited for the retirement
+    assert (await _heartbeat(platform, "w-roll")).holder == "far:8:new"

@@ -14,7 +14,7 @@ from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from decimal import Context, Decimal, localcontext
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
@@ -83,6 +83,16 @@ async def _report(
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(  # one day's sum of more digits than a record's amount can hold
+    [
+        (Decimal(1), "batch", "m1", 62, 1, 1),  # the first record is the other tenant's
+        (Decimal(10**30 + 7), "batch", "m1", 60, 1, 1),
+        (Decimal("1E-30"), "batch", "m1", 61, 1, 1),
+    ],
+    ("day",),
+    None,
+    None,
+)
 @given(
     st.lists(RECORD, max_size=40),
     st.sampled_from([("day",), ("tier", "model"), ("model", "day")]),
