@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import DbDep, NamesDep, RedisDep, SettingsDep
+from api.errors import documented
 from tierq import metrics as series
 from tierq.queue import live_workers
 
@@ -23,7 +24,10 @@ async def healthz() -> dict[str, str]:
 
 @router.get(
     "/readyz",
-    responses={503: {"description": "Not ready: the body says which check failed."}},
+    responses={
+        **documented(400),
+        503: {"description": "Not ready: the body says which check failed."},
+    },
 )
 async def readyz(
     db: DbDep,

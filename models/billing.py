@@ -154,9 +154,9 @@ _DAYS = _Source(UsageDay, UsageDay.requests.expression)
 
 
 def _key_value(name: str, value: Any) -> str:
-    if name == "day":  # as datetime.strftime writes it
+    if name == "day":  # YYYY-MM-DD, four-digit years (as the day sums hold it)
         day = date.fromisoformat(value) if isinstance(value, str) else value
-        return str(day.strftime("%Y-%m-%d"))
+        return str(day.isoformat())
     return str(value)
 
 
@@ -309,6 +309,8 @@ def _whole_days(start: datetime | None, end: datetime | None) -> tuple[date | No
     first = last = None
     if start is not None:
         start = start.astimezone(UTC)
+        if start != _midnight(start.date()) and start.date() == date.max:
+            return date.max, date.max  # past the calendar's last midnight: no whole day
         first = start.date() + timedelta(days=start != _midnight(start.date()))
     if end is not None:
         last = end.astimezone(UTC).date()
@@ -333,7 +335,10 @@ async def _sums(
     most two partial days of records, however long the ledger."""
     out: dict[tuple[str, ...], Totals] = defaultdict(Totals)
     first, last = _whole_days(start, end)
-    if first is not None and last is not None and first >= last:  # inside one or two days
+    if first is not None and (
+        (last is not None and first >= last)  # inside one or two days
+        or (start is not None and start > _midnight(first))  # in the calendar's last day
+    ):
         await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, start, end))
         return dict(out)
     await _sum_into(out, s, _DAYS, by, _DAYS.within(tenant_id, first, last))

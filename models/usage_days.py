@@ -25,7 +25,7 @@ _EXACT = Context(prec=200)
 
 def day_of(at: datetime) -> str:
     """The UTC day a record written at `at` is summed in, as `YYYY-MM-DD`."""
-    return (at.astimezone(UTC) if at.tzinfo else at).strftime("%Y-%m-%d")
+    return (at.astimezone(UTC) if at.tzinfo else at).date().isoformat()  # 4-digit years
 
 
 def add(s: Session, record: UsageRecord) -> None:

@@ -108,6 +108,16 @@ async def claim(
             return
 
 
+async def check(
+    r: aioredis.Redis, names: RedisNames, worker_id: str, dead_after_s: float, poll_s: float
+) -> None:
+    """`claim`'s judgment without taking the id: raise WorkerIdTaken now if a live worker
+    holds it (before an engine spends a minute loading a model for nothing)."""
+    raw = await r.hget(names.workers, worker_id)
+    if raw is not None:
+        await _wait_out(r, names, worker_id, Heartbeat.decode(raw), dead_after_s, poll_s)
+
+
 async def _wait_out(
     r: aioredis.Redis,
     names: RedisNames,

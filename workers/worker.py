@@ -1050,13 +1050,26 @@ async def run_worker(
     from tierq.redis_conn import connect
     from workers.engine.cpu_placement import pin_off_compute
 
-    engine = engine_factory(settings)
-    await engine.start()
+    # Redis (and its eviction policy) and the worker id are checked before the engine
+    # loads its model: a worker that cannot run here says so before taking a GPU's memory.
+    r = await connect(settings, role="worker")
+    try:
+        await identity.check(
+            r,
+            RedisNames(settings.redis_prefix),
+            settings.resolved_worker_id,
+            settings.worker_dead_after_s,
+            settings.heartbeat_interval_s / 2,
+        )
+        engine = engine_factory(settings)
+        await engine.start()
+    except BaseException:
+        await r.aclose()
+        raise
     if settings.pin_aux_processes:
         # This process and vLLM's engine core off the cores vLLM bound its compute to.
         pin_off_compute()
     db = Database(settings.resolved_database_url)
-    r = await connect(settings, role="worker")
     worker = Worker(settings, db, r, engine)
     if install_signals is not None:
         await install_signals(worker)

@@ -70,7 +70,7 @@ def upgrade() -> None:
             at = datetime.fromisoformat(created_at) if isinstance(created_at, str) else created_at
             if at.tzinfo is not None:
                 at = at.astimezone(UTC)
-            entry = sums[(tenant_id, f"{at:%Y-%m-%d}", tier, model)]
+            entry = sums[(tenant_id, at.date().isoformat(), tier, model)]
             entry[0] = int(str(entry[0])) + 1
             entry[1] = int(str(entry[1])) + int(prompt)
             entry[2] = int(str(entry[2])) + int(completion)

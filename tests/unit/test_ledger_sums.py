@@ -131,3 +131,40 @@ def test_sqlite_sums_are_the_records_added_one_by_one(
         assert (str(got.cost), got.requests) == (str(expected), len(rows)), key
         assert got.prompt_tokens == sum(r[4] for r in rows)
         assert got.completion_tokens == sum(r[5] for r in rows)
+
+
+def test_bounds_at_the_calendars_ends() -> None:
+    """A range starting inside the calendar's last day (no midnight follows it) or ending
+    inside its first one is summed from the records: no date past the calendar is made."""
+
+    async def report(at: datetime, start: datetime | None, end: datetime | None) -> int:
+        engine = create_async_engine("sqlite+aiosqlite://")
+        try:
+            async with engine.begin() as conn:
+                await conn.run_sync(Base.metadata.create_all)
+            sessions = async_sessionmaker(engine, class_=AsyncSession, expire_on_commit=False)
+            async with sessions() as s:
+                record = UsageRecord(
+                    job_id="job_edge",
+                    tenant_id="ten_a",
+                    tier="batch",
+                    model="m1",
+                    prompt_tokens=1,
+                    completion_tokens=1,
+                    cost=Decimal("0.5"),
+                    created_at=at,
+                )
+                s.add(record)
+                await s.run_sync(lambda sync: usage_days.add(sync, record))
+                await s.commit()
+                return (await billing.usage(s, "ten_a", start, end, ("day",))).total().requests
+        finally:
+            await engine.dispose()
+
+    last_day = datetime(9999, 12, 31, 12, 30, tzinfo=UTC)
+    noon = datetime(9999, 12, 31, 12, tzinfo=UTC)
+    assert asyncio.run(report(last_day, noon, None)) == 1
+    assert asyncio.run(report(last_day, noon, datetime(9999, 12, 31, 13, tzinfo=UTC))) == 1
+    first_day = datetime(1, 1, 1, 3, tzinfo=UTC)
+    assert asyncio.run(report(first_day, None, datetime(1, 1, 1, 5, tzinfo=UTC))) == 1
+    assert asyncio.run(report(first_day, datetime(1, 1, 1, 4, tzinfo=UTC), None)) == 0
