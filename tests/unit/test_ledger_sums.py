@@ -57,23 +57,36 @@ async def _report(
     start: datetime | None,
     end: datetime | None,
 ) -> billing.Usage:
+    rows = [
+        UsageRecord(
+            job_id=f"job_{i}",
+            tenant_id="ten_a" if i % 5 else "ten_b",  # another tenant's, left out
+            tier=tier,
+            model=model,
+            prompt_tokens=p,
+            completion_tokens=c,
+            cost=cost,
+            created_at=DAY0 + timedelta(minutes=minute),
+        )
+        for i, (cost, tier, model, minute, p, c) in enumerate(records)
+    ]
+    return await _written_then_reported(rows, group_by, start, end)
+
+
+async def _written_then_reported(
+    rows: list[UsageRecord],
+    group_by: tuple[str, ...],
+    start: datetime | None,
+    end: datetime | None,
+) -> billing.Usage:
+    """`ten_a`'s report after the records are written as a job's ending writes them."""
     engine = create_async_engine("sqlite+aiosqlite://")
     try:
         async with engine.begin() as conn:
             await conn.run_sync(Base.metadata.create_all)
         sessions = async_sessionmaker(engine, class_=AsyncSession, expire_on_commit=False)
         async with sessions() as s:
-            for i, (cost, tier, model, minute, p, c) in enumerate(records):
-                record = UsageRecord(
-                    job_id=f"job_{i}",
-                    tenant_id="ten_a" if i % 5 else "ten_b",  # another tenant's, left out
-                    tier=tier,
-                    model=model,
-                    prompt_tokens=p,
-                    completion_tokens=c,
-                    cost=cost,
-                    created_at=DAY0 + timedelta(minutes=minute),
-                )
+            for record in rows:
                 s.add(record)
                 await s.run_sync(lambda sync, r=record: usage_days.add(sync, r))  # type: ignore[misc]
             await s.commit()
@@ -138,28 +151,17 @@ def test_bounds_at_the_calendars_ends() -> None:
     inside its first one is summed from the records: no date past the calendar is made."""
 
     async def report(at: datetime, start: datetime | None, end: datetime | None) -> int:
-        engine = create_async_engine("sqlite+aiosqlite://")
-        try:
-            async with engine.begin() as conn:
-                await conn.run_sync(Base.metadata.create_all)
-            sessions = async_sessionmaker(engine, class_=AsyncSession, expire_on_commit=False)
-            async with sessions() as s:
-                record = UsageRecord(
-                    job_id="job_edge",
-                    tenant_id="ten_a",
-                    tier="batch",
-                    model="m1",
-                    prompt_tokens=1,
-                    completion_tokens=1,
-                    cost=Decimal("0.5"),
-                    created_at=at,
-                )
-                s.add(record)
-                await s.run_sync(lambda sync: usage_days.add(sync, record))
-                await s.commit()
-                return (await billing.usage(s, "ten_a", start, end, ("day",))).total().requests
-        finally:
-            await engine.dispose()
+        record = UsageRecord(
+            job_id="job_edge",
+            tenant_id="ten_a",
+            tier="batch",
+            model="m1",
+            prompt_tokens=1,
+            completion_tokens=1,
+            cost=Decimal("0.5"),
+            created_at=at,
+        )
+        return (await _written_then_reported([record], ("day",), start, end)).total().requests
 
     last_day = datetime(9999, 12, 31, 12, 30, tzinfo=UTC)
     noon = datetime(9999, 12, 31, 12, tzinfo=UTC)
