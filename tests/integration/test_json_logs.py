@@ -84,11 +84,18 @@ async def test_json_lines_carry_the_job_and_its_trace(
     while len(found := _lines_of(json_lines, job_id)) < len(PLACES):
         assert time.monotonic() < deadline, f"lines of {job_id}: {found}\n{json_lines.getvalue()}"
         await asyncio.sleep(0.05)
-    (run,) = [
-        s
-        for s in spans.get_finished_spans()
-        if s.name == "tierq.run" and (s.attributes or {}).get("tierq.job_id") == job_id
-    ]
+    # The run's span ends once the worker has settled the job, a moment after the job
+    # reads succeeded: waited for, like the lines.
+    while not (
+        runs := [
+            s
+            for s in spans.get_finished_spans()
+            if s.name == "tierq.run" and (s.attributes or {}).get("tierq.job_id") == job_id
+        ]
+    ):
+        assert time.monotonic() < deadline, "the run's span never ended"
+        await asyncio.sleep(0.05)
+    (run,) = runs
     attributes = run.attributes or {}
     for logger, entry in found.items():
         assert entry["job_id"] == job_id, logger
