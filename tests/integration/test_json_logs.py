@@ -86,6 +86,7 @@ async def test_json_lines_carry_the_job_and_its_trace(
         await asyncio.sleep(0.05)
     # The run's span ends once the worker has settled the job, a moment after the job
     # reads succeeded: waited for, like the lines.
+    deadline = time.monotonic() + 10
     while not (
         runs := [
             s
