@@ -310,7 +310,8 @@ def _whole_days(start: datetime | None, end: datetime | None) -> tuple[date | No
     if start is not None:
         start = start.astimezone(UTC)
         if start != _midnight(start.date()) and start.date() == date.max:
-            return date.max, date.max  # past the calendar's last midnight: no whole day
+            # Past the calendar's last midnight: no whole day (the records are summed).
+            return date.max, date.max
         first = start.date() + timedelta(days=start != _midnight(start.date()))
     if end is not None:
         last = end.astimezone(UTC).date()
@@ -335,10 +336,7 @@ async def _sums(
     most two partial days of records, however long the ledger."""
     out: dict[tuple[str, ...], Totals] = defaultdict(Totals)
     first, last = _whole_days(start, end)
-    if first is not None and (
-        (last is not None and first >= last)  # inside one or two days
-        or (start is not None and start > _midnight(first))  # in the calendar's last day
-    ):
+    if first is not None and last is not None and first >= last:  # inside one or two days
         await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, start, end))
         return dict(out)
     await _sum_into(out, s, _DAYS, by, _DAYS.within(tenant_id, first, last))

@@ -176,8 +176,9 @@ class Heartbeat:
     # True: its engine preempts for priority itself; the dispatcher never aborts its jobs
     # for interactive work (`reserve` then counts the interactive jobs beyond its slots).
     engine_preempts: bool = False
-    # The process writing it ("<host>:<pid>:<nonce>"): a worker starting under a live id
-    # tells its own dead predecessor on this host from another live holder.
+    # The process writing it ("<host>:<pid>:<boot.pid namespace>:<nonce>",
+    # workers.identity): a worker starting under a live id tells its own dead
+    # predecessor on this host from another live holder.
     holder: str = ""
 
     def encode(self) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -30,17 +32,16 @@ _LIVE: set[str] = set()
 def _machine() -> str:
     """This kernel's boot and pid namespace: a pid means the same process only where both
     match (containers sharing a host name, with host networking, have pid namespaces of
-    their own; a reboot starts pids again)."""
-    parts = []
-    for path, read in (
-        ("/proc/sys/kernel/random/boot_id", lambda p: open(p).read().strip()[:8]),  # noqa: SIM115
-        ("/proc/self/ns/pid", lambda p: os.readlink(p).strip("pid:[]")),
-    ):
-        try:
-            parts.append(read(path))
-        except OSError:
-            parts.append("?")
-    return ".".join(parts)
+    their own; a reboot starts pids again). "?" for what cannot be read."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "?"
+    try:
+        namespace = os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    except OSError:
+        namespace = "?"
+    return f"{boot}.{namespace}"
 
 
 def holder_token() -> str:
@@ -100,9 +101,7 @@ async def claim(
     process holds it (its heartbeat moved while this waited)."""
     take = r.register_script(_TAKE)
     while True:
-        raw = await r.hget(names.workers, worker_id)
-        if raw is not None and Heartbeat.decode(raw).holder != holder:  # not our own claim
-            await _wait_out(r, names, worker_id, Heartbeat.decode(raw), dead_after_s, poll_s)
+        raw = await _judged(r, names, worker_id, holder, dead_after_s, poll_s)
         mine = Heartbeat(worker_id, 0, 0, await redis_now(r), draining=True, holder=holder)
         if await take(keys=[names.workers], args=[worker_id, raw or "", mine.encode()]):
             return
@@ -113,9 +112,25 @@ async def check(
 ) -> None:
     """`claim`'s judgment without taking the id: raise WorkerIdTaken now if a live worker
     holds it (before an engine spends a minute loading a model for nothing)."""
-    raw = await r.hget(names.workers, worker_id)
+    await _judged(r, names, worker_id, None, dead_after_s, poll_s)
+
+
+async def _judged(
+    r: aioredis.Redis,
+    names: RedisNames,
+    worker_id: str,
+    holder: str | None,
+    dead_after_s: float,
+    poll_s: float,
+) -> str | None:
+    """The id's heartbeat as read, once its holder — unless it is `holder`, this
+    process's own claim — is gone; WorkerIdTaken when that holder lives."""
+    raw: Any = await r.hget(names.workers, worker_id)  # str: decoded responses
     if raw is not None:
-        await _wait_out(r, names, worker_id, Heartbeat.decode(raw), dead_after_s, poll_s)
+        last = Heartbeat.decode(raw)
+        if last.holder != holder:
+            await _wait_out(r, names, worker_id, last, dead_after_s, poll_s)
+    return raw
 
 
 async def _wait_out(
