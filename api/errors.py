@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from models.db import is_unavailable as db_unavailable
 from services.requests import Refused
+from tierq.file_store import StoreUnavailable
 from tierq.redis_conn import is_unavailable as redis_unavailable
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def install(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), code, headers=headers)
 
     async def _dependency(_: Request, exc: Exception) -> JSONResponse:
-        if db_unavailable(exc) or redis_unavailable(exc):
+        if db_unavailable(exc) or redis_unavailable(exc) or isinstance(exc, StoreUnavailable):
             # A restart or a lost connection: the SDKs retry after Retry-After. Nothing was
             # accepted that could not be recorded (admission commits the row first).
             log.warning("dependency unavailable: %s: %s", type(exc).__name__, exc)
@@ -146,7 +147,14 @@ def install(app: FastAPI) -> None:
         return _internal(exc)
 
     # Handled here, not by the catch-all below (which Starlette re-raises to the server).
-    for dependency_error in (sa_exc.DBAPIError, sa_exc.TimeoutError, redis.RedisError, OSError):
+    dependency_errors = (
+        sa_exc.DBAPIError,
+        sa_exc.TimeoutError,
+        redis.RedisError,
+        OSError,
+        StoreUnavailable,
+    )
+    for dependency_error in dependency_errors:
         app.add_exception_handler(dependency_error, _dependency)
 
     @app.exception_handler(Exception)

@@ -130,7 +130,7 @@ class _Run:
         self.bench = bench
         self.settings = settings
         self.shared_engine = shared_engine
-        self.db = Database(settings.resolved_database_url)
+        self.db = Database.for_settings(settings)
         self.r = aioredis.Redis.from_url(bench.redis_url, decode_responses=True)
         self.trace = Trace()
         inner: Engine = shared_engine or SimulatedEngine(

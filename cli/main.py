@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import signal
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -183,17 +184,40 @@ def worker(
 def migrate(
     revision: str = typer.Option("head", help="Target revision."),
     down: bool = typer.Option(False, "--down", help="Downgrade to the revision instead."),
+    wait: float = typer.Option(
+        0.0,
+        min=0.0,
+        help="Seconds to keep retrying while the database or the object store cannot be "
+        "reached (a deployment's first start, its services still coming up).",
+    ),
 ) -> None:
-    """Apply the Alembic migrations to the configured database."""
+    """Apply the Alembic migrations to the configured database, and make the file store
+    ready (its folder, or its S3 bucket if missing): once per deployment (concurrent runs
+    wait for each other's lock)."""
     import migrations
+    from models.db import is_unavailable
+    from tierq.file_store import StoreUnavailable, file_store
 
     settings = get_settings()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     url = settings.resolved_database_url
-    if down:
-        migrations.downgrade(url, revision if revision != "head" else "base")
-    else:
-        migrations.upgrade(url, revision)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            pooling = settings.database_transaction_pooling
+            if down:
+                migrations.downgrade(url, revision if revision != "head" else "base", pooling)
+                return
+            migrations.upgrade(url, revision, pooling)
+            typer.echo(file_store(settings).prepare(), err=True)
+            return
+        except Exception as exc:
+            if not (is_unavailable(exc) or isinstance(exc, StoreUnavailable | OSError)):
+                raise
+            if time.monotonic() >= deadline:
+                raise
+            typer.echo(f"waiting for the database and the object store: {exc}", err=True)
+            time.sleep(2)
 
 
 @app.command("rebuild-usage-days")
@@ -206,7 +230,7 @@ def rebuild_usage_days(
     from models.db import Database
 
     async def main() -> int:
-        db = Database(get_settings().resolved_database_url)
+        db = Database.for_settings(get_settings())
         try:
             async with db.transaction() as s:
                 return await billing.rebuild_days(s, tenant)

@@ -315,9 +315,18 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
 
     import migrations
 
-    migrations.upgrade(child_settings.resolved_database_url)
+    migrations.upgrade(
+        child_settings.resolved_database_url,
+        transaction_pooling=settings.database_transaction_pooling,
+    )
     key_file = settings.dev_key_file
-    key = asyncio.run(ensure_tenant_key(child_settings, "dev", key_file))
+    # The dev tenant is the embedded default's: on shared services (a fleet's PostgreSQL)
+    # every host would add a key to it; tenants there are made once, by the operator.
+    key = (
+        asyncio.run(ensure_tenant_key(child_settings, "dev", key_file))
+        if settings.embedded
+        else None
+    )
 
     # Metrics ports and multiprocess folders are given per process (RUN_METRICS_PORT), never
     # inherited: one folder shared by every process would add up their counts, and one
@@ -437,7 +446,15 @@ def _ready(base: str) -> bool:
         return False
 
 
-def _announce(base: str, key: str, key_file: Path) -> None:
+def _announce(base: str, key: str | None, key_file: Path) -> None:
+    if key is None:
+        print(
+            f"\ntierq is ready at {base}\n"
+            "No tenant is made on shared services: create one with `tierq create-tenant "
+            "NAME` (its key is printed once) or the admin API.\n\nCtrl-C stops everything.\n",
+            flush=True,
+        )
+        return
     print(
         f"\ntierq is ready at {base}\n"
         f"API key of tenant 'dev' (also in {key_file}): {key}\n\n"

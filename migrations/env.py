@@ -38,7 +38,10 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_async() -> None:
-    engine = make_engine(_url())
+    pooling = config.attributes.get("transaction_pooling")
+    if pooling is None:
+        pooling = get_settings().database_transaction_pooling
+    engine = make_engine(_url(), transaction_pooling=bool(pooling))
     try:
         async with engine.connect() as conn:
             await conn.run_sync(_run)

@@ -1,10 +1,20 @@
-"""The database handle: one async engine and session factory per process."""
+"""The database handle: one async engine and session factory per process.
+
+Behind a pooler in transaction mode (PgBouncer's `pool_mode = transaction`, set
+DATABASE_TRANSACTION_POOLING), consecutive transactions of one client connection may run on
+different server connections: nothing may outlive a transaction on the server. tierq's
+statements keep that (advisory locks and settings are transaction-scoped), and so does the
+driver once told: asyncpg caches no statements (its unnamed statement instead), and the
+ORM's statements are prepared under names never used twice, so two client connections
+sharing a server connection never collide on `__asyncpg_stmt_1__`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -19,6 +29,8 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 from sqlalchemy.orm import Session
+
+from tierq.settings import Settings
 
 
 def is_unavailable(error: BaseException) -> bool:
@@ -42,7 +54,19 @@ def is_unavailable(error: BaseException) -> bool:
     )
 
 
-def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
+def _statement_name() -> str:
+    return f"__tierq_{uuid.uuid4().hex}__"
+
+
+# asyncpg's options behind a pooler in transaction mode (the module's docstring).
+TRANSACTION_POOLING_ARGS: dict[str, Any] = {
+    "statement_cache_size": 0,  # asyncpg's own cache
+    "prepared_statement_cache_size": 0,  # SQLAlchemy's dialect's
+    "prepared_statement_name_func": _statement_name,
+}
+
+
+def make_engine(url: str, *, transaction_pooling: bool = False, **kwargs: Any) -> AsyncEngine:
     if url.startswith("sqlite"):
         for pool_option in ("pool_size", "max_overflow", "pool_timeout"):
             kwargs.pop(pool_option, None)  # one writer at a time: SQLAlchemy's defaults
@@ -54,6 +78,8 @@ def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
     kwargs.setdefault("pool_size", 10)
     kwargs.setdefault("max_overflow", 20)
     kwargs.setdefault("pool_pre_ping", True)
+    if transaction_pooling:
+        kwargs["connect_args"] = {**kwargs.get("connect_args", {}), **TRANSACTION_POOLING_ARGS}
     return create_async_engine(url, **kwargs)
 
 
@@ -231,7 +257,9 @@ class RawPool:
     not the statement's own (the next use opens a fresh one); `size` bound how many are
     open, and waiting longer than `timeout_s` for one raises `Unavailable` (503)."""
 
-    def __init__(self, url: str, size: int, timeout_s: float) -> None:
+    def __init__(
+        self, url: str, size: int, timeout_s: float, transaction_pooling: bool = False
+    ) -> None:
         from sqlalchemy.engine import make_url
 
         parsed = make_url(url)
@@ -240,6 +268,10 @@ class RawPool:
         query = {k: v for k, v in parsed.query.items() if k in _LIBPQ_OPTIONS}
         self.dsn = parsed.set(drivername="postgresql", query=query).render_as_string(False)
         self.timeout_s = timeout_s
+        # Behind a pooler in transaction mode: no named statements (asyncpg's unnamed one).
+        self.connect_args: dict[str, Any] = (
+            {"statement_cache_size": 0} if transaction_pooling else {}
+        )
         self._free: list[Any] = []
         self._slots = asyncio.Semaphore(size)
         self._closed = False
@@ -263,7 +295,9 @@ class RawPool:
             conn = self._free.pop() if self._free else None
             if conn is None or conn.is_closed():
                 try:
-                    conn = await asyncpg.connect(self.dsn, timeout=self.timeout_s)
+                    conn = await asyncpg.connect(
+                        self.dsn, timeout=self.timeout_s, **self.connect_args
+                    )
                 except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
                     raise Unavailable(f"cannot connect to the database: {exc}") from exc
             try:
@@ -340,9 +374,9 @@ def _sqlite_file(url: str) -> bool:
 
 
 class Database:
-    def __init__(self, url: str, **kwargs: Any) -> None:
+    def __init__(self, url: str, *, transaction_pooling: bool = False, **kwargs: Any) -> None:
         self.url = url
-        self.engine = make_engine(url, **kwargs)
+        self.engine = make_engine(url, transaction_pooling=transaction_pooling, **kwargs)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         # Sessions that only read: `session()` (nothing in it is ever committed).
         self._reads = async_sessionmaker(
@@ -353,9 +387,26 @@ class Database:
         # The hot path's own connection and thread on an SQLite file.
         self.local: LocalWriter | None = None
         if url.startswith("postgresql"):
-            self.raw = RawPool(url, kwargs.get("pool_size", 10), kwargs.get("pool_timeout", 30.0))
+            self.raw = RawPool(
+                url,
+                kwargs.get("pool_size", 10),
+                kwargs.get("pool_timeout", 30.0),
+                transaction_pooling,
+            )
         elif url.startswith("sqlite") and _sqlite_file(url):
             self.local = LocalWriter(url)
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> Database:
+        """This process's database as configured: its pool (DB_POOL_SIZE, DB_MAX_OVERFLOW,
+        DB_POOL_TIMEOUT_S) and DATABASE_TRANSACTION_POOLING."""
+        return cls(
+            settings.resolved_database_url,
+            transaction_pooling=settings.database_transaction_pooling,
+            pool_size=settings.db_pool_size,
+            max_overflow=settings.db_max_overflow,
+            pool_timeout=settings.db_pool_timeout_s,
+        )
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from decimal import Decimal
-from pathlib import Path
 from typing import Any, NoReturn
 
 import redis
@@ -48,9 +47,10 @@ from models.db import Database, RawPool
 from models.records import JobRecord, TenantRecord
 from models.tables import utcnow
 from services import openai_compat
-from services.batch_input import RawLine, read_requests
+from services.batch_input import RawLine, requests_from
 from services.requests import JobCreate, Refused, check, refuse_unless_fits
 from tierq import logs, metrics, token_count, tracing
+from tierq.file_store import FileStore
 from tierq.ids import new_id
 from tierq.queue import Enqueuer
 from tierq.settings import Settings
@@ -531,29 +531,27 @@ async def batch_prices(
     return price.input_per_million, price.output_per_million
 
 
-FILE_PAGE = 1000  # lines read at a time while a file's reservation is summed
-
-
 def file_reservation(
-    settings: Settings, path: Path, endpoint: str, price_in: Decimal, price_out: Decimal
+    settings: Settings,
+    store: FileStore,
+    name: str,
+    endpoint: str,
+    price_in: Decimal,
+    price_out: Decimal,
 ) -> tuple[int, Decimal]:
     """Tokens and the most money a batch's whole input file can take: what each line that
     will run reserves once it is a job (a line refused here fails on its own, costing
-    nothing). Plain file I/O and tokenizing: callers run it in a thread."""
+    nothing). Blocking reads and tokenizing: callers run it in a thread."""
     tokens, cost = 0, Decimal(0)
-    offset, line = 0, 0
-    while True:
-        raw, offset, line = read_requests(path, offset, line, FILE_PAGE, endpoint)
-        if not raw:
-            return tokens, cost
-        for item in raw:
-            try:
-                job, _model = prepare_line(settings, endpoint, item)
-                reserved = reservation(settings, job)
-            except (ValidationError, Refused):
-                continue
-            tokens += reserved
-            cost += quota_repo.reservation_cost(reserved, job.max_tokens, price_in, price_out)
+    for item, _ in requests_from(store, name, 0, 0, endpoint):
+        try:
+            job, _model = prepare_line(settings, endpoint, item)
+            reserved = reservation(settings, job)
+        except (ValidationError, Refused):
+            continue
+        tokens += reserved
+        cost += quota_repo.reservation_cost(reserved, job.max_tokens, price_in, price_out)
+    return tokens, cost
 
 
 async def batch_refusal(

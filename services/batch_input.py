@@ -1,7 +1,7 @@
 """Reading batch input files: validation of the whole file, and lines from a byte offset.
 
-Plain synchronous file I/O (callers run it in a thread), one line at a time: a 200 MB
-file is never held in memory. Line numbers are 1-based physical lines, as OpenAI reports
+Blocking reads of the file store (callers run them in a thread), one line at a time: a
+200 MB file is never held in memory. Line numbers are 1-based physical lines, as OpenAI reports
 them; blank lines are skipped and not counted as requests.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from services.hostile import unstorable
+from tierq.file_store import FileStore
 
 
 @dataclass
@@ -35,10 +35,11 @@ class RawLine:
     body: dict[str, Any]
 
 
-def _lines(path: Path, offset: int = 0, start_line: int = 0) -> Iterator[tuple[int, int, bytes]]:
+def _lines(
+    store: FileStore, name: str, offset: int = 0, start_line: int = 0
+) -> Iterator[tuple[int, int, bytes]]:
     """(line number, offset after the line, bytes) from `offset` on."""
-    with path.open("rb") as f:
-        f.seek(offset)
+    with store.open(name, offset) as f:
         number = start_line
         position = offset
         for raw in f:
@@ -77,11 +78,13 @@ def check_line(raw: bytes, endpoint: str) -> tuple[dict[str, Any] | None, tuple[
     return item, None
 
 
-def validate_file(path: Path, endpoint: str, *, max_requests: int, max_errors: int) -> Validation:
+def validate_file(
+    store: FileStore, name: str, endpoint: str, *, max_requests: int, max_errors: int
+) -> Validation:
     """Every structural problem of the file, by line (OpenAI's `errors` of a failed batch)."""
     result = Validation()
     seen: set[str] = set()
-    for number, _, raw in _lines(path):
+    for number, _, raw in _lines(store, name):
         if not raw.strip():
             continue
         result.requests += 1
@@ -111,16 +114,30 @@ def validate_file(path: Path, endpoint: str, *, max_requests: int, max_errors: i
     return result
 
 
-def read_requests(
-    path: Path, offset: int, start_line: int, count: int, endpoint: str
-) -> tuple[list[RawLine], int, int]:
-    """Up to `count` requests from `offset`; returns them, the new offset and line number.
+def requests_from(
+    store: FileStore, name: str, offset: int, start_line: int, endpoint: str
+) -> Iterator[tuple[RawLine, int]]:
+    """Each request from `offset` on (one read of the file) and the offset after it.
 
     The file was validated, so every non-blank line parses.
     """
+    for number, position, raw in _lines(store, name, offset, start_line):
+        if not raw.strip():
+            continue
+        item, problem = check_line(raw, endpoint)
+        if item is None:
+            raise ValueError(f"line {number} of a validated file is invalid: {problem}")
+        yield RawLine(number, item["custom_id"], item["body"]), position
+
+
+def read_requests(
+    store: FileStore, name: str, offset: int, start_line: int, count: int, endpoint: str
+) -> tuple[list[RawLine], int, int]:
+    """Up to `count` requests from `offset`; returns them, the new offset and line number
+    (past blank lines before the next request, or to the end)."""
     out: list[RawLine] = []
     position, number = offset, start_line
-    for number_, position_, raw in _lines(path, offset, start_line):
+    for number_, position_, raw in _lines(store, name, offset, start_line):
         if len(out) >= count:
             break
         number, position = number_, position_

@@ -30,7 +30,7 @@ async def ensure_tenant_key(settings: Settings, name: str, key_file: Path | None
 
     Creates the tenant when it does not exist. A new key is written to `key_file`.
     """
-    db = Database(settings.resolved_database_url)
+    db = Database.for_settings(settings)
     try:
         secret = _read_secret(key_file)
         if secret:

@@ -113,7 +113,7 @@ async def redis_client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
 @pytest.fixture
 async def db(settings: Settings) -> AsyncIterator[Database]:
     """The run's database, emptied first: each test starts from no tenants and no jobs."""
-    database = Database(settings.resolved_database_url)
+    database = Database.for_settings(settings)
     tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
     async with database.transaction() as s:
         await s.execute(text(f"TRUNCATE {tables} CASCADE"))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import time
 import uuid
 from typing import Any
@@ -111,3 +114,16 @@ async def jobs_of(platform: Any, tenant_id: str) -> list[Any]:
 
     async with platform.db.session() as s:
         return list((await s.execute(select(Job).where(Job.tenant_id == tenant_id))).scalars())
+
+
+def stop_group(proc: subprocess.Popen[bytes] | None, grace_s: float = 10) -> None:
+    """SIGTERM a server a test started in its own session (its whole process group), then
+    SIGKILL what is left after `grace_s`."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

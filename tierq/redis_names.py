@@ -115,6 +115,11 @@ class RedisNames:
         return f"{self.prefix}:reconcile:lock"
 
     @property
+    def beat_lease(self) -> str:
+        """Held by the one Celery beat of the deployment that sends the periodic tasks."""
+        return f"{self.prefix}:beat:lease"
+
+    @property
     def reconcile_queue(self) -> str:
         """The reconciler's own Celery queue: batch work can never starve it."""
         return f"{self.prefix}-celery-reconcile"

@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tierq.file_store import S3Location
+
 STATE_DIR_DEFAULT = Path(".tierq")
 # Values people leave in example configs; refused as ADMIN_API_KEY outside the embedded default.
 ADMIN_KEY_PLACEHOLDERS = frozenset(
@@ -42,11 +44,17 @@ class Settings(BaseSettings):
     # they, not the server, close an idle connection: a server that closes first races a
     # client reusing it ("Server disconnected without sending a response").
     api_keepalive_s: float = Field(default=75.0, gt=0)
-    # Each API process's PostgreSQL pool; a request that finds no free connection for
-    # db_pool_timeout_s is answered 503 with Retry-After.
+    # Each process's PostgreSQL connections (an API process, a worker, each Celery
+    # process): db_pool_size + db_max_overflow for sessions, and as many as db_pool_size
+    # again for the hot path's single statements. A request that finds no free connection
+    # for db_pool_timeout_s is answered 503 with Retry-After.
     db_pool_size: int = Field(default=10, ge=1)
     db_max_overflow: int = Field(default=20, ge=0)
     db_pool_timeout_s: float = Field(default=30.0, gt=0)
+    # DATABASE_URL reaches PostgreSQL through a pooler in transaction mode (PgBouncer's
+    # pool_mode = transaction): no statement is prepared under a name another transaction
+    # could meet (models/db.py).
+    database_transaction_pooling: bool = False
     # Admissions of one tenant that may run at once in one API process (the rest wait
     # without a database connection): one tenant's burst, serialised on its row lock,
     # cannot take every pooled connection from the other tenants.
@@ -62,8 +70,14 @@ class Settings(BaseSettings):
     max_body_bytes: int = 1_000_000
     # Uploads to /v1/files may be this large (streamed to disk, never held in memory).
     max_upload_bytes: int = 512 * 1024 * 1024
-    # Uploaded and generated files live here; None means `<state_dir>/files`.
+    # Uploaded and generated files live here; None means `<state_dir>/files`. One host's
+    # disk: a deployment of several hosts sets FILES_URL instead.
     files_dir: Path | None = None
+    # An S3-compatible object store for the files, shared by every host: s3://bucket or
+    # s3://bucket/prefix (the bucket must exist). Its endpoint and credentials come from
+    # the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
+    # AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION). Unset: FILES_DIR (tierq/file_store.py).
+    files_url: str | None = None
     # Per tenant: the bytes of its live files (uploads and batch outputs) and how many it
     # may hold; an upload past either is refused with 413. 0: no limit.
     file_storage_quota_bytes: int = Field(default=10 * 1024**3, ge=0)
@@ -75,8 +89,9 @@ class Settings(BaseSettings):
     # Uploads a tenant may have in progress at once (every API process together; one more
     # is refused with 429); 0: no limit. Their bytes on disk count against its quota.
     files_max_concurrent_uploads: int = Field(default=2, ge=0)
-    # An upload's `.part` file untouched this long was left by a crash (an upload in
-    # progress touches its own every few seconds): the expiry task removes it.
+    # A write of a file untouched this long was left by a crash (an upload in progress
+    # touches its `.part` file every few seconds; on S3, a multipart upload whose last part
+    # is this old): the expiry task removes it.
     files_part_max_age_s: float = Field(default=3600.0, ge=60)
     max_prompt_chars: int = 200_000
     # A tenant's online jobs that may wait in the queue at once when its quota sets no
@@ -259,6 +274,10 @@ class Settings(BaseSettings):
     max_batches_per_tenant: int = 10
 
     # --- Celery -------------------------------------------------------------------------
+    # One Celery beat of the deployment sends the periodic tasks, holding a lease in Redis
+    # this long (renewed every third of it); every other beat stands by and takes over
+    # within this long of the holder's death (workers/beat.py).
+    beat_lease_s: float = Field(default=15.0, ge=1.0)
     reconcile_interval_s: float = 30.0
     reconcile_grace_s: float = 10.0
     # A running job whose worker Redis no longer lists as holding it is requeued only
@@ -266,7 +285,7 @@ class Settings(BaseSettings):
     # with every heartbeat, e.g. after a Redis flush).
     reconcile_orphan_grace_s: float = 5.0
 
-    @field_validator("database_url", "redis_url", mode="before")
+    @field_validator("database_url", "redis_url", "files_url", mode="before")
     @classmethod
     def _blank_is_none(cls, v: object) -> object:
         return None if isinstance(v, str) and not v.strip() else v
@@ -284,6 +303,13 @@ class Settings(BaseSettings):
         ):
             if v.startswith(plain):
                 return asyncd + v[len(plain) :]
+        return v
+
+    @field_validator("files_url")
+    @classmethod
+    def _s3_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            S3Location.parse(v)  # ValueError: not s3://bucket[/prefix]
         return v
 
     @field_validator("batch_discount")
@@ -362,10 +388,6 @@ class Settings(BaseSettings):
         """Where the bundled model, converted once (workers/engine/bundled_model.py), is
         cached; the tokenizer the API counts prompts with is read from there too."""
         return self.model_cache_dir / "models" / BUNDLED_MODEL_FOLDER
-
-    def file_path(self, file_id: str) -> Path:
-        """Where a file's bytes are (uploads and batch outputs alike)."""
-        return self.resolved_files_dir / file_id
 
     @property
     def resolved_worker_id(self) -> str:

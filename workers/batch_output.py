@@ -1,25 +1,44 @@
 """A batch's output and error files, in OpenAI's line format and in input order: a line per
 succeeded job in the output file, a line per failed one (and per request an expired batch
-never reached) in the error file; a job cancelled with its batch writes neither. The files
-are written as `.part` files beside the others and kept under a file id once complete.
+never reached) in the error file; a job cancelled with its batch writes neither. Each is
+written to the file store under a new file id, and appears there once complete.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
-from pathlib import Path
-from typing import IO, Any
+from typing import Any, Protocol
 
 from models.records import BatchRecord, JobRecord
 from services import openai_compat
-from services.batch_input import read_requests
-from tierq.ids import new_id
-from tierq.settings import Settings
+from services.batch_input import requests_from
+from tierq.file_store import FileStore, Writer
 from tierq.states import JobStatus
 
-READ_PAGE = 1000  # input lines read at a time
+HELD_LINES = 1000  # lines of an expired batch's unexpanded requests held before a write
+
+
+class LineSink(Protocol):
+    def write(self, line: str, /) -> object: ...
+
+
+class Lines:
+    """A file's lines, held in memory until `flush` (blocking) writes them to the store."""
+
+    def __init__(self, writer: Writer) -> None:
+        self.writer = writer
+        self._held: list[str] = []
+
+    def write(self, line: str) -> None:
+        self._held.append(line)
+
+    def flush(self) -> None:
+        data = "".join(self._held).encode()
+        self._held.clear()
+        if data:
+            self.writer.write(data)
+        self.writer.touch()
 
 
 def dump(line: dict[str, Any]) -> str:
@@ -27,7 +46,7 @@ def dump(line: dict[str, Any]) -> str:
 
 
 def write_results(
-    jobs: Iterable[JobRecord], endpoint: str, out: IO[str], err: IO[str]
+    jobs: Iterable[JobRecord], endpoint: str, out: LineSink, err: LineSink
 ) -> tuple[int, int]:
     """Output lines for succeeded jobs, error lines for failed and expired ones; returns
     (completed, failed)."""
@@ -85,45 +104,43 @@ def write_results(
     return completed, failed
 
 
-def write_unexpanded(settings: Settings, batch: BatchRecord, err: IO[str]) -> int:
-    """Error lines for the requests an expired batch never got to (past its cursor)."""
-    source = settings.file_path(batch.input_file_id)
-    if not source.exists():
+def write_unexpanded(store: FileStore, batch: BatchRecord, err: Lines) -> int:
+    """Error lines for the requests an expired batch never got to (past its cursor);
+    blocking (in a thread), written as they are read."""
+    if not store.exists(batch.input_file_id):
         return 0
     written = 0
-    offset, line = batch.next_offset, batch.next_line
-    while True:
-        raw, offset, line = read_requests(source, offset, line, READ_PAGE, batch.endpoint)
-        if not raw:
-            return written
-        for item in raw:
-            written += 1
-            err.write(
-                dump(
-                    {
-                        "id": f"batch_req_{batch.id.removeprefix('batch_')}_{item.number}",
-                        "custom_id": item.custom_id,
-                        "response": None,
-                        "error": {
-                            "code": "batch_expired",
-                            "message": "The batch expired before this request was run.",
-                        },
-                    }
-                )
+    requests = requests_from(
+        store, batch.input_file_id, batch.next_offset, batch.next_line, batch.endpoint
+    )
+    for item, _ in requests:
+        written += 1
+        err.write(
+            dump(
+                {
+                    "id": f"batch_req_{batch.id.removeprefix('batch_')}_{item.number}",
+                    "custom_id": item.custom_id,
+                    "response": None,
+                    "error": {
+                        "code": "batch_expired",
+                        "message": "The batch expired before this request was run.",
+                    },
+                }
             )
+        )
+        if written % HELD_LINES == 0:
+            err.flush()
+    err.flush()
+    return written
 
 
-def keep(
-    settings: Settings, batch: BatchRecord, tmp: Path, kind: str
-) -> tuple[str, str, int] | None:
-    """Give a written .part file a file id: (id, filename, bytes); None (and removed) if empty.
-    Kept whatever the tenant's storage quota and file count: an output is never lost, and it
-    counts against both from its row on (models.files.add_file)."""
-    size = tmp.stat().st_size
-    if size == 0:
-        tmp.unlink(missing_ok=True)
+def keep(lines: Lines, name: str, filename: str) -> tuple[str, str, int] | None:
+    """Commit a written file under `name`: (id, filename, bytes); None (and nothing kept)
+    if empty. Kept whatever the tenant's storage quota and file count: an output is never
+    lost, and it counts against both from its row on (models.files.add_file). Blocking."""
+    lines.flush()
+    if lines.writer.size == 0:
+        lines.writer.abort()
         return None
-    file_id = new_id("file")
-    tmp.rename(settings.file_path(file_id))
-    os.utime(settings.file_path(file_id))  # the orphan sweep counts its age from here
-    return file_id, f"{batch.id}_{kind}.jsonl", size
+    lines.writer.commit()
+    return name, filename, lines.writer.size

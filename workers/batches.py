@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,6 +39,8 @@ from models.records import BatchRecord
 from services import admission, cancellation
 from services.batch_input import RawLine, read_requests, validate_file
 from tierq import metrics, tracing
+from tierq.file_store import file_store
+from tierq.ids import new_id
 from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -125,7 +126,8 @@ class BatchRunner:
             source = await file_repo.get_file(
                 s, batch.input_file_id, batch.tenant_id, include_expired=True
             )
-        if source is None or not self.settings.file_path(source.id).exists():
+        store = file_store(self.settings)
+        if source is None or not await asyncio.to_thread(store.exists, source.id):
             return await self._fail(
                 batch, fence, [_error("file_not_found", "The input file no longer exists.")]
             )
@@ -143,7 +145,8 @@ class BatchRunner:
             )
         result = await asyncio.to_thread(
             validate_file,
-            self.settings.file_path(source.id),
+            store,
+            source.id,
             batch.endpoint,
             max_requests=self.settings.batch_max_requests,
             max_errors=self.settings.batch_error_limit,
@@ -163,7 +166,8 @@ class BatchRunner:
         tokens, cost = await asyncio.to_thread(
             admission.file_reservation,
             self.settings,
-            self.settings.file_path(batch.input_file_id),
+            file_store(self.settings),
+            batch.input_file_id,
             batch.endpoint,
             price_in,
             price_out,
@@ -217,7 +221,8 @@ class BatchRunner:
             room = min(EXPAND_CHUNK, self.settings.batch_max_outstanding - outstanding)
             raw, offset, line = await asyncio.to_thread(
                 read_requests,
-                self.settings.file_path(batch.input_file_id),
+                file_store(self.settings),
+                batch.input_file_id,
                 batch.next_offset,
                 batch.next_line,
                 room,
@@ -278,14 +283,15 @@ class BatchRunner:
 
     async def _finalize(self, batch: BatchRecord, fence: int, final: BatchStatus) -> bool:
         """Write the output and error files (in input order) and close the batch. The
-        files being written are this holder's own (named by its fence): a stale holder
-        that still writes never writes into the files of the one that took over."""
-        files_dir = self.settings.resolved_files_dir
-        files_dir.mkdir(parents=True, exist_ok=True)
-        out_tmp = files_dir / f"{batch.id}.{fence}.output.part"
-        err_tmp = files_dir / f"{batch.id}.{fence}.errors.part"
+        files being written are this holder's own (new file ids): a stale holder that
+        still writes never writes into the files of the one that took over."""
+        store = file_store(self.settings)
+        names = new_id("file"), new_id("file")
+        out, err = [batch_output.Lines(await asyncio.to_thread(store.create, n)) for n in names]
         completed = failed = 0
-        with out_tmp.open("w", encoding="utf-8") as out, err_tmp.open("w", encoding="utf-8") as err:
+        output_id = error_id = None
+        moved, kept_files = None, False
+        try:
             after = -1
             while True:
                 async with self.db.session() as s:
@@ -296,21 +302,16 @@ class BatchRunner:
                 c, f = batch_output.write_results(page, batch.endpoint, out, err)
                 completed, failed = completed + c, failed + f
                 # Both are alive while written, an unwritten error file too: the expiry
-                # task removes only .part files left untouched (workers/files_expiry.py).
-                for tmp in (out_tmp, err_tmp):
-                    os.utime(tmp)
+                # task removes only writes left untouched (workers/files_expiry.py).
+                for lines in (out, err):
+                    await asyncio.to_thread(lines.flush)
             if final == BatchStatus.EXPIRED:
-                failed += await asyncio.to_thread(
-                    batch_output.write_unexpanded, self.settings, batch, err
-                )
-        output_id = error_id = None
-        moved, kept_files = None, False
-        try:
+                failed += await asyncio.to_thread(batch_output.write_unexpanded, store, batch, err)
             output_id = await asyncio.to_thread(
-                batch_output.keep, self.settings, batch, out_tmp, "output"
+                batch_output.keep, out, names[0], f"{batch.id}_output.jsonl"
             )
             error_id = await asyncio.to_thread(
-                batch_output.keep, self.settings, batch, err_tmp, "errors"
+                batch_output.keep, err, names[1], f"{batch.id}_errors.jsonl"
             )
             now = datetime.now(UTC)
             stamp = {
@@ -349,9 +350,9 @@ class BatchRunner:
             kept_files = moved is not None  # committed
         finally:
             if not kept_files:  # another closed it or took it over, or it failed: not needed
-                for kept in (output_id, error_id):
-                    if kept is not None:
-                        self.settings.file_path(kept[0]).unlink(missing_ok=True)
+                for lines in (out, err):
+                    await asyncio.to_thread(lines.writer.abort)
+                await asyncio.to_thread(store.delete, [k[0] for k in (output_id, error_id) if k])
         if moved is None:
             return False
         metrics.BATCHES.labels(status=final).inc()

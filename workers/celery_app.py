@@ -48,6 +48,8 @@ app.conf.update(
     task_ignore_result=True,
     result_expires=3600,
     broker_connection_retry_on_startup=True,
+    # However many beats run (one per host, or a worker's -B), one sends the tasks.
+    beat_scheduler="workers.beat:LeasedScheduler",
     beat_schedule={
         "reconcile": {
             "task": "tierq.reconcile",

@@ -1,32 +1,32 @@
-"""Removal of expired files: their rows and their bytes on disk (Celery beat, every
+"""Removal of expired files: their rows and their bytes in the file store (Celery beat, every
 FILE_EXPIRY_INTERVAL_S).
 
 The API stops showing a file the moment it expires; this only reclaims the space. A page
-of expired files is deleted and their bytes unlinked inside one transaction, so a crash
+of expired files is deleted and their bytes removed inside one transaction, so a crash
 at any point leaves rows to take again (idempotent; bytes already gone are fine), never
 bytes that no row names. The input of a batch still in progress is left until the batch
 ends (models.files.delete_expired).
 
-It also removes the `.part` files (uploads, batch outputs being written) that a crash left
-behind: one untouched for FILES_PART_MAX_AGE_S. An upload in progress touches its own every
-few seconds (api/files/upload_lease.py) and a batch's writer touches both of its own every
-page, so neither is ever one of them. And the orphans: a file renamed into place (touched
-then) whose row never committed — its process killed between the rename and the commit —
-is removed once it is that old and still named by no row.
+It also removes the writes (uploads, batch outputs being written) that a crash left
+behind: one untouched for FILES_PART_MAX_AGE_S — a `.part` file, or on S3 a multipart
+upload whose last part is that old. An upload in progress touches its own every few
+seconds (api/files/upload_lease.py) and a batch's writer touches both of its own every
+page, so neither is ever one of them. And the orphans: a file committed (touched then)
+whose row never did — its process killed between the two — is removed once it is that
+old and still named by no row.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from datetime import datetime
-from pathlib import Path
 
 from models import files as file_repo
 from models.db import Database
 from models.tables import utcnow
+from tierq.file_store import file_store
 from tierq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,12 @@ async def remove_expired_files(
     """Remove every file expired by `now` (default: now) that no active batch reads; the
     ids removed."""
     now = now or utcnow()
+    store = file_store(settings)
     removed: list[str] = []
     while True:
         async with db.transaction() as s:
             ids = await file_repo.delete_expired(s, now, PAGE)
-            await asyncio.to_thread(_unlink, settings.resolved_files_dir, ids)
+            await asyncio.to_thread(store.delete, ids)
         removed += ids
         if len(ids) < PAGE:
             break
@@ -56,20 +57,18 @@ async def remove_expired_files(
 
 
 async def remove_orphans(settings: Settings, db: Database, now: float | None = None) -> list[str]:
-    """Delete the files on the volume that no row names, last touched FILES_PART_MAX_AGE_S
-    or more before `now` (wall clock); their names."""
-    files_dir = settings.resolved_files_dir
-    if not files_dir.is_dir():
-        return []
+    """Delete the stored files that no row names, last written FILES_PART_MAX_AGE_S or
+    more before `now` (wall clock); their names."""
+    store = file_store(settings)
     oldest = (time.time() if now is None else now) - settings.files_part_max_age_s
-    old = await asyncio.to_thread(_older_files, files_dir, oldest)
+    old = await asyncio.to_thread(store.committed_before, oldest)
     removed: list[str] = []
     for start in range(0, len(old), PAGE):
         page = old[start : start + PAGE]
         async with db.session() as s:
             known = await file_repo.known_ids(s, page)
         gone = [name for name in page if name not in known]
-        await asyncio.to_thread(_unlink, files_dir, gone)
+        await asyncio.to_thread(store.delete, gone)
         removed += gone
     if removed:
         log.warning(
@@ -80,37 +79,11 @@ async def remove_orphans(settings: Settings, db: Database, now: float | None = N
     return removed
 
 
-def _older_files(files_dir: Path, oldest: float) -> list[str]:
-    names: list[str] = []
-    for path in files_dir.glob("file_*"):
-        if path.suffix == ".part":
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            if path.is_file() and path.stat().st_mtime <= oldest:
-                names.append(path.name)
-    return names
-
-
 def remove_stale_parts(settings: Settings, now: float | None = None) -> list[str]:
-    """Delete the `.part` files on the files volume last modified FILES_PART_MAX_AGE_S or
-    more before `now` (wall clock; default: now); their names."""
-    files_dir = settings.resolved_files_dir
-    if not files_dir.is_dir():
-        return []
+    """Remove the writes neither committed nor aborted, untouched for FILES_PART_MAX_AGE_S
+    or more before `now` (wall clock; default: now); their names. Blocking."""
     oldest = (time.time() if now is None else now) - settings.files_part_max_age_s
-    removed: list[str] = []
-    for path in files_dir.glob("*.part"):
-        try:
-            if path.is_file() and path.stat().st_mtime <= oldest:
-                path.unlink()
-                removed.append(path.name)
-        except FileNotFoundError:  # renamed into place or removed meanwhile
-            continue
+    removed = file_store(settings).remove_incomplete(oldest)
     if removed:
-        log.info("removed %d stale .part files", len(removed), extra={"part_files": len(removed)})
+        log.info("removed %d stale writes", len(removed), extra={"part_files": len(removed)})
     return removed
-
-
-def _unlink(files_dir: Path, ids: list[str]) -> None:
-    for file_id in ids:
-        (files_dir / file_id).unlink(missing_ok=True)

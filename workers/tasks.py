@@ -33,7 +33,7 @@ class _Runtime:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
-        self.db = Database(settings.resolved_database_url)
+        self.db = Database.for_settings(settings)
         self.r: aioredis.Redis = self.loop.run_until_complete(
             connect(settings, attempts=3, role="celery")
         )

@@ -1069,7 +1069,7 @@ async def run_worker(
     if settings.pin_aux_processes:
         # This process and vLLM's engine core off the cores vLLM bound its compute to.
         pin_off_compute()
-    db = Database(settings.resolved_database_url)
+    db = Database.for_settings(settings)
     worker = Worker(settings, db, r, engine)
     if install_signals is not None:
         await install_signals(worker)

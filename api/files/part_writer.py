@@ -1,7 +1,7 @@
-"""The file part of an upload, written straight to its `.part` path on the files volume as
-it arrives: counted byte by byte, refused (413) as soon as the count passes the per-file
-maximum or what the tenant may still store, and never more on disk than its reservation
-among the tenant's uploads in progress (api/files/upload_lease.py).
+"""The file part of an upload, written straight to the file store as it arrives (a `.part`
+file, or an S3 multipart upload): counted byte by byte, refused (413) as soon as the count
+passes the per-file maximum or what the tenant may still store, and never more stored than
+its reservation among the tenant's uploads in progress (api/files/upload_lease.py).
 """
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import BinaryIO
 
 from api.errors import APIError
 from api.files.upload_lease import Reserved, UploadLease
 from models import files as file_repo
 from models.db import Database
+from tierq.file_store import FileStore, Writer
 from tierq.settings import Settings
 
 FLUSH_BYTES = 1024 * 1024  # bytes held in memory before they are written
@@ -32,24 +31,25 @@ CROWDED_TRIES = 5
 
 
 class PartWriter:
-    """A multipart FileSink for one upload of one tenant. `prepare` before the body is
-    read; `close` in a finally (the caller removes the `.part` file on failure)."""
+    """A multipart FileSink for one upload of one tenant, file `name` in `store`. `prepare`
+    before the body is read; after it: `commit`, or `abort` in a finally."""
 
     def __init__(
         self,
-        part: Path,
+        store: FileStore,
+        name: str,
         settings: Settings,
         db: Database,
         tenant_id: str,
         lease: UploadLease,
         check_name: Callable[[str], str],
     ) -> None:
-        self.part, self.settings, self.db = part, settings, db
+        self.store, self.name, self.settings, self.db = store, name, settings, db
         self.tenant_id, self.lease, self.check_name = tenant_id, lease, check_name
         self.filename = ""
         self.size = 0  # bytes of the file received so far (written or buffered)
         self._buffer = bytearray()
-        self._out: BinaryIO | None = None
+        self._out: Writer | None = None  # made with the first bytes to store
         self._reserved = 0  # bytes this upload holds among the tenant's uploads in progress
         self._may_hold: int | None = None  # the most this upload may hold, as of the last grant
         self._room: int | None = None  # the quota less the committed bytes, read after...
@@ -84,22 +84,31 @@ class PartWriter:
     async def end(self) -> None:
         await self._flush()
         if self._out is None:  # an empty file is a file too
-            self._out = await asyncio.to_thread(self.part.open, "wb")
-        await self.close()
+            self._out = await asyncio.to_thread(self.store.create, self.name)
 
-    async def close(self) -> None:
+    def touch(self) -> None:
+        """The write's sign of life (blocking: call it in a thread)."""
+        if self._out is not None:
+            self._out.touch()
+
+    async def commit(self) -> None:
+        """The file, whole, under its name (after `end`)."""
+        assert self._out is not None, "committed before its end"
+        await asyncio.to_thread(self._out.commit)
+
+    async def abort(self) -> None:
+        """Nothing of the upload stays (idempotent)."""
         out, self._out = self._out, None
         if out is not None:
-            await asyncio.to_thread(out.close)
+            await asyncio.to_thread(out.abort)
 
     async def _flush(self) -> None:
         if not self._buffer:
             return
-        if self.size > self._reserved:  # never more on disk than reserved
+        if self.size > self._reserved:  # never more stored than reserved
             await self._reserve(self.size)
         if self._out is None:
-            self.part.parent.mkdir(parents=True, exist_ok=True)
-            self._out = await asyncio.to_thread(self.part.open, "wb")
+            self._out = await asyncio.to_thread(self.store.create, self.name)
         chunk = bytes(self._buffer)
         self._buffer.clear()
         await asyncio.to_thread(self._out.write, chunk)

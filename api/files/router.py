@@ -1,4 +1,4 @@
-"""OpenAI's Files API: uploads streamed to the files volume, downloads streamed back."""
+"""OpenAI's Files API: uploads streamed to the file store, downloads streamed back."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, TenantDep, api_key_id
@@ -27,6 +28,7 @@ from models.tenants import lock_tenant
 from services.admission import refuse_unless_active
 from services.hostile import unstorable
 from tierq import metrics
+from tierq.file_store import READ_BUFFER, file_store
 from tierq.ids import new_id
 from tierq.settings import Settings
 
@@ -92,10 +94,11 @@ async def create_file(
     names: NamesDep,
 ) -> dict[str, Any] | Response:
     """multipart/form-data with `file`, `purpose` and optionally `expires_after[anchor]`
-    and `expires_after[seconds]` (OpenAI's contract). The file part is written to its
-    `.part` path as it arrives, counted against the tenant's quota with its other uploads
-    in progress (at most FILES_MAX_CONCURRENT_UPLOADS); the exact check of its storage
-    quota and file count is made under its row lock in the transaction that adds the file."""
+    and `expires_after[seconds]` (OpenAI's contract). The file part is written to the file
+    store as it arrives (appearing there only once whole), counted against the tenant's
+    quota with its other uploads in progress (at most FILES_MAX_CONCURRENT_UPLOADS); the
+    exact check of its storage quota and file count is made under its row lock in the
+    transaction that adds the file."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(
             415,
@@ -104,23 +107,21 @@ async def create_file(
         )
     lease = UploadLease(r, names, tenant.id)
     file_id = new_id("file")
-    target = settings.file_path(file_id)
-    part = target.with_name(target.name + ".part")
-    writer = PartWriter(part, settings, db, tenant.id, lease, _filename)
+    store = file_store(settings)
+    writer = PartWriter(store, file_id, settings, db, tenant.id, lease, _filename)
     try:
         async with _slot(lease, settings) as committed:
             try:
                 form = await _receive(request, db, settings, lease, writer)
                 purpose, expires_after_s = _purpose(form), _expires_after(form, settings)
-                part.rename(target)
-                os.utime(target)  # the orphan sweep counts a file's age from here
+                await writer.commit()
                 record = await _add(
                     request, tenant.id, db, settings, file_id, purpose, writer, expires_after_s
                 )
                 committed.set()
             except BaseException:
-                part.unlink(missing_ok=True)
-                target.unlink(missing_ok=True)
+                await writer.abort()
+                await asyncio.to_thread(store.delete, [file_id])  # committed, its row not
                 raise
     except Unread as unread:
         return LingeringRefusal(unread.refusal)
@@ -166,17 +167,14 @@ async def _receive(
     try:
         await _refuse_early(request, writer.tenant_id, db, settings)
         await writer.prepare()
-        try:
-            async with lease.kept_alive(writer.part):
-                return await read_form(
-                    request.headers["content-type"],
-                    request.stream(),
-                    writer,
-                    max_fields=MAX_FIELDS,
-                    max_field_bytes=MAX_FIELD_BYTES,
-                )
-        finally:
-            await writer.close()
+        async with lease.kept_alive(writer.touch):
+            return await read_form(
+                request.headers["content-type"],
+                request.stream(),
+                writer,
+                max_fields=MAX_FIELDS,
+                max_field_bytes=MAX_FIELD_BYTES,
+            )
     except APIError as exc:
         raise Unread(exc) from None
 
@@ -339,7 +337,7 @@ async def get_file(file_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]
 @router.get(
     "/{file_id}/content",
     response_model=None,
-    response_class=FileResponse,
+    response_class=StreamingResponse,
     responses={
         200: {"content": {"application/octet-stream": {"schema": {"type": "string"}}}},
         **documented(404),
@@ -347,13 +345,41 @@ async def get_file(file_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]
 )
 async def file_content(
     file_id: str, tenant: TenantDep, db: DbDep, settings: SettingsDep
-) -> FileResponse:
+) -> StreamingResponse:
+    """The file's bytes, streamed from the file store as they are read."""
     async with db.session() as s:
         record = await file_repo.get_file(s, file_id, tenant.id)
-    path = settings.file_path(file_id)
-    if record is None or not path.exists():
+    if record is None:
         raise not_found("file", file_id)
-    return FileResponse(path, media_type="application/octet-stream", filename=record.filename)
+    store = file_store(settings)
+    try:
+        reader = await asyncio.to_thread(store.open, file_id)
+    except FileNotFoundError:
+        raise not_found("file", file_id) from None
+    return StreamingResponse(
+        _streamed(reader),
+        media_type="application/octet-stream",
+        headers={
+            "Content-Length": str(record.bytes),
+            "Content-Disposition": content_disposition(record.filename),
+        },
+    )
+
+
+def content_disposition(filename: str) -> str:
+    """As Starlette's FileResponse writes it: RFC 5987's form for a name that needs it."""
+    quoted = quote(filename)
+    if quoted != filename:
+        return f"attachment; filename*=utf-8''{quoted}"
+    return f'attachment; filename="{filename}"'
+
+
+async def _streamed(reader: BinaryIO) -> AsyncIterator[bytes]:
+    try:
+        while chunk := await asyncio.to_thread(reader.read, READ_BUFFER):
+            yield chunk
+    finally:
+        await asyncio.to_thread(reader.close)
 
 
 @router.delete("/{file_id}", responses=documented(404, 409))
@@ -371,5 +397,5 @@ async def delete_file(
                 "file_in_use",
             )
         await file_repo.delete_file(s, file_id, tenant.id)
-    settings.file_path(file_id).unlink(missing_ok=True)
+    await asyncio.to_thread(file_store(settings).delete, [file_id])
     return {"id": file_id, "object": "file", "deleted": True}

@@ -1,6 +1,6 @@
 """A tenant's uploads in progress, held in Redis for every API process at once: at most
 FILES_MAX_CONCURRENT_UPLOADS of them, each on an expiring lease (a crashed process's slot
-lapses by itself after LEASE_S), each with the bytes it may hold on disk reserved.
+lapses by itself after LEASE_S), each with the bytes it may hold in the file store reserved.
 
 Invariant, checked at every reservation: the tenant's committed bytes (PostgreSQL) plus
 the reservations of its live uploads stay within its storage quota. A reservation carries
@@ -16,11 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from enum import Enum
-from pathlib import Path
 
 import redis.asyncio as aioredis
 
@@ -139,7 +137,7 @@ class UploadLease:
         return "0" if value is None else value.decode() if isinstance(value, bytes) else value
 
     async def reserve(self, total: int, room: int, ended: str) -> int | Reserved:
-        """Hold `total` bytes on disk for this upload, given `room` (the quota less the
+        """Hold `total` stored bytes for this upload, given `room` (the quota less the
         committed bytes, read after `ended`): the most it may hold now, or why not."""
         args: list[str | int | float] = [self.member, total, room, ended]
         got = int(await with_retries(lambda: self._reserve(keys=self.keys, args=args)))
@@ -157,8 +155,8 @@ class UploadLease:
             log.warning("could not release an upload slot: %s", exc)
 
     @contextlib.asynccontextmanager
-    async def kept_alive(self, part: Path) -> AsyncIterator[None]:
-        """Renew the lease and touch the `.part` file (the expiry task's sign of life)
+    async def kept_alive(self, touch: Callable[[], None]) -> AsyncIterator[None]:
+        """Renew the lease and `touch` the write (blocking; the expiry task's sign of life)
         every LEASE_S / 3 while the body is read: a client that pauses keeps both."""
 
         async def beat() -> None:
@@ -169,8 +167,7 @@ class UploadLease:
                 except Exception as exc:
                     raise_if_cancelled(exc)
                     log.warning("could not renew an upload slot: %s", exc)
-                with contextlib.suppress(FileNotFoundError):
-                    await asyncio.to_thread(os.utime, part)
+                await asyncio.to_thread(touch)
 
         task = asyncio.create_task(beat(), name="upload-lease")
         try:

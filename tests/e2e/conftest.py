@@ -129,6 +129,25 @@ def pg_live(tmp: Path, env_extra: dict[str, str] | None = None) -> Iterator[Live
     asyncio.run(pg_admin_sql(f'CREATE DATABASE "{name}"'))
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     migrations.upgrade(url)
+    # On shared services `tierq run` makes no tenant: the operator's first one, as the
+    # README says (`tierq create-tenant`), where start_platform reads its key.
+    state = tmp / "state"
+    state.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "create-tenant",
+            "dev",
+            "--key-file",
+            str(state / "dev-api-key"),
+        ],
+        env={**os.environ, "DATABASE_URL": url, "STATE_DIR": str(state)},
+        capture_output=True,
+        text=True,
+    )
+    assert made.returncode == 0, made.stderr
     live = start_platform(
         tmp,
         {

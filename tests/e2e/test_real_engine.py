@@ -556,3 +556,24 @@ async def test_the_openai_sdk_chats_streams_and_runs_a_batch_on_the_real_engine(
     assert all(answers.values()) and len(answers) == 4
     assert [e["custom_id"] for e in errors] == ["too-long"]
     assert errors[0]["error"]["code"] == "context_length_exceeded"
+
+
+async def test_on_shared_services_tierq_run_makes_no_tenant(pg_platform: LivePlatform) -> None:
+    """With service URLs (a fleet's PostgreSQL) `tierq run` adds no dev tenant and no key:
+    the only tenant is the one the operator made, with its one key."""
+    assert pg_platform.database_url is not None
+    db = Database(pg_platform.database_url)
+    try:
+        async with db.session() as s:
+            rows = (
+                await s.execute(
+                    text(
+                        "SELECT t.name, count(k.id) AS keys FROM tenants t "
+                        "LEFT JOIN api_keys k ON k.tenant_id = t.id GROUP BY t.name"
+                    )
+                )
+            ).all()
+    finally:
+        await db.close()
+    assert [(r.name, r.keys) for r in rows] == [("dev", 1)]
+    assert "No tenant is made on shared services" in pg_platform.output.read_text()

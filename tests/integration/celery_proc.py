@@ -33,7 +33,14 @@ class CeleryWorker:
         self.settings = settings
         self.pool = pool
         self.name = name
-        defaults = {"RECONCILE_GRACE_S": "2", "RECONCILE_INTERVAL_S": "2", "BATCH_TICK_S": "0.5"}
+        # BEAT_LEASE_S: a worker started after another one was killed (its beat holding the
+        # lease) takes the beat over within 3 s (workers/beat.py).
+        defaults = {
+            "RECONCILE_GRACE_S": "2",
+            "RECONCILE_INTERVAL_S": "2",
+            "BATCH_TICK_S": "0.5",
+            "BEAT_LEASE_S": "3",
+        }
         self.env = child_env(settings, **{**defaults, **env})
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = Path(settings.state_dir) / f"{name}.log"

@@ -77,8 +77,9 @@ async def _finalizing_batch(platform: Platform, tenant_id: str) -> str:
 
 
 def _parts(platform: Platform, batch_id: str) -> list[str]:
+    """The files being written (the batch's are the only ones: its input is not stored)."""
     files = platform.settings.resolved_files_dir
-    return sorted(p.name for p in files.glob(f"{batch_id}*.part")) if files.exists() else []
+    return sorted(p.name for p in files.glob("*.part")) if files.exists() else []
 
 
 async def _status(platform: Platform, batch_id: str) -> str:
@@ -141,7 +142,8 @@ async def test_a_frozen_holder_of_the_lease_writes_nothing_once_taken_over(
     # Nothing else on the volume: no part, no copy of the frozen worker's.
     on_disk = sorted(p.name for p in platform.settings.resolved_files_dir.iterdir())
     assert on_disk == [batch.output_file_id], on_disk
-    assert platform.settings.file_path(batch.output_file_id).stat().st_size == kept[0].bytes
+    output = platform.settings.resolved_files_dir / batch.output_file_id
+    assert output.stat().st_size == kept[0].bytes
 
     async with client(platform.url, key, timeout=60) as c:
         body = (await c.get(f"/v1/files/{batch.output_file_id}/content")).content

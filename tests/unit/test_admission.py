@@ -14,6 +14,7 @@ from models.quotas import reservation_cost
 from services import admission
 from services.batch_input import RawLine
 from tierq import token_count
+from tierq.file_store import LocalStore
 from tierq.settings import Settings
 from workers.engine.bundled_model import prepare_bundled_model
 
@@ -84,7 +85,9 @@ def test_a_files_reservation_is_the_sum_of_its_runnable_lines(tmp_path: Path) ->
     lines = [admission.batch_line(_settings(), CHAT, i) for i in items]
     runnable = [x for x in lines if x.error_code is None]
     assert len(runnable) == 2
-    tokens, cost = admission.file_reservation(_settings(), path, CHAT, PRICE_IN, PRICE_OUT)
+    tokens, cost = admission.file_reservation(
+        _settings(), LocalStore(tmp_path), path.name, CHAT, PRICE_IN, PRICE_OUT
+    )
     assert tokens == sum(x.reserved_tokens for x in runnable)
     assert cost == sum(
         reservation_cost(x.reserved_tokens, x.params["max_tokens"], PRICE_IN, PRICE_OUT)

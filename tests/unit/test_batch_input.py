@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from services.batch_input import read_requests, validate_file
+from tierq.file_store import LocalStore
 
 CHAT = "/v1/chat/completions"
 
@@ -20,30 +21,30 @@ def test_validation_reports_each_problem_with_its_line(tmp_path: Path) -> None:
     path.write_bytes(
         _line("a") + b"\n" + b"oops\n" + _line("a") + _line("b", url="/v1/embeddings") + _line("c")
     )
-    result = validate_file(path, CHAT, max_requests=10, max_errors=10)
+    result = validate_file(LocalStore(tmp_path), path.name, CHAT, max_requests=10, max_errors=10)
     assert result.requests == 5  # the blank line is not a request
     assert [(e["code"], e["line"]) for e in result.errors] == [
         ("invalid_json_line", 3),
         ("duplicate_custom_id", 4),
         ("invalid_url", 5),
     ]
-    capped = validate_file(path, CHAT, max_requests=2, max_errors=1)
+    capped = validate_file(LocalStore(tmp_path), path.name, CHAT, max_requests=2, max_errors=1)
     assert len(capped.errors) == 1 and capped.errors_total == 4  # too_many_requests too
 
 
 def test_reading_requests_resumes_from_a_byte_offset(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"".join(_line(f"r{i}") for i in range(5)) + b"\n\n")
-    first, offset, line = read_requests(path, 0, 0, 2, CHAT)
+    first, offset, line = read_requests(LocalStore(tmp_path), path.name, 0, 0, 2, CHAT)
     assert [r.custom_id for r in first] == ["r0", "r1"] and line == 2
-    rest, end, last = read_requests(path, offset, line, 100, CHAT)
+    rest, end, last = read_requests(LocalStore(tmp_path), path.name, offset, line, 100, CHAT)
     assert [r.custom_id for r in rest] == ["r2", "r3", "r4"] and [r.number for r in rest] == [
         3,
         4,
         5,
     ]
     assert end == path.stat().st_size and last == 7  # trailing blank lines consumed
-    assert read_requests(path, end, last, 100, CHAT) == ([], end, last)
+    assert read_requests(LocalStore(tmp_path), path.name, end, last, 100, CHAT) == ([], end, last)
 
 
 def test_an_integer_too_long_for_python_fails_its_line_not_the_validation(
@@ -54,6 +55,6 @@ def test_an_integer_too_long_for_python_fails_its_line_not_the_validation(
     path = tmp_path / "in.jsonl"
     huge = b'{"custom_id": "big", "method": "POST", "url": "%s", "body": {"max_tokens": %s}}\n'
     path.write_bytes(_line("a") + huge % (CHAT.encode(), b"9" * 5000) + _line("b"))
-    result = validate_file(path, CHAT, max_requests=10, max_errors=10)
+    result = validate_file(LocalStore(tmp_path), path.name, CHAT, max_requests=10, max_errors=10)
     assert result.requests == 3
     assert [(e["code"], e["line"]) for e in result.errors] == [("invalid_request", 2)]

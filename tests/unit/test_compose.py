@@ -38,6 +38,18 @@ def test_the_deployment_has_every_component() -> None:
     assert (ROOT / "Dockerfile").is_file()
 
 
+def test_the_services_share_no_disk() -> None:
+    """Files go through the object store (FILES_URL, a service of its own): no tierq
+    service mounts a volume another one writes, so each may run on its own host."""
+    services = _services()
+    assert "s3" in services
+    for name in ("api", "worker", "celery-worker", "celery-beat", "migrate"):
+        env = services[name]["environment"]
+        assert str(env["FILES_URL"]).startswith("s3://") and "FILES_DIR" not in env, name  # type: ignore[index,operator]
+        mounts = [str(v) for v in services[name].get("volumes", [])]  # type: ignore[attr-defined]
+        assert all(m.endswith(":ro") for m in mounts), (name, mounts)  # read-only: the model
+
+
 def test_every_command_exists() -> None:
     cli = typer.main.get_command(app)
     checked = 0

@@ -1,0 +1,97 @@
+"""One beat across hosts. Every Celery beat of a deployment (compose's, each host's `tierq
+run`, a worker's `-B`) runs this scheduler, and only the one holding the beat lease in
+Redis sends the periodic tasks; the others stand by, asking for the lease every third of
+BEAT_LEASE_S, and take it once it lapses (its holder killed, frozen or cut off) or is let
+go (a beat stopped on purpose). A flushed Redis loses the lease with everything else: its
+holder takes it again at its next tick unless a standby was first, and either way one
+beat goes on sending — the reconciler above all, which is what recovers from the flush.
+
+The lease fences nothing: a holder frozen past its lease may send one more round of ticks
+beside its successor. That is harmless (every periodic task is idempotent and takes its
+own lock); what the lease prevents is every host's beat sending every task, always.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+import redis
+from celery.beat import PersistentScheduler
+
+from tierq.redis_names import RedisNames
+from tierq.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+# Take the lease if it is free or already ours (and renew it): 1; else 0.
+_HOLD = """
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] or not held then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+# Let the lease go if it is still ours.
+_LET_GO = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class LeasedScheduler(PersistentScheduler):
+    """Celery's file-backed scheduler, ticking only while it holds the beat lease."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        settings = get_settings()
+        self.lease_s = settings.beat_lease_s
+        self.lease_key = RedisNames(settings.redis_prefix).beat_lease
+        self.holding: bool | None = None  # unknown until the first tick
+        self._redis = redis.Redis.from_url(
+            settings.resolved_redis_url,
+            decode_responses=True,
+            socket_timeout=self.lease_s / 3,
+            socket_connect_timeout=self.lease_s / 3,
+        )
+        super().__init__(*args, **kwargs)
+        # The same after a restart (a supervisor's, after SIGKILL): a beat restarted on its
+        # host with its schedule file takes its lease back at once instead of waiting for
+        # it to lapse. Two beats never share one schedule file (Celery's shelve).
+        self.holder = f"{socket.gethostname()}:{os.path.abspath(self.schedule_filename)}"
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        held = self._hold()
+        if held != self.holding:
+            if held:
+                log.info("beat: %s holds the beat lease and schedules", self.holder)
+            else:
+                log.info("beat: %s stands by (another beat holds the lease)", self.holder)
+            self.holding = held
+        if not held:
+            return self.lease_s / 3
+        # Back before the lease runs out, whatever the next task's time.
+        return min(float(super().tick(*args, **kwargs)), self.lease_s / 3)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.holding:  # a planned stop: a standby takes over at its next tick
+                try:
+                    self._redis.eval(_LET_GO, 1, self.lease_key, self.holder)
+                except redis.RedisError as exc:
+                    log.warning("beat: could not let the lease go (it lapses): %s", exc)
+                self.holding = False
+            self._redis.close()
+
+    def _hold(self) -> bool:
+        try:
+            ms = int(self.lease_s * 1000)
+            return bool(self._redis.eval(_HOLD, 1, self.lease_key, self.holder, ms))
+        except redis.RedisError as exc:
+            # Redis is the broker too: no task could be sent meanwhile anyway.
+            log.warning("beat: cannot reach Redis for the beat lease: %s", exc)
+            return False
