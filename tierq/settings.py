@@ -8,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tierq.file_store import S3Location
@@ -93,6 +93,11 @@ class Settings(BaseSettings):
     # touches its `.part` file every few seconds; on S3, a multipart upload whose last part
     # is this old): the expiry task removes it.
     files_part_max_age_s: float = Field(default=3600.0, ge=60)
+    # The longest an upload may take, from its first byte stored to its end (408 past
+    # it). At most half of FILES_PART_MAX_AGE_S: an object store dates a multipart object
+    # from the upload's start, and the orphan sweep must never take a file whose row is
+    # still being committed for one a crash left.
+    files_upload_max_s: float = Field(default=1800.0, ge=1)
     max_prompt_chars: int = 200_000
     # A tenant's online jobs that may wait in the queue at once when its quota sets no
     # max_queued of its own (0: no default); more are refused with 429 quota_exceeded.
@@ -311,6 +316,12 @@ class Settings(BaseSettings):
         if v is not None:
             S3Location.parse(v)  # ValueError: not s3://bucket[/prefix]
         return v
+
+    @model_validator(mode="after")
+    def _upload_within_sweep(self) -> Settings:
+        if self.files_upload_max_s > self.files_part_max_age_s / 2:
+            raise ValueError("files_upload_max_s is at most half of files_part_max_age_s")
+        return self
 
     @field_validator("batch_discount")
     @classmethod

@@ -55,6 +55,7 @@ class PartWriter:
         self._room: int | None = None  # the quota less the committed bytes, read after...
         self._ended = "0"  # ...this value of the tenant's `ended` counter
         self._read_at = 0.0
+        self._started: float | None = None  # when its first bytes were stored
 
     async def prepare(self) -> None:
         """Learn what this upload may hold before its first byte (0 bytes reserved)."""
@@ -65,6 +66,7 @@ class PartWriter:
 
     async def write(self, data: bytes) -> None:
         self.size += len(data)
+        self._in_time()
         most = self.settings.max_upload_bytes
         if most and self.size > most:
             raise APIError(
@@ -82,9 +84,21 @@ class PartWriter:
             await self._flush()
 
     async def end(self) -> None:
+        self._in_time()
         await self._flush()
         if self._out is None:  # an empty file is a file too
             self._out = await asyncio.to_thread(self.store.create, self.name)
+
+    def _in_time(self) -> None:
+        """Refuse (408) an upload past FILES_UPLOAD_MAX_S since its first bytes were stored."""
+        most = self.settings.files_upload_max_s
+        if self._started is not None and time.monotonic() - self._started > most:
+            raise APIError(
+                408,
+                f"The upload took longer than {most:g} s, the most one may take; send it "
+                "again at a faster rate.",
+                "upload_too_slow",
+            )
 
     def touch(self) -> None:
         """The write's sign of life (blocking: call it in a thread)."""
@@ -109,6 +123,7 @@ class PartWriter:
             await self._reserve(self.size)
         if self._out is None:
             self._out = await asyncio.to_thread(self.store.create, self.name)
+            self._started = time.monotonic()
         chunk = bytes(self._buffer)
         self._buffer.clear()
         await asyncio.to_thread(self._out.write, chunk)

@@ -84,7 +84,9 @@ _UPLOAD = {
 }
 
 
-@router.post("", openapi_extra=_UPLOAD, response_model=None, responses=documented(413, 415, 429))
+@router.post(
+    "", openapi_extra=_UPLOAD, response_model=None, responses=documented(408, 413, 415, 429)
+)
 async def create_file(
     request: Request,
     tenant: TenantDep,
