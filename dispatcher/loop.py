@@ -56,7 +56,7 @@ from dispatcher.policy import (
     TierqPolicy,
     WorkerSlots,
 )
-from tierq import metrics, tracing
+from tierq import clock, metrics, tracing
 from tierq.aio import being_cancelled
 from tierq.messages import FAULT_UNIT, Heartbeat, JobMessage, Served, fault_share
 from tierq.queue import claim_all, live_workers, read_group
@@ -345,10 +345,11 @@ class Dispatcher:
                 if not recovered:
                     await self._recover()
                     recovered = True
+                await clock.refresh(self.r)
                 alive, dead = await live_workers(
                     self.r, self.names, self.settings.worker_dead_after_s
                 )
-                now = time.time()
+                now = clock.now()
                 # Right after (re)connecting, heartbeats written during an outage may not
                 # be there yet: a worker is judged dead only after a full dead_after of
                 # this process seeing Redis, so an outage does not cost live generations.
@@ -394,7 +395,7 @@ class Dispatcher:
         last: Any = await self.r.xrevrange(self.names.served, count=1)
         self._served_cursor = str(last[0][0]) if last else "0-0"
         alive, _ = await live_workers(self.r, self.names, self.settings.worker_dead_after_s)
-        now = time.time()
+        now = clock.now()
         running: dict[str, RunningJob] = {}
         for hb in alive:
             entries: Any = await self.r.xrange(self.names.inbox(hb.worker_id))
@@ -477,7 +478,7 @@ class Dispatcher:
 
     async def _take_served_reports(self) -> None:
         got: Any = await self.r.xread({self.names.served: self._served_cursor}, count=1000)
-        now = time.time()
+        now = clock.now()
         for _stream, entries in got or []:
             for entry_id, fields in entries:
                 self._served_cursor = entry_id
@@ -499,7 +500,7 @@ class Dispatcher:
             return 0
         await self._read()
         queues = self._queues()
-        now = time.time()
+        now = clock.now()
         started = time.perf_counter()
         decisions = self.policy.assign(queues, slots, now) if any(w.free > 0 for w in slots) else []
         elapsed = time.perf_counter() - started

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -36,6 +36,7 @@ from models.jobs import tenant_job_counts
 from models.prices import cost_of
 from models.records import as_utc
 from models.tables import Batch, Job, Quota, utcnow
+from tierq import clock
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 
@@ -251,7 +252,7 @@ async def check(
 ) -> Refusal | None:
     """The first limit of `quota` that admitting this job would break, or None (read in
     the caller's transaction, after the tenant's lock)."""
-    now = now or datetime.now(UTC)
+    now = now or clock.utcnow()
     return decide(
         quota,
         await read_figures(s, quota, now, online=online),

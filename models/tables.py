@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -22,11 +22,13 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from tierq import clock
 from tierq.tiers import DEFAULT_TIER, TIER_ORDER
 
 
 def utcnow() -> datetime:
-    return datetime.now(UTC)
+    """Now, on the deployment's one clock (tierq.clock): every time stored is comparable."""
+    return clock.utcnow()
 
 
 class Money(TypeDecorator[Decimal]):

@@ -11,7 +11,6 @@ moves it to `cancelling` and asks Celery to advance it: Celery stops its jobs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -22,7 +21,7 @@ from models.db import Database
 from models.records import JobRecord
 from services import batch_signal
 from services.requests import Refused
-from tierq import metrics
+from tierq import clock, metrics
 from tierq.messages import JobEvent
 from tierq.queue import EventLog, forget_inflight
 from tierq.redis_names import RedisNames
@@ -107,7 +106,7 @@ async def cancel_batch(
             batch_id,
             BatchStatus.CANCELLING,
             (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
-            cancelling_at=datetime.now(UTC),
+            cancelling_at=clock.utcnow(),
         )
         if moved is None:
             raise Refused(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -25,6 +25,7 @@ from models import overview as repo
 from models.db import Database
 from models.quotas import QuotaRecord, QuotaUsage
 from models.records import unix
+from tierq import clock
 from tierq.messages import Heartbeat
 from tierq.queue import LATENCY_KINDS, latency_samples
 from tierq.redis_conn import redis_now
@@ -176,7 +177,7 @@ async def gather(
     db: Database, r: aioredis.Redis, names: RedisNames, settings: Settings
 ) -> dict[str, Any]:
     """The overview as JSON-ready data (the body of `GET /admin/overview`)."""
-    now = datetime.now(UTC)
+    now = clock.utcnow()
     redis_time = await redis_now(r)
     async with db.session() as s:
         tiers = await repo.tier_jobs(s)

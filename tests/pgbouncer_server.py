@@ -29,7 +29,7 @@ class PgBouncer:
 
     def start(self) -> None:
         if not Path(PGBOUNCER).exists():
-            raise RuntimeError("no pgbouncer: `make pgbouncer` installs Debian's package")
+            raise RuntimeError("no pgbouncer: `make fleet-tools` installs Debian's package")
         self.folder.mkdir(parents=True, exist_ok=True)
         self.folder.chmod(0o777)  # it drops to the postgres user (it never runs as root)
         (self.folder / "users.txt").write_text('"postgres" ""\n')

@@ -6,17 +6,24 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
+from redis.sentinel import Sentinel as SyncSentinel
+from redis.sentinel import SentinelConnectionPool as SyncSentinelPool
 
+from tierq import clock
 from tierq.aio import raise_if_cancelled
+from tierq.redis_url import SentinelTarget
 from tierq.settings import Settings
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+SENTINEL_TIMEOUT_S = 2.0  # asking a sentinel for the primary
 
 
 async def connect(
@@ -28,20 +35,11 @@ async def connect(
     url = settings.resolved_redis_url
     last: Exception | None = None
     for _ in range(attempts):
-        # Bounded: a burst waits for a free connection instead of opening one per caller
-        # (or failing with "Too many connections").
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=settings.redis_max_connections,
-            timeout=settings.redis_pool_timeout_s,
-            decode_responses=True,
-            health_check_interval=30,
-            client_name=f"{settings.redis_prefix}:{role}",
-        )
-        client = aioredis.Redis.from_pool(pool)
+        client = _client(settings, role)
         try:
             await client.ping()
             policy = await _eviction_policy(client)
+            await clock.sync(client)  # this host's clock against the deployment's
         except (redis.ConnectionError, OSError) as exc:
             last = exc
             await client.aclose()
@@ -127,7 +125,63 @@ async def redis_now(r: aioredis.Redis) -> float:
     return float(sec) + float(usec) / 1e6
 
 
+def _client(settings: Settings, role: str) -> aioredis.Redis:
+    """An asyncio client of REDIS_URL (not yet connected). Its pool is bounded: a burst
+    waits for a free connection instead of opening one per caller (or failing with "Too
+    many connections"). Under Sentinel, the pool asks the sentinels for the primary when
+    it connects, and again when the one it had is gone or is a replica now."""
+    options: dict[str, Any] = {
+        "max_connections": settings.redis_max_connections,
+        "timeout": settings.redis_pool_timeout_s,
+        "decode_responses": True,
+        "health_check_interval": 30,
+        "client_name": f"{settings.redis_prefix}:{role}",
+    }
+    target = SentinelTarget.parse(settings.resolved_redis_url)
+    if target is None:
+        pool = aioredis.BlockingConnectionPool.from_url(settings.resolved_redis_url, **options)
+        return aioredis.Redis.from_pool(pool)
+    sentinel = AsyncSentinel(
+        list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S, decode_responses=True
+    )
+    return sentinel.master_for(
+        target.primary,
+        redis_class=aioredis.Redis,
+        connection_pool_class=_BlockingSentinelPool,
+        db=target.db,
+        password=target.password,
+        **options,
+    )
+
+
+class _BlockingSentinelPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
+    """Sentinel's pool (it finds the primary) with the blocking pool's bound."""
+
+
+class _BlockingSyncSentinelPool(SyncSentinelPool, redis.BlockingConnectionPool):
+    """The same for a synchronous client."""
+
+
+def sync_client(settings: Settings, socket_timeout_s: float | None = None) -> redis.Redis:
+    """A synchronous client of REDIS_URL (Sentinel too), not yet connected."""
+    target = SentinelTarget.parse(settings.resolved_redis_url)
+    timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
+    if target is None:
+        return redis.Redis.from_url(settings.resolved_redis_url, decode_responses=True, **timeouts)
+    sentinel = SyncSentinel(
+        list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S, decode_responses=True
+    )
+    return sentinel.master_for(
+        target.primary,
+        connection_pool_class=_BlockingSyncSentinelPool,
+        db=target.db,
+        password=target.password,
+        decode_responses=True,
+        **timeouts,
+    )
+
+
 def connect_sync(settings: Settings) -> redis.Redis:
-    client = redis.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
+    client = sync_client(settings)
     client.ping()
     return client

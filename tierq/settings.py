@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tierq.file_store import S3Location
+from tierq.redis_url import SentinelTarget
 
 STATE_DIR_DEFAULT = Path(".tierq")
 # Values people leave in example configs; refused as ADMIN_API_KEY outside the embedded default.
@@ -30,6 +31,8 @@ class Settings(BaseSettings):
     # --- where things live -------------------------------------------------------------
     # None means the embedded default: a SQLite file / an embedded Redis under state_dir.
     database_url: str | None = None
+    # redis://, rediss://, unix://, or Redis under Sentinel:
+    # redis+sentinel://[:password@]host:port[,host:port...]/<primary name>[/<db>]
     redis_url: str | None = None
     state_dir: Path = STATE_DIR_DEFAULT
     model_cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "tierq")
@@ -310,6 +313,13 @@ class Settings(BaseSettings):
                 return asyncd + v[len(plain) :]
         return v
 
+    @field_validator("redis_url")
+    @classmethod
+    def _sentinel_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            SentinelTarget.parse(v)  # ValueError: a malformed redis+sentinel:// URL
+        return v
+
     @field_validator("files_url")
     @classmethod
     def _s3_url(cls, v: str | None) -> str | None:
@@ -376,6 +386,9 @@ class Settings(BaseSettings):
     @property
     def celery_broker_url(self) -> str:
         url = self.resolved_redis_url
+        target = SentinelTarget.parse(url)
+        if target is not None:
+            return target.kombu_url()
         if url.startswith("unix://"):
             return "redis+socket://" + url[len("unix://") :]
         return url

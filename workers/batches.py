@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import UTC, datetime
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -38,7 +37,7 @@ from models.db import Database
 from models.records import BatchRecord
 from services import admission, cancellation
 from services.batch_input import RawLine, read_requests, validate_file
-from tierq import metrics, tracing
+from tierq import clock, metrics, tracing
 from tierq.file_store import file_store
 from tierq.ids import new_id
 from tierq.queue import EventLog, enqueue
@@ -110,7 +109,7 @@ class BatchRunner:
         if batch.status == BatchStatus.FINALIZING:
             return await self._finalize(batch, fence, BatchStatus.COMPLETED)
         # in_progress
-        if batch.expired_at is None and datetime.now(UTC) >= batch.expires_at:
+        if batch.expired_at is None and clock.utcnow() >= batch.expires_at:
             async with self.db.transaction() as s:
                 await batch_repo.hold(s, batch.id, fence)
                 await batch_repo.mark_expired(s, batch.id)
@@ -182,7 +181,7 @@ class BatchRunner:
                     batch.id,
                     BatchStatus.IN_PROGRESS,
                     (BatchStatus.VALIDATING,),
-                    in_progress_at=datetime.now(UTC),
+                    in_progress_at=clock.utcnow(),
                     request_total=requests,
                     reserved_tokens=tokens,
                     reserved_cost=cost,
@@ -201,7 +200,7 @@ class BatchRunner:
                 batch.id,
                 BatchStatus.FAILED,
                 (BatchStatus.VALIDATING,),
-                failed_at=datetime.now(UTC),
+                failed_at=clock.utcnow(),
                 errors=errors,
             )
         if moved is not None:
@@ -260,7 +259,7 @@ class BatchRunner:
                         batch.id,
                         BatchStatus.FINALIZING,
                         (BatchStatus.IN_PROGRESS,),
-                        finalizing_at=datetime.now(UTC),
+                        finalizing_at=clock.utcnow(),
                     )
                 return moved is not None
         return False
@@ -313,7 +312,7 @@ class BatchRunner:
             error_id = await asyncio.to_thread(
                 batch_output.keep, err, names[1], f"{batch.id}_errors.jsonl"
             )
-            now = datetime.now(UTC)
+            now = clock.utcnow()
             stamp = {
                 BatchStatus.COMPLETED: "completed_at",
                 BatchStatus.CANCELLED: "cancelled_at",

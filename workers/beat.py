@@ -21,6 +21,7 @@ from typing import Any
 import redis
 from celery.beat import PersistentScheduler
 
+from tierq.redis_conn import sync_client
 from tierq.redis_names import RedisNames
 from tierq.settings import get_settings
 
@@ -50,12 +51,7 @@ class LeasedScheduler(PersistentScheduler):
         self.lease_s = settings.beat_lease_s
         self.lease_key = RedisNames(settings.redis_prefix).beat_lease
         self.holding: bool | None = None  # unknown until the first tick
-        self._redis = redis.Redis.from_url(
-            settings.resolved_redis_url,
-            decode_responses=True,
-            socket_timeout=self.lease_s / 3,
-            socket_connect_timeout=self.lease_s / 3,
-        )
+        self._redis = sync_client(settings, socket_timeout_s=self.lease_s / 3)
         super().__init__(*args, **kwargs)
         # The same after a restart (a supervisor's, after SIGKILL): a beat restarted on its
         # host with its schedule file takes its lease back at once instead of waiting for

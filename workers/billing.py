@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from models import billing
 from models.db import Database
+from tierq import clock
 
 
 def months_to_roll(now: datetime) -> list[str]:
@@ -18,6 +19,6 @@ def months_to_roll(now: datetime) -> list[str]:
 async def roll_up_invoices(db: Database, period: str | None = None) -> list[str]:
     """Returns "<period>:<tenant>" for every invoice written or confirmed."""
     done: list[str] = []
-    for month in [period] if period else months_to_roll(datetime.now(UTC)):
+    for month in [period] if period else months_to_roll(clock.utcnow()):
         done += [f"{month}:{tenant}" for tenant in await billing.roll_up_month(db, month)]
     return done

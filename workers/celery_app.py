@@ -14,6 +14,7 @@ from kombu import Queue
 
 from tierq import logs, memory_snapshots
 from tierq.redis_names import RedisNames
+from tierq.redis_url import SentinelTarget
 from tierq.settings import get_settings
 
 settings = get_settings()
@@ -34,6 +35,12 @@ app = Celery(
     include=["workers.tasks"],
 )
 names = RedisNames(settings.redis_prefix)
+# Redis under Sentinel: kombu's sentinel:// URLs, with the primary's name as an option.
+sentinel = SentinelTarget.parse(settings.resolved_redis_url)
+if sentinel is not None:
+    watched = {"master_name": sentinel.primary}
+    app.conf.broker_transport_options = watched
+    app.conf.result_backend_transport_options = watched
 
 app.conf.update(
     task_acks_late=True,  # a task interrupted by a worker restart runs again

@@ -10,10 +10,8 @@ its tier's SLO when `started_at - created_at` is at most the tier's SLO
 
 from __future__ import annotations
 
-import time
-
 from models.records import JobRecord
-from tierq import metrics
+from tierq import clock, metrics
 from tierq.settings import Settings
 from tierq.tiers import Tier
 
@@ -48,7 +46,7 @@ def count_end(
     """A run ended the job (succeeded or failed): its end-to-end latency from admission,
     and, when it generated more than one token, its time per output token after the
     first (`run_tokens`: the tokens this run generated)."""
-    now = time.time() if now is None else now
+    now = clock.now() if now is None else now
     metrics.END_TO_END.labels(tier.value).observe(max(0.0, now - enqueued_at))
     if first_token_at is not None and run_tokens > 1:
         per_token = max(0.0, now - first_token_at) / (run_tokens - 1)

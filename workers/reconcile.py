@@ -18,14 +18,14 @@ import dataclasses
 import functools
 import logging
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import redis.asyncio as aioredis
 
 from models import jobs as job_repo
 from models.db import Database
 from services import tenant_policy
-from tierq import metrics, tracing
+from tierq import clock, metrics, tracing
 from tierq.messages import FAULT_UNIT
 from tierq.queue import enqueue, held_by_redis, live_workers
 from tierq.redis_conn import redis_now
@@ -61,7 +61,7 @@ async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list
 async def _reconcile(
     settings: Settings, db: Database, r: aioredis.Redis, names: RedisNames
 ) -> list[str]:
-    cutoff = datetime.now(UTC) - timedelta(seconds=settings.reconcile_grace_s)
+    cutoff = clock.utcnow() - timedelta(seconds=settings.reconcile_grace_s)
     alive, _ = await live_workers(r, names, settings.worker_dead_after_s)
     running_on_workers = {job_id for hb in alive for job_id in hb.jobs}
     lost = []

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from celery.exceptions import SoftTimeLimitExceeded
 
 from models.db import Database
-from tierq import metrics
+from tierq import clock, metrics
 from tierq.redis_conn import connect
 from workers.batches import BatchRunner
 from workers.billing import roll_up_invoices
@@ -56,9 +56,14 @@ def _run(task: str, work: Callable[[_Runtime], Coroutine[Any, Any, T]]) -> T | N
     next tick (a batch's advance too: the tick advances every active batch), and Celery
     keeps each raised error's traceback info alive (celery/celery#8882: its memory grew
     tens of MB an hour while Redis restarts failed tasks)."""
+
+    async def on_one_clock() -> T:
+        await clock.refresh(rt.r)
+        return await work(rt)
+
     try:
         rt = _rt()
-        return rt.loop.run_until_complete(work(rt))
+        return rt.loop.run_until_complete(on_one_clock())
     except SoftTimeLimitExceeded:
         raise
     except Exception as exc:

@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,7 +45,7 @@ from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord, Progress
 from services import batch_signal
-from tierq import metrics, tracing
+from tierq import clock, metrics, tracing
 from tierq.aio import being_cancelled, cancel_and_wait, raise_if_cancelled
 from tierq.ids import new_id
 from tierq.messages import FAULT_UNIT, Heartbeat, JobEvent, JobMessage, Served, fault_share
@@ -398,6 +397,7 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await clock.refresh(self.r)
             try:
                 await self._heartbeat(draining=self._stop_reading.is_set())
             except Exception as exc:
@@ -693,7 +693,7 @@ class Worker:
         if isinstance(claimed, str):
             return Outcome(claimed)
         job, already = claimed
-        wait = time.time() - msg.enqueued_at
+        wait = clock.now() - msg.enqueued_at
         metrics.QUEUE_WAIT.labels(job.tier.value).observe(wait)
         self._sample("wait", job.tier.value, wait)
         observe.count_start(self.settings, job)
@@ -796,7 +796,7 @@ class Worker:
                     # same replacement goes to followers and to the result.
                     chunk = dataclasses.replace(chunk, text=chunk.text.replace("\x00", "\ufffd"))
                 if first:
-                    out.first_token_at = time.time()
+                    out.first_token_at = clock.now()
                     ttft = out.first_token_at - msg.enqueued_at
                     metrics.TTFT.labels(job.tier.value).observe(ttft)
                     self._sample("ttft", job.tier.value, ttft)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -16,6 +15,7 @@ from api.deps import DbDep
 from api.errors import APIError, documented
 from api.usage import GroupBy, Since, Until, usage_report
 from models import billing as billing_repo
+from tierq import clock
 
 router = APIRouter()
 
@@ -82,7 +82,7 @@ async def invoices_csv(db: DbDep, tenant: str | None = None, period: Period = No
 @router.post("/invoices/rollup")
 async def roll_up_invoices(db: DbDep, period: Period = None) -> dict[str, Any]:
     """Roll the month's ledger up into invoices now (beat does it periodically)."""
-    month = _period(period) or datetime.now(UTC).strftime("%Y-%m")
+    month = _period(period) or clock.utcnow().strftime("%Y-%m")
     tenants = await billing_repo.roll_up_month(db, month)
     async with db.session() as s:
         rows = await billing_repo.invoices(s, None, month)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter
@@ -12,6 +11,7 @@ from api.admin.tenants import policy_changed, tenant_or_404
 from api.deps import DbDep, NamesDep, RedisDep
 from api.errors import documented
 from models import quotas as quota_repo
+from tierq import clock
 
 router = APIRouter()
 
@@ -35,6 +35,6 @@ async def get_quota(tenant_id: str, db: DbDep) -> dict[str, Any]:
     """Every quota of the tenant with its current usage against each limit."""
     await tenant_or_404(db, tenant_id)
     async with db.session() as s:
-        report = await quota_repo.usage_report(s, tenant_id, datetime.now(UTC))
+        report = await quota_repo.usage_report(s, tenant_id, clock.utcnow())
     data = [{**q.to_api(), "usage": usage.to_api()} for q, usage in report]
     return {"object": "list", "tenant_id": tenant_id, "data": data}

@@ -3,7 +3,7 @@ create, show, list and cancel batches, and ask Celery to advance one when it cha
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
@@ -24,7 +24,7 @@ from models import tenants as tenant_repo
 from services import batch_signal, cancellation
 from services.admission import refuse_unless_active
 from services.openai_compat import BatchCreate
-from tierq import metrics, tracing
+from tierq import clock, metrics, tracing
 from tierq.states import BatchStatus
 from tierq.tiers import Tier
 
@@ -79,7 +79,7 @@ async def create_batch(
             body.input_file_id,
             body.completion_window,
             body.metadata,
-            datetime.now(UTC) + timedelta(seconds=settings.batch_window_s),
+            clock.utcnow() + timedelta(seconds=settings.batch_window_s),
         )
     metrics.BATCHES.labels(status=BatchStatus.VALIDATING).inc()
     # The batch's trace (this request's), which its lines' traces link to.
