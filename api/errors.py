@@ -31,7 +31,6 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
-    408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
@@ -62,7 +61,6 @@ _DOCUMENTED = {
     403: "The key may not do this: a tenant's key on the admin API, a suspended tenant, or "
     "a tier the tenant may not use.",
     404: "No such resource of this tenant, or no such model.",
-    408: "The request body took longer to arrive than this operation waits for.",
     409: "A conflict with the resource's state.",
     413: "The request body is larger than the deployment takes, or a file quota is full.",
     415: "The request body is not of the media type this operation takes.",

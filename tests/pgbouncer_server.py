@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.conftest import free_port
@@ -16,16 +17,24 @@ START_S = 20.0
 
 
 class PgBouncer:
-    def __init__(self, folder: Path, pg_host: str, pg_port: int) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        pg_host: str,
+        pg_port: int,
+        ip: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+    ) -> None:
         """Every database of the server behind it, by its own name, in pools of 20 server
-        connections."""
-        self.folder = folder
+        connections. `ip`: where it listens; `prefix`: the command it runs under (a host's
+        network namespace: `ip netns exec NAME`)."""
+        self.folder, self.ip, self.prefix = folder, ip, list(prefix)
         self.port = free_port()
         self.pg_host, self.pg_port = pg_host, pg_port
         self.proc: subprocess.Popen[bytes] | None = None
 
     def url(self, database: str) -> str:
-        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{database}"
+        return f"postgresql+asyncpg://postgres@{self.ip}:{self.port}/{database}"
 
     def start(self) -> None:
         if not Path(PGBOUNCER).exists():
@@ -38,7 +47,7 @@ class PgBouncer:
             "[databases]\n"
             f"* = {server}\n"
             "[pgbouncer]\n"
-            "listen_addr = 127.0.0.1\n"
+            f"listen_addr = {self.ip}\n"
             f"listen_port = {self.port}\n"
             "unix_socket_dir =\n"
             "auth_type = trust\n"
@@ -53,7 +62,7 @@ class PgBouncer:
         for name in ("pgbouncer.ini", "users.txt"):
             shutil.chown(self.folder / name, "postgres")
         self.proc = subprocess.Popen(
-            [PGBOUNCER, "-u", "postgres", str(self.folder / "pgbouncer.ini")],
+            [*self.prefix, PGBOUNCER, "-u", "postgres", str(self.folder / "pgbouncer.ini")],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -69,7 +78,7 @@ class PgBouncer:
         only); its rows, or None if it does not answer."""
         got = subprocess.run(
             [
-                *("psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres"),
+                *("psql", "-h", self.ip, "-p", str(self.port), "-U", "postgres"),
                 *("-At", "-F", "\t", "-c", command, "pgbouncer"),
             ],
             capture_output=True,

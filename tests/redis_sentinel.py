@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -20,15 +21,17 @@ START_S = 30.0
 
 
 class SentinelRedis:
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path, ip: str = "127.0.0.1", prefix: Sequence[str] = ()) -> None:
+        """`ip`: the address every node listens on; `prefix`: the command they run under (a
+        host's network namespace: `ip netns exec NAME`)."""
+        self.folder, self.ip, self.prefix = folder, ip, list(prefix)
         self.ports = {"a": free_port(), "b": free_port()}  # the two data nodes
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
     def url(self) -> str:
-        nodes = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        nodes = ",".join(f"{self.ip}:{p}" for p in self.sentinel_ports)
         return f"redis+sentinel://{nodes}/{PRIMARY}/0"
 
     def _start(self, name: str, args: list[str]) -> None:
@@ -36,7 +39,7 @@ class SentinelRedis:
         folder.mkdir(parents=True, exist_ok=True)
         log = (folder / "log").open("ab")
         self.procs[name] = subprocess.Popen(
-            ["redis-server", *args],
+            [*self.prefix, "redis-server", *args],
             cwd=folder,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -45,15 +48,16 @@ class SentinelRedis:
 
     def start(self) -> None:
         a, b = self.ports["a"], self.ports["b"]
-        common = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        # Protected mode refuses clients of a non-loopback address without a password.
+        common = ["--bind", self.ip, "--protected-mode", "no", "--save", "", "--appendonly", "no"]
         self._start("a", ["--port", str(a), *common])
-        self._start("b", ["--port", str(b), *common, "--replicaof", "127.0.0.1", str(a)])
+        self._start("b", ["--port", str(b), *common, "--replicaof", self.ip, str(a)])
         for i, port in enumerate(self.sentinel_ports):
             folder = self.folder / f"sentinel-{i}"
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "sentinel.conf").write_text(
-                f"port {port}\nbind 127.0.0.1\n"
-                f"sentinel monitor {PRIMARY} 127.0.0.1 {a} 2\n"
+                f"port {port}\nbind {self.ip}\nprotected-mode no\n"
+                f"sentinel monitor {PRIMARY} {self.ip} {a} 2\n"
                 f"sentinel down-after-milliseconds {PRIMARY} {DOWN_AFTER_MS}\n"
                 f"sentinel failover-timeout {PRIMARY} 10000\n"
                 f"sentinel parallel-syncs {PRIMARY} 1\n"
@@ -67,10 +71,10 @@ class SentinelRedis:
 
     def _ready(self) -> bool:
         try:
-            replica = redis.Redis(port=self.ports["b"], socket_timeout=1)
+            replica = redis.Redis(self.ip, self.ports["b"], socket_timeout=1)
             linked = replica.info("replication").get("master_link_status") == "up"
             known = [
-                redis.Redis(port=p, socket_timeout=1).sentinel_slaves(PRIMARY)
+                redis.Redis(self.ip, p, socket_timeout=1).sentinel_slaves(PRIMARY)
                 for p in self.sentinel_ports
             ]
             return linked and all(len(k) == 1 for k in known)
@@ -79,7 +83,7 @@ class SentinelRedis:
 
     def primary_port(self) -> int:
         """The port of the data node the sentinels name the primary now."""
-        sentinel = redis.Redis(port=self.sentinel_ports[0], socket_timeout=2)
+        sentinel = redis.Redis(self.ip, self.sentinel_ports[0], socket_timeout=2)
         _host, port = sentinel.sentinel_get_master_addr_by_name(PRIMARY)
         return int(port)
 

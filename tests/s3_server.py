@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from tests.helpers import stop_group
 
 BUCKET = "tierq-test"
 ACCESS_KEY, SECRET_KEY = "tierq-test-key", "tierq-test-secret"
+READER_KEY, READER_SECRET = "tierq-test-reader", "tierq-test-reader-secret"
 START_S = 60.0
 
 
@@ -30,10 +32,12 @@ def weed_binary() -> str:
 
 
 class SeaweedS3:
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path, ip: str = "127.0.0.1", prefix: Sequence[str] = ()) -> None:
+        """`ip`: the address it listens on; `prefix`: the command it runs under (a host's
+        network namespace: `ip netns exec NAME`)."""
+        self.folder, self.ip, self.prefix = folder, ip, list(prefix)
         self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"http://{ip}:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -58,7 +62,13 @@ class SeaweedS3:
             "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
-        config.write_text(json.dumps({"identities": [identity]}))
+        # A second identity that may only read and list (a store that refuses deletes).
+        reader = {
+            "name": "reader",
+            "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+            "actions": ["Read", "List"],
+        }
+        config.write_text(json.dumps({"identities": [identity, reader]}))
         # Every port its own (gRPC's default is the HTTP port + 10000, past 65535 for many).
         ports = {
             name: free_port()
@@ -68,10 +78,11 @@ class SeaweedS3:
         with (self.folder / "weed.log").open("ab") as log:
             self.proc = subprocess.Popen(
                 [
+                    *self.prefix,
                     weed_binary(),
                     "server",
                     f"-dir={self.folder}",
-                    "-ip=127.0.0.1",
+                    f"-ip={self.ip}",
                     *(
                         f"-{name.replace('.grpc', '.port.grpc')}={port}"
                         for name, port in ports.items()

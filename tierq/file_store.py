@@ -328,6 +328,10 @@ class S3Store(FileStore):
                     retries={"mode": "standard", "max_attempts": 4},
                     connect_timeout=5,
                     read_timeout=60,
+                    # Checksums only where S3 requires them: several S3-compatible stores
+                    # refuse the CRC32 headers newer botocore sends on every request.
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
                 )
                 self._client = boto3.session.Session().client("s3", config=config)
                 self._pid = os.getpid()
@@ -344,10 +348,15 @@ class S3Store(FileStore):
         except self.errors as exc:
             if not _not_found(exc) and "NoSuchBucket" not in str(exc):
                 raise _unavailable(exc) from exc
+        region = client.meta.region_name
+        where = {}
+        if region and region != "us-east-1":  # S3's own rule: elsewhere, it is named
+            where = {"CreateBucketConfiguration": {"LocationConstraint": region}}
         try:
-            client.create_bucket(Bucket=bucket)
+            client.create_bucket(Bucket=bucket, **where)
         except self.errors as exc:
-            raise _unavailable(exc) from exc
+            if "BucketAlreadyOwnedByYou" not in str(exc):  # another migrate made it meanwhile
+                raise _unavailable(exc) from exc
         return f"created the bucket {bucket}; files in s3://{bucket}/{self.location.prefix}"
 
     def create(self, name: str) -> Writer:
@@ -387,12 +396,20 @@ class S3Store(FileStore):
         keys = [{"Key": self._key(name)} for name in names]
         for start in range(0, len(keys), DELETE_PAGE):
             try:
-                self.client().delete_objects(
+                got = self.client().delete_objects(
                     Bucket=self.location.bucket,
                     Delete={"Objects": keys[start : start + DELETE_PAGE], "Quiet": True},
                 )
             except self.errors as exc:
                 raise _unavailable(exc) from exc
+            # Quiet: a 200 that lists only the keys it could not delete (AccessDenied...).
+            failed = [e for e in got.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if failed:
+                first = failed[0]
+                raise StoreUnavailable(
+                    f"the object store kept {len(failed)} of the files to delete "
+                    f"({first.get('Key')}: {first.get('Code')} {first.get('Message')})"
+                )
 
     def committed_before(self, cutoff: float) -> list[str]:
         names: list[str] = []
@@ -411,7 +428,8 @@ class S3Store(FileStore):
         removed: list[str] = []
         try:
             pages = client.get_paginator("list_multipart_uploads")
-            for page in pages.paginate(Bucket=bucket, Prefix=self.location.prefix):
+            # Only tierq's own: another application's uploads in the bucket are its own.
+            for page in pages.paginate(Bucket=bucket, Prefix=self._key("file_")):
                 for upload in page.get("Uploads", []):
                     key, upload_id = str(upload["Key"]), str(upload["UploadId"])
                     try:

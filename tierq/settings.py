@@ -96,11 +96,11 @@ class Settings(BaseSettings):
     # touches its `.part` file every few seconds; on S3, a multipart upload whose last part
     # is this old): the expiry task removes it.
     files_part_max_age_s: float = Field(default=3600.0, ge=60)
-    # The longest an upload may take, from its first byte stored to its end (408 past
-    # it). At most half of FILES_PART_MAX_AGE_S: an object store dates a multipart object
-    # from the upload's start, and the orphan sweep must never take a file whose row is
-    # still being committed for one a crash left.
-    files_upload_max_s: float = Field(default=1800.0, ge=1)
+    # The longest an upload may take, from its first byte stored to its end (a 400
+    # upload_too_slow past it); unset: half of FILES_PART_MAX_AGE_S, the most it may be.
+    # An object store dates a multipart object from the upload's start, and the orphan
+    # sweep must never take a file whose row is still being committed for one a crash left.
+    files_upload_max_s: float | None = Field(default=None, ge=1)
     max_prompt_chars: int = 200_000
     # A tenant's online jobs that may wait in the queue at once when its quota sets no
     # max_queued of its own (0: no default); more are refused with 429 quota_exceeded.
@@ -329,9 +329,17 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _upload_within_sweep(self) -> Settings:
-        if self.files_upload_max_s > self.files_part_max_age_s / 2:
+        most = self.files_part_max_age_s / 2
+        if self.files_upload_max_s is not None and self.files_upload_max_s > most:
             raise ValueError("files_upload_max_s is at most half of files_part_max_age_s")
         return self
+
+    @property
+    def upload_time_limit_s(self) -> float:
+        """FILES_UPLOAD_MAX_S, or half of FILES_PART_MAX_AGE_S."""
+        if self.files_upload_max_s is not None:
+            return self.files_upload_max_s
+        return self.files_part_max_age_s / 2
 
     @field_validator("batch_discount")
     @classmethod

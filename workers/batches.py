@@ -38,7 +38,7 @@ from models.records import BatchRecord
 from services import admission, cancellation
 from services.batch_input import RawLine, read_requests, validate_file
 from tierq import clock, metrics, tracing
-from tierq.file_store import file_store
+from tierq.file_store import FileStore, file_store
 from tierq.ids import new_id
 from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
@@ -286,11 +286,14 @@ class BatchRunner:
         still writes never writes into the files of the one that took over."""
         store = file_store(self.settings)
         names = new_id("file"), new_id("file")
-        out, err = [batch_output.Lines(await asyncio.to_thread(store.create, n)) for n in names]
+        writers: list[batch_output.Lines] = []
         completed = failed = 0
         output_id = error_id = None
         moved, kept_files = None, False
         try:
+            for name in names:
+                writers.append(batch_output.Lines(await asyncio.to_thread(store.create, name)))
+            out, err = writers
             after = -1
             while True:
                 async with self.db.session() as s:
@@ -349,14 +352,27 @@ class BatchRunner:
             kept_files = moved is not None  # committed
         finally:
             if not kept_files:  # another closed it or took it over, or it failed: not needed
-                for lines in (out, err):
-                    await asyncio.to_thread(lines.writer.abort)
-                await asyncio.to_thread(store.delete, [k[0] for k in (output_id, error_id) if k])
+                await _forget(store, writers, [k[0] for k in (output_id, error_id) if k])
         if moved is None:
             return False
         metrics.BATCHES.labels(status=final).inc()
         log.info("batch %s %s: %d completed, %d failed", batch.id, final, completed, failed)
         return True
+
+
+async def _forget(store: FileStore, writers: list[batch_output.Lines], kept: list[str]) -> None:
+    """Leave nothing of outputs not needed: each write aborted, each file `kept` (committed,
+    its row not) deleted. Best effort, each on its own: the error that brought us here is
+    the one to raise, and what a store that refuses now keeps, the expiry's sweeps remove."""
+    for lines in writers:
+        try:
+            await asyncio.to_thread(lines.writer.abort)
+        except Exception as exc:
+            log.warning("could not abort an output being written (the sweep will): %s", exc)
+    try:
+        await asyncio.to_thread(store.delete, kept)
+    except Exception as exc:
+        log.warning("could not delete outputs not kept (the orphan sweep will): %s", exc)
 
 
 def _error(code: str, message: str, line: int | None = None) -> dict[str, Any]:

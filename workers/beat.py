@@ -13,9 +13,11 @@ own lock); what the lease prevents is every host's beat sending every task, alwa
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import socket
+import uuid
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -43,6 +45,22 @@ return 0
 """
 
 
+def _holder(schedule: Path) -> str:
+    """This beat's name in the lease: random, kept beside its schedule file, so a beat
+    restarted with its schedule (a supervisor's restart after SIGKILL) takes its lease back
+    at once instead of waiting for it to lapse, while two beats — other hosts, containers
+    with one host name and one schedule path — never share one."""
+    kept = schedule.with_name(schedule.name + ".holder")
+    with contextlib.suppress(OSError):
+        name = kept.read_text().strip()
+        if name:
+            return name
+    name = f"{socket.gethostname()}:{uuid.uuid4().hex}"
+    with contextlib.suppress(OSError):
+        kept.write_text(name)
+    return name
+
+
 class LeasedScheduler(PersistentScheduler):
     """Celery's file-backed scheduler, ticking only while it holds the beat lease."""
 
@@ -53,10 +71,7 @@ class LeasedScheduler(PersistentScheduler):
         self.holding: bool | None = None  # unknown until the first tick
         self._redis = sync_client(settings, socket_timeout_s=self.lease_s / 3)
         super().__init__(*args, **kwargs)
-        # The same after a restart (a supervisor's, after SIGKILL): a beat restarted on its
-        # host with its schedule file takes its lease back at once instead of waiting for
-        # it to lapse. Two beats never share one schedule file (Celery's shelve).
-        self.holder = f"{socket.gethostname()}:{os.path.abspath(self.schedule_filename)}"
+        self.holder = _holder(Path(self.schedule_filename))
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         held = self._hold()

@@ -90,11 +90,12 @@ class PartWriter:
             self._out = await asyncio.to_thread(self.store.create, self.name)
 
     def _in_time(self) -> None:
-        """Refuse (408) an upload past FILES_UPLOAD_MAX_S since its first bytes were stored."""
-        most = self.settings.files_upload_max_s
+        """Refuse an upload past FILES_UPLOAD_MAX_S since its first bytes were stored: a
+        400, not a 408, which the OpenAI SDKs would send again as slowly."""
+        most = self.settings.upload_time_limit_s
         if self._started is not None and time.monotonic() - self._started > most:
             raise APIError(
-                408,
+                400,
                 f"The upload took longer than {most:g} s, the most one may take; send it "
                 "again at a faster rate.",
                 "upload_too_slow",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, BinaryIO, Literal
@@ -28,10 +29,11 @@ from models.tenants import lock_tenant
 from services.admission import refuse_unless_active
 from services.hostile import unstorable
 from tierq import metrics
-from tierq.file_store import READ_BUFFER, file_store
+from tierq.file_store import READ_BUFFER, FileStore, file_store
 from tierq.ids import new_id
 from tierq.settings import Settings
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=documented(400, 401, 503))
 
 UPLOAD_PURPOSES = ("batch",)
@@ -84,9 +86,7 @@ _UPLOAD = {
 }
 
 
-@router.post(
-    "", openapi_extra=_UPLOAD, response_model=None, responses=documented(408, 413, 415, 429)
-)
+@router.post("", openapi_extra=_UPLOAD, response_model=None, responses=documented(413, 415, 429))
 async def create_file(
     request: Request,
     tenant: TenantDep,
@@ -113,17 +113,18 @@ async def create_file(
     writer = PartWriter(store, file_id, settings, db, tenant.id, lease, _filename)
     try:
         async with _slot(lease, settings) as committed:
+            stored = False
             try:
                 form = await _receive(request, db, settings, lease, writer)
                 purpose, expires_after_s = _purpose(form), _expires_after(form, settings)
                 await writer.commit()
+                stored = True
                 record = await _add(
                     request, tenant.id, db, settings, file_id, purpose, writer, expires_after_s
                 )
                 committed.set()
             except BaseException:
-                await writer.abort()
-                await asyncio.to_thread(store.delete, [file_id])  # committed, its row not
+                await _forget(writer, store, file_id if stored else None)
                 raise
     except Unread as unread:
         return LingeringRefusal(unread.refusal)
@@ -133,6 +134,19 @@ async def create_file(
         return Response(status_code=499)
     metrics.FILES_UPLOADED_BYTES.inc(writer.size)
     return record.to_api()
+
+
+async def _forget(writer: PartWriter, store: FileStore, stored: str | None) -> None:
+    """Leave nothing of a failed upload: its write aborted, and the file deleted if it was
+    `stored` (committed, its row not). Best effort: the failure that brought us here is
+    the one to answer with, and what a store that refuses now keeps, the expiry task's
+    sweeps remove."""
+    try:
+        await writer.abort()
+        if stored is not None:
+            await asyncio.to_thread(store.delete, [stored])
+    except Exception as exc:
+        log.warning("could not clear a failed upload (the sweep will): %s", exc)
 
 
 @contextlib.asynccontextmanager

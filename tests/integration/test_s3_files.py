@@ -25,8 +25,15 @@ from tests.conftest import ADMIN_KEY, Platform, base_settings, free_port
 from tests.helpers import client
 from tests.integration.batch_helpers import finished, jsonl, line, lines_of, sdk, submit
 from tests.integration.celery_proc import CeleryWorker, child_env
-from tests.s3_server import SeaweedS3
-from tierq.file_store import PART_BYTES, FileStore, LocalStore, S3Location, S3Store
+from tests.s3_server import READER_KEY, READER_SECRET, SeaweedS3
+from tierq.file_store import (
+    PART_BYTES,
+    FileStore,
+    LocalStore,
+    S3Location,
+    S3Store,
+    StoreUnavailable,
+)
 from tierq.settings import Settings
 from workers.files_expiry import remove_stale_parts
 
@@ -360,3 +367,37 @@ async def test_migrate_waits_for_an_object_store_still_coming_up(
     finally:
         server.close()
     assert b"created the bucket tierq-late-" in rest
+
+
+def test_a_delete_the_store_refuses_is_an_error_not_a_success(
+    s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Credentials that may read but not delete: the store's refusal (whole, or per key in
+    a quiet DeleteObjects' 200) is raised, never taken for a deletion."""
+    url = s3.url()
+    location = S3Location.parse(url)
+    s3.client().put_object(Bucket=location.bucket, Key=location.prefix + "file_kept", Body=b"x")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", READER_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", READER_SECRET)
+    reader = S3Store(location)
+    assert reader.exists("file_kept")  # it may read
+    with pytest.raises(StoreUnavailable):
+        reader.delete(["file_kept"])
+    assert s3.keys(url) == ["file_kept"]
+
+
+def test_the_sweep_leaves_other_applications_uploads_in_the_bucket(s3: SeaweedS3) -> None:
+    """Only tierq's own writes (file_*) are swept: another application's multipart upload
+    under the same prefix, however old, is its own."""
+    url = s3.url()
+    location = S3Location.parse(url)
+    c = s3.client()
+    theirs = c.create_multipart_upload(Bucket=location.bucket, Key=location.prefix + "report.csv")
+    ours = S3Store(location).create("file_crashed")
+    ours.write(b"x" * (PART_BYTES + 1))
+    later = time.time() + 3600
+    assert S3Store(location).remove_incomplete(later) == ["file_crashed"]
+    assert s3.keys(url) == ["report.csv (upload)"]
+    c.abort_multipart_upload(
+        Bucket=location.bucket, Key=location.prefix + "report.csv", UploadId=theirs["UploadId"]
+    )

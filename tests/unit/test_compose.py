@@ -114,3 +114,7 @@ def test_the_keda_example_scales_workers_on_the_signal_the_dispatcher_exports() 
     [trigger] = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "1"
     assert metrics.DESIRED_WORKERS._name in trigger["metadata"]["query"]  # type: ignore[attr-defined]
+    # ...for the model the compose file's workers serve (SERVED_MODEL_NAME's default there).
+    served = str(_services()["worker"]["environment"]["SERVED_MODEL_NAME"])  # type: ignore[index]
+    default = served.removeprefix("${SERVED_MODEL_NAME:-").removesuffix("}")
+    assert f'model="{default}"' in trigger["metadata"]["query"], (served, trigger)
