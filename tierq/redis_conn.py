@@ -165,9 +165,13 @@ class _BlockingSyncSentinelPool(SyncSentinelPool, redis.BlockingConnectionPool):
 def sync_client(settings: Settings, socket_timeout_s: float | None = None) -> redis.Redis:
     """A synchronous client of REDIS_URL (Sentinel too), not yet connected."""
     target = SentinelTarget.parse(settings.resolved_redis_url)
-    timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
     if target is None:
-        return redis.Redis.from_url(settings.resolved_redis_url, decode_responses=True, **timeouts)
+        return redis.Redis.from_url(
+            settings.resolved_redis_url,
+            decode_responses=True,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+        )
     sentinel = SyncSentinel(
         list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S, decode_responses=True
     )
@@ -177,7 +181,8 @@ def sync_client(settings: Settings, socket_timeout_s: float | None = None) -> re
         db=target.db,
         password=target.password,
         decode_responses=True,
-        **timeouts,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
     )
 
 
