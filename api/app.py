@@ -25,7 +25,7 @@ from api.openai.router import router as openai_router
 from api.request_spans import RequestSpans
 from api.usage import router as usage_router
 from models.db import Database
-from tierq import __version__, metrics, token_count
+from tierq import __version__, fleet, metrics, token_count
 from tierq.queue import Enqueuer, EventLog
 from tierq.redis_conn import connect
 from tierq.redis_names import RedisNames
@@ -52,6 +52,8 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         app.state.db = Database.for_settings(settings)
         app.state.admission_gate = TenantGate(settings.admission_concurrency_per_tenant)
         app.state.redis = await connect(settings, role="api")
+        # What the fleet serves, before the first request is admitted (tierq.fleet).
+        await fleet.refresh(app.state.redis, app.state.names, settings)
         app.state.events = EventLog.for_settings(app.state.redis, app.state.names, settings)
         app.state.hub = EventHub(app.state.redis, app.state.names, app.state.db, settings)
         app.state.hub.access_listeners.append(app.state.key_cache.forget)

@@ -38,7 +38,7 @@ from redis.asyncio.client import PubSub
 from models import jobs as job_repo
 from models import tenants as tenant_repo
 from models.db import Database
-from tierq import clock
+from tierq import clock, fleet
 from tierq.aio import cancel_and_wait, raise_if_cancelled
 from tierq.redis_conn import is_unavailable, with_retries
 from tierq.redis_names import RedisNames
@@ -382,6 +382,7 @@ class EventHub:
         while True:
             await asyncio.sleep(RECHECK_S)
             await clock.refresh(self.r)  # this process's admission times (tierq.clock)
+            await fleet.refresh(self.r, self.names, self.settings)  # what admission checks
             try:
                 await self._unsubscribe_idle()
                 await self._recheck_once()

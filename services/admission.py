@@ -49,7 +49,7 @@ from models.tables import utcnow
 from services import openai_compat
 from services.batch_input import RawLine, requests_from
 from services.requests import JobCreate, Refused, check, refuse_unless_fits
-from tierq import logs, metrics, token_count, tracing
+from tierq import fleet, logs, metrics, token_count, tracing
 from tierq.file_store import FileStore
 from tierq.ids import new_id
 from tierq.queue import Enqueuer
@@ -216,7 +216,7 @@ async def submit(
         reserved_tokens=reserved,
     )
     counted = False
-    if reserved > settings.max_model_len and token_count.for_settings(settings).exact:
+    if reserved > fleet.max_model_len(settings) and token_count.for_settings(settings).exact:
         # It may not fit the context: counted now (off the event loop, for a long prompt)
         # and refused if it cannot, rather than queued for the engine to refuse.
         new, counted = await _counted(settings, new, messages, body), True

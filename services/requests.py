@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from tierq import token_count
+from tierq import fleet, token_count
 from tierq.settings import Settings
 from tierq.tiers import Tier
 
@@ -234,11 +234,12 @@ def check(body: JobCreate, settings: Settings) -> str:
     model = body.model or settings.served_model_name
     if model != settings.served_model_name:
         raise Refused(404, f"The model '{model}' does not exist.", "model_not_found", "model")
-    if body.max_tokens >= settings.max_model_len:
+    context = fleet.max_model_len(settings)  # what the fleet's workers serve
+    if body.max_tokens >= context:
         raise Refused(
             400,
             f"max_tokens={body.max_tokens} leaves no room for a prompt in this model's "
-            f"maximum context length of {settings.max_model_len} tokens.",
+            f"maximum context length of {context} tokens.",
             "context_length_exceeded",
             "max_tokens",
         )
@@ -260,11 +261,12 @@ def check(body: JobCreate, settings: Settings) -> str:
 def refuse_unless_fits(prompt_tokens_at_least: int, body: JobCreate, settings: Settings) -> None:
     """Refuse a request whose prompt takes at least `prompt_tokens_at_least` tokens when
     that and its max_tokens pass the model's context, as the engine would after queueing."""
-    if prompt_tokens_at_least + body.max_tokens <= settings.max_model_len:
+    context = fleet.max_model_len(settings)
+    if prompt_tokens_at_least + body.max_tokens <= context:
         return
     raise Refused(
         400,
-        f"This model's maximum context length is {settings.max_model_len} tokens. However, "
+        f"This model's maximum context length is {context} tokens. However, "
         f"the input takes at least {prompt_tokens_at_least} tokens and max_tokens is "
         f"{body.max_tokens}: reduce the length of the input or max_tokens.",
         "context_length_exceeded",

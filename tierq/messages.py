@@ -180,6 +180,10 @@ class Heartbeat:
     # workers.identity): a worker starting under a live id tells its own dead
     # predecessor on this host from another live holder.
     holder: str = ""
+    # What it serves, as its engine was built: the fleet's view that admission on every
+    # host validates against (tierq.fleet), whatever that host's own settings say.
+    model: str = ""
+    max_model_len: int = 0
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

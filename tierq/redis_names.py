@@ -114,6 +114,11 @@ class RedisNames:
         """Held by the Celery worker running the reconciler: two runs never overlap."""
         return f"{self.prefix}:reconcile:lock"
 
+    def model_tokenizer(self, model: str) -> str:
+        """A served model's tokenizer files (a hash: file name -> its text), published by
+        a worker that has the model's folder for the hosts that do not (tierq.fleet)."""
+        return f"{self.prefix}:model:{model}:tokenizer"
+
     @property
     def beat_lease(self) -> str:
         """Held by the one Celery beat of the deployment that sends the periodic tasks."""

@@ -243,16 +243,43 @@ BYTE_BOUND = PromptCounter()
 def for_settings(settings: Settings) -> PromptCounter:
     """The served model's counter: its tokenizer when its folder is here (MODEL_PATH, or
     the bundled model once `tierq prepare-model` made it; never converted here), else the
-    byte bound. Loaded once per process and folder; the folder is looked for again at
-    most every FIND_AGAIN_S (it may be prepared after the API started)."""
-    folder = Path(settings.model_path) if settings.model_path else settings.bundled_model_dir
+    tokenizer the fleet's workers published (tierq.fleet fetches it into `fleet_folder`),
+    else the byte bound. Loaded once per process and folder; a folder without it is
+    looked at again at most every FIND_AGAIN_S (it may be prepared or fetched later)."""
+    for folder in (own_folder(settings), fleet_folder(settings)):
+        found = _find(folder)
+        if found is not None:
+            return _for_folder(found)
+    return _for_folder(None)
+
+
+def own_folder(settings: Settings) -> Path:
+    return Path(settings.model_path) if settings.model_path else settings.bundled_model_dir
+
+
+def fleet_folder(settings: Settings) -> Path:
+    """Where this process keeps the tokenizer files the fleet published (tierq.fleet)."""
+    return settings.state_dir / "fleet-models" / settings.served_model_name
+
+
+def has_own_tokenizer(settings: Settings) -> bool:
+    return _find(own_folder(settings)) is not None
+
+
+def forget(folder: Path) -> None:
+    """The folder's files changed (the fleet published another version): look again."""
+    _looked.pop(folder, None)
+    _for_folder.cache_clear()
+
+
+def _find(folder: Path) -> str | None:
     now = time.monotonic()
     looked = _looked.get(folder)
     if looked is None or (looked[1] is None and now - looked[0] > FIND_AGAIN_S):
         found = folder if (folder / "tokenizer.json").is_file() else None
         looked = (now, None if found is None else str(found))
         _looked[folder] = looked
-    return _for_folder(looked[1])
+    return looked[1]
 
 
 FIND_AGAIN_S = 30.0

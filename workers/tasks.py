@@ -17,11 +17,11 @@ import redis.asyncio as aioredis
 from celery.exceptions import SoftTimeLimitExceeded
 
 from models.db import Database
-from tierq import clock, metrics
+from tierq import clock, fleet, metrics
 from tierq.redis_conn import connect
 from workers.batches import BatchRunner
 from workers.billing import roll_up_invoices
-from workers.celery_app import app, settings
+from workers.celery_app import app, names, settings
 from workers.files_expiry import remove_expired_files
 from workers.reconcile import reconcile
 
@@ -59,6 +59,7 @@ def _run(task: str, work: Callable[[_Runtime], Coroutine[Any, Any, T]]) -> T | N
 
     async def on_one_clock() -> T:
         await clock.refresh(rt.r)
+        await fleet.refresh(rt.r, names, settings)  # what batch lines are checked against
         return await work(rt)
 
     try:

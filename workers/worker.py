@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -45,7 +46,7 @@ from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord, Progress
 from services import batch_signal
-from tierq import clock, metrics, tracing
+from tierq import clock, fleet, metrics, token_count, tracing
 from tierq.aio import being_cancelled, cancel_and_wait, raise_if_cancelled
 from tierq.ids import new_id
 from tierq.messages import FAULT_UNIT, Heartbeat, JobEvent, JobMessage, Served, fault_share
@@ -386,18 +387,37 @@ class Worker:
             engine_ok=not self._engine_dead.is_set(),
             engine_preempts=self.engine_preempts,
             holder=self.holder,
+            model=self.settings.served_model_name,
+            max_model_len=self.settings.max_model_len,
         )
         await write_heartbeat(self.r, self.names, hb)
         samples, self._latency = self._latency, {}
         await push_latency_samples(self.r, self.names, samples)
 
+    async def _publish_tokenizer(self) -> None:
+        """The model's tokenizer files for the hosts without its folder (tierq.fleet), if
+        this host has them and Redis does not (at start, and again after a flush)."""
+        folder = token_count.own_folder(self.settings)
+        try:
+            await fleet.publish_tokenizer(
+                self.r, self.names, self.settings.served_model_name, folder
+            )
+        except Exception as exc:
+            if being_cancelled():
+                raise
+            log.warning("could not publish the model's tokenizer: %s", exc)
+
     def _sample(self, kind: str, tier: str, seconds: float) -> None:
         self._latency.setdefault((kind, tier), []).append(seconds)
 
     async def _heartbeat_loop(self) -> None:
+        published_at = -PUBLISH_EVERY_S
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
             await clock.refresh(self.r)
+            if time.monotonic() - published_at >= PUBLISH_EVERY_S:
+                published_at = time.monotonic()
+                await self._publish_tokenizer()
             try:
                 await self._heartbeat(draining=self._stop_reading.is_set())
             except Exception as exc:
@@ -1036,6 +1056,8 @@ def _final_event(job: JobRecord) -> JobEvent:
 
 
 CANCELLED_WAIT_S = 5.0  # how long a stopping worker waits for its cancelled side tasks
+# How often a worker checks that Redis holds its model's tokenizer (tierq.fleet).
+PUBLISH_EVERY_S = 30.0
 # How long a job charged for a crash waits for the other runs' first steps before it starts.
 SUSPECT_WAIT_S = 10.0
 
