@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -119,11 +120,13 @@ async def jobs_of(platform: Any, tenant_id: str) -> list[Any]:
 def stop_group(proc: subprocess.Popen[bytes] | None, grace_s: float = 10) -> None:
     """SIGTERM a server a test started in its own session (its whole process group), then
     SIGKILL what is left after `grace_s`."""
-    if proc is None or proc.poll() is not None:
+    if proc is None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)
+    # What is left of its group, its leader gone or not (a child it started).
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    proc.wait()

@@ -34,7 +34,12 @@ DELETE_PAGE = 1000  # keys one S3 DeleteObjects may name
 
 
 class StoreUnavailable(Exception):
-    """The object store could not be reached or refused a request (not a missing file)."""
+    """The object store could not be reached or refused a request (not a missing file).
+    `failed`: the files of a delete it refused one by one (the others are gone)."""
+
+    def __init__(self, message: str, failed: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.failed = failed or []
 
 
 class Writer(ABC):
@@ -408,7 +413,8 @@ class S3Store(FileStore):
                 first = failed[0]
                 raise StoreUnavailable(
                     f"the object store kept {len(failed)} of the files to delete "
-                    f"({first.get('Key')}: {first.get('Code')} {first.get('Message')})"
+                    f"({first.get('Key')}: {first.get('Code')} {first.get('Message')})",
+                    [str(e.get("Key", ""))[len(self.location.prefix) :] for e in failed],
                 )
 
     def committed_before(self, cutoff: float) -> list[str]:

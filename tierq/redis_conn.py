@@ -24,6 +24,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SENTINEL_TIMEOUT_S = 2.0  # asking a sentinel for the primary
+# The sentinels' own connections only: the data connections' timeouts stay as a plain
+# REDIS_URL's (a large XRANGE or a tokenizer's HSET may take longer than this).
+_ASKING_SENTINELS = {
+    "socket_timeout": SENTINEL_TIMEOUT_S,
+    "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+    "decode_responses": True,
+}
 
 
 async def connect(
@@ -91,14 +98,22 @@ REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (redis.ConnectionError, red
 
 # Replies of a Redis that is up but cannot serve writes for now (a replica after a
 # failover, a failed snapshot, a busy script): waited out like an unreachable one.
-_TRANSIENT_REPLIES = ("READONLY", "MISCONF", "BUSY ", "LOADING", "MASTERDOWN", "TRYAGAIN")
+# Error replies that pass: a replica not yet promoted or a primary demoted (READONLY,
+# MASTERDOWN), a server loading or busy, and NOSCRIPT: after a failover, a pipeline
+# retried on the new primary (which never loaded its scripts) is refused once; run
+# again, it loads them. redis-py strips the code from the message of the replies it has
+# a class for (READONLY, NOSCRIPT...): it is in `status_code`.
+_TRANSIENT_CODES = frozenset(
+    {"READONLY", "MISCONF", "BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOSCRIPT"}
+)
 
 
 def is_unavailable(error: BaseException) -> bool:
     if isinstance(error, REDIS_UNAVAILABLE):
         return True
     if isinstance(error, redis.ResponseError):
-        return str(error).startswith(_TRANSIENT_REPLIES)
+        code = getattr(error, "status_code", None) or str(error).split(" ", 1)[0]
+        return code in _TRANSIENT_CODES
     # The network's own errors (refused, reset, timed out); not any OSError.
     return isinstance(error, ConnectionError | TimeoutError | socket.gaierror)
 
@@ -141,9 +156,7 @@ def _client(settings: Settings, role: str) -> aioredis.Redis:
     if target is None:
         pool = aioredis.BlockingConnectionPool.from_url(settings.resolved_redis_url, **options)
         return aioredis.Redis.from_pool(pool)
-    sentinel = AsyncSentinel(
-        list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S, decode_responses=True
-    )
+    sentinel = AsyncSentinel(list(target.sentinels), sentinel_kwargs=_ASKING_SENTINELS)
     return sentinel.master_for(
         target.primary,
         redis_class=aioredis.Redis,
@@ -172,9 +185,7 @@ def sync_client(settings: Settings, socket_timeout_s: float | None = None) -> re
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
         )
-    sentinel = SyncSentinel(
-        list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S, decode_responses=True
-    )
+    sentinel = SyncSentinel(list(target.sentinels), sentinel_kwargs=_ASKING_SENTINELS)
     return sentinel.master_for(
         target.primary,
         connection_pool_class=_BlockingSyncSentinelPool,

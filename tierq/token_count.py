@@ -22,7 +22,6 @@ in the default pool that file writes and every other thread hop of the process s
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -225,15 +224,29 @@ def _template_overhead(
     return base, max(per_message, 0)
 
 
-@functools.cache
 def _for_folder(folder: str | None) -> PromptCounter:
+    """The folder's counter, loaded once; a folder that fails to load is tried again
+    after FIND_AGAIN_S (it may be being written), the byte bound meanwhile."""
     if folder is None:
-        return PromptCounter()
+        return BYTE_BOUND
+    counter = _counters.get(folder)
+    if counter is not None:
+        return counter
+    failed = _failed.get(folder)
+    if failed is not None and time.monotonic() - failed < FIND_AGAIN_S:
+        return BYTE_BOUND
     try:
-        return PromptCounter.from_folder(Path(folder))
+        counter = PromptCounter.from_folder(Path(folder))
     except Exception as exc:  # a folder without a usable tokenizer: the byte bound
         log.warning("no tokenizer in %s (%s): reserving by the UTF-8 byte bound", folder, exc)
-        return PromptCounter()
+        _failed[folder] = time.monotonic()
+        return BYTE_BOUND
+    _counters[folder] = counter
+    return counter
+
+
+_counters: dict[str, PromptCounter] = {}
+_failed: dict[str, float] = {}  # folder -> when it failed to load
 
 
 # Without the tokenizer: an upper bound from the UTF-8 bytes (cheap, and never below).
@@ -246,11 +259,11 @@ def for_settings(settings: Settings) -> PromptCounter:
     tokenizer the fleet's workers published (tierq.fleet fetches it into `fleet_folder`),
     else the byte bound. Loaded once per process and folder; a folder without it is
     looked at again at most every FIND_AGAIN_S (it may be prepared or fetched later)."""
-    for folder in (own_folder(settings), fleet_folder(settings)):
-        found = _find(folder)
-        if found is not None:
-            return _for_folder(found)
-    return _for_folder(None)
+    found = _find(own_folder(settings))
+    if found is None:
+        fetched = _fleet_folders.get((settings.state_dir, settings.served_model_name))
+        found = None if fetched is None else _find(fetched)
+    return _for_folder(found)
 
 
 def own_folder(settings: Settings) -> Path:
@@ -258,18 +271,23 @@ def own_folder(settings: Settings) -> Path:
 
 
 def fleet_folder(settings: Settings) -> Path:
-    """Where this process keeps the tokenizer files the fleet published (tierq.fleet)."""
+    """Where this host keeps the tokenizer files the fleet published, a folder for each
+    version (tierq.fleet)."""
     return settings.state_dir / "fleet-models" / settings.served_model_name
+
+
+def use_fleet_folder(settings: Settings, folder: Path) -> None:
+    """Count the served model's prompts with the tokenizer in `folder` (one the fleet
+    published) while this host has none of its own."""
+    _fleet_folders[(settings.state_dir, settings.served_model_name)] = folder
+    _looked.pop(folder, None)
+
+
+_fleet_folders: dict[tuple[Path, str], Path] = {}
 
 
 def has_own_tokenizer(settings: Settings) -> bool:
     return _find(own_folder(settings)) is not None
-
-
-def forget(folder: Path) -> None:
-    """The folder's files changed (the fleet published another version): look again."""
-    _looked.pop(folder, None)
-    _for_folder.cache_clear()
 
 
 def _find(folder: Path) -> str | None:

@@ -352,7 +352,7 @@ class BatchRunner:
             kept_files = moved is not None  # committed
         finally:
             if not kept_files:  # another closed it or took it over, or it failed: not needed
-                await _forget(store, writers, [k[0] for k in (output_id, error_id) if k])
+                await _forget(store, self.db, writers, [k[0] for k in (output_id, error_id) if k])
         if moved is None:
             return False
         metrics.BATCHES.labels(status=final).inc()
@@ -360,17 +360,24 @@ class BatchRunner:
         return True
 
 
-async def _forget(store: FileStore, writers: list[batch_output.Lines], kept: list[str]) -> None:
-    """Leave nothing of outputs not needed: each write aborted, each file `kept` (committed,
-    its row not) deleted. Best effort, each on its own: the error that brought us here is
-    the one to raise, and what a store that refuses now keeps, the expiry's sweeps remove."""
+async def _forget(
+    store: FileStore, db: Database, writers: list[batch_output.Lines], kept: list[str]
+) -> None:
+    """Leave nothing of outputs not needed: each write aborted, each file `kept` deleted
+    unless a row names it (a COMMIT whose reply was lost may have written one). Best
+    effort, each on its own: the error that brought us here is the one to raise, and
+    what is left (a store or a database that refuses now), the expiry's sweeps remove."""
     for lines in writers:
         try:
             await asyncio.to_thread(lines.writer.abort)
         except Exception as exc:
             log.warning("could not abort an output being written (the sweep will): %s", exc)
+    if not kept:
+        return
     try:
-        await asyncio.to_thread(store.delete, kept)
+        async with db.session() as s:
+            named = await file_repo.known_ids(s, kept)
+        await asyncio.to_thread(store.delete, [k for k in kept if k not in named])
     except Exception as exc:
         log.warning("could not delete outputs not kept (the orphan sweep will): %s", exc)
 

@@ -26,7 +26,7 @@ from datetime import datetime
 from models import files as file_repo
 from models.db import Database
 from models.tables import utcnow
-from tierq.file_store import file_store
+from tierq.file_store import FileStore, StoreUnavailable, file_store
 from tierq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ async def remove_expired_files(
     while True:
         async with db.transaction() as s:
             ids = await file_repo.delete_expired(s, now, PAGE)
-            await asyncio.to_thread(store.delete, ids)
+            await _delete(store, ids)
         removed += ids
         if len(ids) < PAGE:
             break
@@ -68,7 +68,7 @@ async def remove_orphans(settings: Settings, db: Database, now: float | None = N
         async with db.session() as s:
             known = await file_repo.known_ids(s, page)
         gone = [name for name in page if name not in known]
-        await asyncio.to_thread(store.delete, gone)
+        await _delete(store, gone)
         removed += gone
     if removed:
         log.warning(
@@ -77,6 +77,19 @@ async def remove_orphans(settings: Settings, db: Database, now: float | None = N
             extra={"orphan_files": len(removed)},
         )
     return removed
+
+
+async def _delete(store: FileStore, names: list[str]) -> None:
+    """Delete the files; the ones the store refuses one by one (an object lock, a denied
+    key) are logged and left — the orphan sweep tries them again — rather than holding
+    up, run after run, the page they are in. A store that cannot be reached raises: the
+    page's rows stay and are taken again."""
+    try:
+        await asyncio.to_thread(store.delete, names)
+    except StoreUnavailable as exc:
+        if not exc.failed:
+            raise
+        log.warning("the store kept %d files it was asked to delete: %s", len(exc.failed), exc)
 
 
 def remove_stale_parts(settings: Settings, now: float | None = None) -> list[str]:

@@ -124,7 +124,7 @@ async def create_file(
                 )
                 committed.set()
             except BaseException:
-                await _forget(writer, store, file_id if stored else None)
+                await _forget(writer, store, db, file_id if stored else None)
                 raise
     except Unread as unread:
         return LingeringRefusal(unread.refusal)
@@ -136,15 +136,18 @@ async def create_file(
     return record.to_api()
 
 
-async def _forget(writer: PartWriter, store: FileStore, stored: str | None) -> None:
+async def _forget(writer: PartWriter, store: FileStore, db: Database, stored: str | None) -> None:
     """Leave nothing of a failed upload: its write aborted, and the file deleted if it was
-    `stored` (committed, its row not). Best effort: the failure that brought us here is
-    the one to answer with, and what a store that refuses now keeps, the expiry task's
-    sweeps remove."""
+    `stored` and no row names it (a COMMIT whose reply was lost may have written one).
+    Best effort: the failure that brought us here is the one to answer with, and what is
+    left (a store or a database that refuses now), the expiry task's sweeps remove."""
     try:
         await writer.abort()
         if stored is not None:
-            await asyncio.to_thread(store.delete, [stored])
+            async with db.session() as s:
+                named = await file_repo.known_ids(s, [stored])
+            if stored not in named:
+                await asyncio.to_thread(store.delete, [stored])
     except Exception as exc:
         log.warning("could not clear a failed upload (the sweep will): %s", exc)
 

@@ -70,7 +70,12 @@ class Fleet:
         return f"http://{self.hosts[name].address}:8000"
 
     def env_of(self, host: Host) -> dict[str, str]:
-        return {**self.env, "STATE_DIR": str(host.folder / "state")}
+        env = {**self.env, "STATE_DIR": str(host.folder / "state")}
+        if not host.name.startswith("w"):
+            # The model is installed on the worker hosts only (this machine's model
+            # cache): the others count prompts with the tokenizer the workers publish.
+            env["MODEL_CACHE_DIR"] = str(host.folder / "models")
+        return env
 
     def logs(self) -> str:
         return "\n".join(
@@ -160,9 +165,11 @@ def _wait_ready(fleet: Fleet) -> None:
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     root = Path(tempfile.mkdtemp(prefix="tierq-fleet-"))
     os.chmod(root, 0o755)  # the postgres user reaches its folders
-    network = Network(root)
-    fleet = Fleet(network, request.param)
+    network: Network | None = None
+    fleet: Fleet | None = None
     try:
+        network = Network(root)
+        fleet = Fleet(network, request.param)
         for name in ("svc", "lb", "api1", "api2", "d1", "d2", "w1", "w2", "celery"):
             fleet.hosts[name] = network.add(name)
         svc = fleet.host("svc")
@@ -177,8 +184,11 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
             folder = svc.folder / "pgbouncer"
             folder.mkdir()
             bouncer = PgBouncer(folder, svc.address, 5432, svc.address, svc.prefix)
-            bouncer.start()
-            svc.procs["pgbouncer"] = bouncer.proc  # type: ignore[assignment]
+            try:
+                bouncer.start()
+            finally:  # stopped with the host, whether it started or not
+                if bouncer.proc is not None:
+                    svc.procs["pgbouncer"] = bouncer.proc
             database_url, pooling = bouncer.url("tierq"), "true"
         fleet.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TIERQ_"))},
@@ -224,9 +234,10 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
         _wait_ready(fleet)
         yield fleet
     finally:
-        network.remove()
-        if fleet.redis is not None:
+        if network is not None:
+            network.remove()
+        if fleet is not None and fleet.redis is not None:
             fleet.redis.stop()
-        if fleet.s3 is not None:
+        if fleet is not None and fleet.s3 is not None:
             fleet.s3.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -77,6 +77,7 @@ class Network:
         self.subnet = f"10.{a}.{b}"
         self.bridge = f"tqb{self.tag}"
         self.hosts: dict[str, Host] = {}
+        self._made: list[tuple[str, str]] = [("link", self.bridge)]
         ip("link", "add", self.bridge, "type", "bridge")
         ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         ip("link", "set", self.bridge, "up")
@@ -89,7 +90,9 @@ class Network:
     def add(self, name: str) -> Host:
         index = len(self.hosts) + 2
         namespace, link = f"tq{self.tag}-{name}", f"tqv{self.tag}{index:02d}"
+        self._made.append(("netns", namespace))  # removed however far this gets
         ip("netns", "add", namespace)
+        self._made.append(("link", link))
         ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", namespace)
         ip("link", "set", link, "master", self.bridge, "up")
         address = f"{self.subnet}.{index}"
@@ -106,6 +109,6 @@ class Network:
     def remove(self) -> None:
         for host in self.hosts.values():
             host.stop()
-        for host in self.hosts.values():
-            subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        for kind, name in reversed(self._made):
+            what = ["netns", "del", name] if kind == "netns" else ["link", "del", name]
+            subprocess.run(["ip", *what], capture_output=True)

@@ -141,6 +141,9 @@ async def test_a_batch_crosses_hosts_and_jobs_reach_both_replicas(fleet: Fleet) 
     assert {ran_on[j] for j in ids} == {"w1", "w2"}  # both worker hosts took work
     served = await _served_by_replica(fleet)
     assert served.get("api1", 0) > 0 and served.get("api2", 0) > 0, served
+    for name in ("api1", "api2", "celery"):  # no model here: the fleet's tokenizer, fetched
+        fetched = fleet.host(name).folder / "state" / "fleet-models" / "SmolLM2-135M-Instruct"
+        assert list(fetched.glob("*/tokenizer.json")), name
 
 
 async def test_a_worker_host_cut_off_hands_its_jobs_over_and_its_late_results_are_fenced(

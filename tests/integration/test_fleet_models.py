@@ -69,6 +69,13 @@ async def test_the_api_checks_and_counts_against_what_the_workers_serve(
         worker.request_stop()
         await asyncio.wait_for(task, 30)
         await engine.shutdown()
+    # With no worker alive (scaled to zero, a restart) the fleet still serves 1024: the
+    # API never goes back to its own 4096.
+    await asyncio.sleep(fleet.REFRESH_S + api.worker_dead_after_s + 0.5)
+    async with client(platform.url, tenant_key) as c:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}
+        assert_openai_error(await c.post("/v1/jobs", json=body), 400, "context_length_exceeded")
+    assert fleet.max_model_len(api) == WORKERS_CONTEXT
     # What the worker published is there for a host that starts after it.
     names = RedisNames(api.redis_prefix)
     assert await platform.r.hget(names.model_tokenizer(api.served_model_name), fleet.DIGEST)

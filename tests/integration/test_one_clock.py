@@ -63,14 +63,15 @@ async def test_an_api_host_with_a_fast_clock_stamps_jobs_on_the_deployments_cloc
                 json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
             )
         assert made.status_code == 202, made.text
+        async with db.session() as s:  # at once: the API's stop may take seconds
+            created, now = (
+                await s.execute(
+                    text("SELECT created_at, now() FROM jobs WHERE id = :id"),
+                    {"id": made.json()["id"]},
+                )
+            ).one()
     finally:
         stop_group(api)
-    async with db.session() as s:
-        created, now = (
-            await s.execute(
-                text("SELECT created_at, now() FROM jobs WHERE id = :id"), {"id": made.json()["id"]}
-            )
-        ).one()
     # The process's own clock was fast (its HTTP Date header)...
     own = parsedate_to_datetime(made.headers["date"])
     assert (own - now).total_seconds() > SKEW_S - 30, (own, now)
