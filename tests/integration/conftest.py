@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests.conftest import PG_ADMIN_URL
+from tests.conftest import PG_ADMIN_URL, Platform
+from tests.helpers import client
 from tests.integration.worker_proc import WorkerProcess
 from tests.pgbouncer_server import PgBouncer
 from tests.s3_server import SeaweedS3
@@ -24,6 +26,20 @@ def processes() -> Iterator[list[WorkerProcess]]:
     yield started
     for p in started:
         p.kill()
+
+
+@pytest.fixture
+async def a(platform: Platform, tenant_key: str) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the platform's API as one tenant..."""
+    async with client(platform.url, tenant_key) as c:
+        yield c
+
+
+@pytest.fixture
+async def b(platform: Platform, other_tenant_key: str) -> AsyncIterator[httpx.AsyncClient]:
+    """...and as another."""
+    async with client(platform.url, other_tenant_key) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +18,7 @@ from sqlalchemy import func, select, update
 from models import batches as batch_repo
 from models.tables import File, utcnow
 from tests.conftest import Platform
-from tests.helpers import assert_openai_error, client
+from tests.helpers import assert_openai_error
 from tests.integration.batch_helpers import finished, jsonl, line, lines_of, submit
 from tests.integration.celery_proc import CeleryWorker
 from tierq.settings import Settings
@@ -29,18 +28,6 @@ from workers.files_expiry import remove_expired_files
 pytestmark = pytest.mark.integration
 
 DAY = 86_400
-
-
-@pytest.fixture
-async def a(platform: Platform, tenant_key: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with client(platform.url, tenant_key) as c:
-        yield c
-
-
-@pytest.fixture
-async def b(platform: Platform, other_tenant_key: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with client(platform.url, other_tenant_key) as c:
-        yield c
 
 
 def limit(settings: Settings, **values: Any) -> None:

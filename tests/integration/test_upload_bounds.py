@@ -38,18 +38,6 @@ FILE_TAIL = f"\r\n--{BOUNDARY}--\r\n".encode()
 MIB = 1024 * 1024
 
 
-@pytest.fixture
-async def a(platform: Platform, tenant_key: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with client(platform.url, tenant_key) as c:
-        yield c
-
-
-@pytest.fixture
-async def b(platform: Platform, other_tenant_key: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with client(platform.url, other_tenant_key) as c:
-        yield c
-
-
 def held_on_disk(settings: Settings) -> int:
     """Bytes of every file on the files volume, `.part` files included."""
     files_dir = settings.resolved_files_dir
