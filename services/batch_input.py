@@ -122,12 +122,8 @@ def requests_from(
     The file was validated, so every non-blank line parses.
     """
     for number, position, raw in _lines(store, name, offset, start_line):
-        if not raw.strip():
-            continue
-        item, problem = check_line(raw, endpoint)
-        if item is None:
-            raise ValueError(f"line {number} of a validated file is invalid: {problem}")
-        yield RawLine(number, item["custom_id"], item["body"]), position
+        if raw.strip():
+            yield _request(number, raw, endpoint), position
 
 
 def read_requests(
@@ -141,10 +137,14 @@ def read_requests(
         if len(out) >= count:
             break
         number, position = number_, position_
-        if not raw.strip():
-            continue
-        item, problem = check_line(raw, endpoint)
-        if item is None:
-            raise ValueError(f"line {number_} of a validated file is invalid: {problem}")
-        out.append(RawLine(number_, item["custom_id"], item["body"]))
+        if raw.strip():
+            out.append(_request(number_, raw, endpoint))
     return out, position, number
+
+
+def _request(number: int, raw: bytes, endpoint: str) -> RawLine:
+    """A line of a validated file, whose every non-blank line parses."""
+    item, problem = check_line(raw, endpoint)
+    if item is None:
+        raise ValueError(f"line {number} of a validated file is invalid: {problem}")
+    return RawLine(number, item["custom_id"], item["body"])

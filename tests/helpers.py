@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -47,6 +48,34 @@ async def admit_as(platform: Any, tenant: Any, body: Any, key_id: str | None = N
     return await admission.submit(
         platform.db, queue, platform.settings, tenant, body, None, key_id=key_id
     )
+
+
+async def until(check: Callable[[], bool], what: str, seconds: float = 30) -> None:
+    """Poll `check` every 0.1 s until it holds; fail naming `what` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.1)
+
+
+async def admit_retrying(
+    c: httpx.AsyncClient,
+    body: dict[str, Any],
+    key: str,
+    deadline: float,
+    passing: tuple[int, ...] = (503,),
+) -> str:
+    """Admit a job by POST /v1/jobs (its Idempotency-Key makes a retry the same job),
+    retrying while the platform answers one of `passing` or the connection fails (a
+    failover), until `deadline` (time.monotonic()); its id."""
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            got = await c.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+            if got.status_code in (200, 201, 202):
+                return str(got.json()["id"])
+            assert got.status_code in passing, got.text
+        assert time.monotonic() < deadline, f"{key} was never admitted"
+        await asyncio.sleep(0.25)
 
 
 async def wait_for(

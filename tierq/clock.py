@@ -75,16 +75,6 @@ async def sync(r: Any) -> float:
     return _keep(_take(readings))
 
 
-def sync_blocking(r: Any) -> float:
-    """`sync` for a synchronous Redis client."""
-    readings = []
-    for _ in range(READINGS):
-        sent = time.time()
-        sec, usec = r.time()
-        readings.append((sent, float(sec) + float(usec) / 1e6, time.time()))
-    return _keep(_take(readings))
-
-
 async def refresh(r: Any) -> None:
     """Measure again if the last reading is SYNC_EVERY_S old (or none was taken). A Redis
     that does not answer keeps the last offset: the caller's own call will say why."""

@@ -209,9 +209,12 @@ def _unavailable(exc: Exception) -> StoreUnavailable:
     return StoreUnavailable(f"the object store failed: {exc}")
 
 
+def _code(exc: Any) -> str:
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+
+
 def _not_found(exc: Any) -> bool:
-    code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
-    return code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload")
+    return _code(exc) in ("NoSuchKey", "404", "NotFound", "NoSuchUpload")
 
 
 class _S3Body(io.RawIOBase):
@@ -370,14 +373,15 @@ class S3Store(FileStore):
     def open(self, name: str, offset: int = 0) -> BinaryIO:
         args: dict[str, Any] = {"Bucket": self.location.bucket, "Key": self._key(name)}
         if offset:
-            if offset >= self._size(name):  # a range past the end is refused: nothing left
-                return io.BytesIO(b"")
             args["Range"] = f"bytes={offset}-"
         try:
             got = self.client().get_object(**args)
         except self.errors as exc:
             if _not_found(exc):
                 raise FileNotFoundError(name) from exc
+            if offset and _code(exc) == "InvalidRange":  # from the end on: nothing left
+                self._size(name)  # FileNotFoundError if there is no such file
+                return io.BytesIO(b"")
             raise _unavailable(exc) from exc
         return io.BufferedReader(_S3Body(got["Body"]), buffer_size=READ_BUFFER)
 

@@ -37,8 +37,9 @@ from models.db import Database
 from models.records import BatchRecord
 from services import admission, cancellation
 from services.batch_input import RawLine, read_requests, validate_file
+from services.stored_files import forget
 from tierq import clock, metrics, tracing
-from tierq.file_store import FileStore, file_store
+from tierq.file_store import file_store
 from tierq.ids import new_id
 from tierq.queue import EventLog, enqueue
 from tierq.redis_names import RedisNames
@@ -352,34 +353,13 @@ class BatchRunner:
             kept_files = moved is not None  # committed
         finally:
             if not kept_files:  # another closed it or took it over, or it failed: not needed
-                await _forget(store, self.db, writers, [k[0] for k in (output_id, error_id) if k])
+                stored = [k[0] for k in (output_id, error_id) if k]
+                await forget(store, self.db, [lines.writer for lines in writers], stored)
         if moved is None:
             return False
         metrics.BATCHES.labels(status=final).inc()
         log.info("batch %s %s: %d completed, %d failed", batch.id, final, completed, failed)
         return True
-
-
-async def _forget(
-    store: FileStore, db: Database, writers: list[batch_output.Lines], kept: list[str]
-) -> None:
-    """Leave nothing of outputs not needed: each write aborted, each file `kept` deleted
-    unless a row names it (a COMMIT whose reply was lost may have written one). Best
-    effort, each on its own: the error that brought us here is the one to raise, and
-    what is left (a store or a database that refuses now), the expiry's sweeps remove."""
-    for lines in writers:
-        try:
-            await asyncio.to_thread(lines.writer.abort)
-        except Exception as exc:
-            log.warning("could not abort an output being written (the sweep will): %s", exc)
-    if not kept:
-        return
-    try:
-        async with db.session() as s:
-            named = await file_repo.known_ids(s, kept)
-        await asyncio.to_thread(store.delete, [k for k in kept if k not in named])
-    except Exception as exc:
-        log.warning("could not delete outputs not kept (the orphan sweep will): %s", exc)
 
 
 def _error(code: str, message: str, line: int | None = None) -> dict[str, Any]:

@@ -32,7 +32,7 @@ CROWDED_TRIES = 5
 
 class PartWriter:
     """A multipart FileSink for one upload of one tenant, file `name` in `store`. `prepare`
-    before the body is read; after it: `commit`, or `abort` in a finally."""
+    before the body is read; after it: `commit`, or on failure abort its `writes`."""
 
     def __init__(
         self,
@@ -111,11 +111,10 @@ class PartWriter:
         assert self._out is not None, "committed before its end"
         await asyncio.to_thread(self._out.commit)
 
-    async def abort(self) -> None:
-        """Nothing of the upload stays (idempotent)."""
-        out, self._out = self._out, None
-        if out is not None:
-            await asyncio.to_thread(out.abort)
+    @property
+    def writes(self) -> list[Writer]:
+        """Its write of the store, once its first bytes were stored (to abort on failure)."""
+        return [] if self._out is None else [self._out]
 
     async def _flush(self) -> None:
         if not self._buffer:

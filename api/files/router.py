@@ -28,8 +28,9 @@ from models.records import FileRecord
 from models.tenants import lock_tenant
 from services.admission import refuse_unless_active
 from services.hostile import unstorable
+from services.stored_files import forget
 from tierq import metrics
-from tierq.file_store import READ_BUFFER, FileStore, file_store
+from tierq.file_store import READ_BUFFER, file_store
 from tierq.ids import new_id
 from tierq.settings import Settings
 
@@ -124,7 +125,7 @@ async def create_file(
                 )
                 committed.set()
             except BaseException:
-                await _forget(writer, store, db, file_id if stored else None)
+                await forget(store, db, writer.writes, [file_id] if stored else [])
                 raise
     except Unread as unread:
         return LingeringRefusal(unread.refusal)
@@ -134,22 +135,6 @@ async def create_file(
         return Response(status_code=499)
     metrics.FILES_UPLOADED_BYTES.inc(writer.size)
     return record.to_api()
-
-
-async def _forget(writer: PartWriter, store: FileStore, db: Database, stored: str | None) -> None:
-    """Leave nothing of a failed upload: its write aborted, and the file deleted if it was
-    `stored` and no row names it (a COMMIT whose reply was lost may have written one).
-    Best effort: the failure that brought us here is the one to answer with, and what is
-    left (a store or a database that refuses now), the expiry task's sweeps remove."""
-    try:
-        await writer.abort()
-        if stored is not None:
-            async with db.session() as s:
-                named = await file_repo.known_ids(s, [stored])
-            if stored not in named:
-                await asyncio.to_thread(store.delete, [stored])
-    except Exception as exc:
-        log.warning("could not clear a failed upload (the sweep will): %s", exc)
 
 
 @contextlib.asynccontextmanager

@@ -19,7 +19,7 @@ from sqlalchemy import text
 
 from models.db import Database
 from tests.fleet.conftest import Fleet
-from tests.helpers import wait_for
+from tests.helpers import admit_retrying, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -43,17 +43,8 @@ def _job(max_tokens: int = 8) -> dict[str, Any]:
 
 
 async def _admit(c: httpx.AsyncClient, body: dict[str, Any], key: str, seconds: float = 60) -> str:
-    """Admit a job (its Idempotency-Key makes a retry the same job), retrying while the
-    fleet answers 503 or a connection fails."""
-    deadline = time.monotonic() + seconds
-    while True:
-        with contextlib.suppress(httpx.TransportError):
-            got = await c.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
-            if got.status_code in (200, 201, 202):
-                return str(got.json()["id"])
-            assert got.status_code in (502, 503), got.text
-        assert time.monotonic() < deadline, f"{key} was never admitted"
-        await asyncio.sleep(0.25)
+    """Admit a job, retrying while the fleet (or the balancer, 502) refuses for a moment."""
+    return await admit_retrying(c, body, key, time.monotonic() + seconds, passing=(502, 503))
 
 
 async def _query(fleet: Fleet, sql: str) -> dict[str, Any]:

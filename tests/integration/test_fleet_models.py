@@ -6,14 +6,12 @@ tokenizer a worker published, exactly as a host with the folder would."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import Platform, base_settings
-from tests.helpers import assert_openai_error, client
+from tests.helpers import assert_openai_error, client, until
 from tierq import fleet, token_count
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -33,13 +31,6 @@ def settings(pg_database: str, tmp_path: Path) -> Settings:
     )
 
 
-async def _until(check: Callable[[], bool], what: str, seconds: float = 20) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.1)
-
-
 async def test_the_api_checks_and_counts_against_what_the_workers_serve(
     platform: Platform, tenant_key: str
 ) -> None:
@@ -53,8 +44,8 @@ async def test_the_api_checks_and_counts_against_what_the_workers_serve(
     worker = Worker(worker_host, platform.db, platform.r, engine, worker_id="w-fleet")
     task = asyncio.create_task(worker.run())
     try:
-        await _until(lambda: fleet.max_model_len(api) == WORKERS_CONTEXT, "the fleet's view")
-        await _until(lambda: token_count.for_settings(api).exact, "the fleet's tokenizer")
+        await until(lambda: fleet.max_model_len(api) == WORKERS_CONTEXT, "the fleet's view", 20)
+        await until(lambda: token_count.for_settings(api).exact, "the fleet's tokenizer", 20)
         messages = [{"role": "user", "content": "How many tokens is this, exactly? " * 20}]
         assert token_count.for_settings(api).bound(messages, None) == own.bound(messages, None)
         async with client(platform.url, tenant_key) as c:

@@ -10,12 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
+from tests.helpers import until
 from tests.integration.celery_proc import child_env
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
@@ -66,13 +67,6 @@ async def beats(settings: Settings, redis_client: aioredis.Redis) -> AsyncIterat
     await redis_client.delete(names.celery_queue, names.reconcile_queue)  # nobody consumed them
 
 
-async def _until(check: Callable[[], bool], what: str, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.1)
-
-
 async def _one_sender(beats: list[Beat], seconds: float = 3.0) -> Beat:
     """The one of `beats` that sends tasks over `seconds`: exactly one does."""
     before = [b.sent() for b in beats]
@@ -87,16 +81,16 @@ async def test_of_several_beats_one_sends_and_a_standby_takes_over(
 ) -> None:
     a = Beat(settings, "beat-a")
     beats.append(a)
-    await _until(lambda: a.sent() > 0, f"beat a sends:\n{a.output()}")
+    await until(lambda: a.sent() > 0, f"beat a sends:\n{a.output()}")
     b, c = Beat(settings, "beat-b"), Beat(settings, "beat-c")
     beats += [b, c]
-    await _until(lambda: "stands by" in b.output() and "stands by" in c.output(), "standbys")
+    await until(lambda: "stands by" in b.output() and "stands by" in c.output(), "standbys")
     assert await _one_sender([a, b, c]) is a
 
     # The holder killed: one of the others takes over once its lease lapses.
     a.signal(signal.SIGKILL)
     killed_at = time.monotonic()
-    await _until(lambda: b.sent() + c.sent() > 0, "a standby takes over", LEASE_S * 3)
+    await until(lambda: b.sent() + c.sent() > 0, "a standby takes over", LEASE_S * 3)
     assert time.monotonic() - killed_at < LEASE_S * 1.5
     await _one_sender([b, c])
 
@@ -110,7 +104,7 @@ async def test_of_several_beats_one_sends_and_a_standby_takes_over(
     holder.signal(signal.SIGTERM)
     stopped_at = time.monotonic()
     sent = other.sent()
-    await _until(lambda: other.sent() > sent, "the standby takes over", LEASE_S * 3)
+    await until(lambda: other.sent() > sent, "the standby takes over", LEASE_S * 3)
     assert time.monotonic() - stopped_at < LEASE_S * 0.6, other.output()
 
 
@@ -122,11 +116,11 @@ async def test_a_beat_restarted_after_sigkill_takes_its_lease_back_at_once(
     (30 s here: 20 s or more after the kill)."""
     first = Beat(settings, "beat-a", lease_s=30)
     beats.append(first)
-    await _until(lambda: first.sent() > 0, f"beat a sends:\n{first.output()}")
+    await until(lambda: first.sent() > 0, f"beat a sends:\n{first.output()}")
     first.signal(signal.SIGKILL)
     again = Beat(settings, "beat-a", lease_s=30)  # its log goes on in the same file
     beats.append(again)
     sent = again.sent()
     restarted_at = time.monotonic()
-    await _until(lambda: again.sent() > sent, "the restarted beat sends", 60)
+    await until(lambda: again.sent() > sent, "the restarted beat sends", 60)
     assert time.monotonic() - restarted_at < 15, again.output()

@@ -6,18 +6,16 @@ accepted before, during and after the failover succeeds, and none is billed twic
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import redis.asyncio as aioredis
 from sqlalchemy import text
 
 from tests.conftest import Platform, base_settings
-from tests.helpers import client, wait_for
+from tests.helpers import admit_retrying, client, wait_for
 from tests.integration.celery_proc import CeleryWorker
 from tests.redis_sentinel import SentinelRedis
 from tierq.redis_conn import connect
@@ -52,19 +50,6 @@ async def redis_client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
     await r.aclose()
 
 
-async def _submit(c: httpx.AsyncClient, i: int, deadline: float) -> str:
-    """Admit job `i` (its Idempotency-Key makes a retry the same job), retrying while the
-    platform answers 503 or the connection fails (the failover)."""
-    while True:
-        with contextlib.suppress(httpx.TransportError):
-            got = await c.post("/v1/jobs", json=BODY, headers={"Idempotency-Key": f"job-{i}"})
-            if got.status_code in (200, 201, 202):
-                return str(got.json()["id"])
-            assert got.status_code == 503, got.text
-        assert time.monotonic() < deadline, f"job {i} was never admitted"
-        await asyncio.sleep(0.2)
-
-
 async def test_a_primary_killed_mid_run_fails_over_and_nothing_accepted_is_lost(
     running: Platform, tenant_key: str, sentinel_redis: SentinelRedis
 ) -> None:
@@ -76,7 +61,7 @@ async def test_a_primary_killed_mid_run_fails_over_and_nothing_accepted_is_lost(
 
             async def paced(i: int) -> str:
                 await asyncio.sleep(i * 0.1)  # six seconds of arrivals
-                return await _submit(c, i, deadline)
+                return await admit_retrying(c, BODY, f"job-{i}", deadline)
 
             submitting = asyncio.gather(*(paced(i) for i in range(JOBS)))
             await asyncio.sleep(2)

@@ -22,7 +22,7 @@ import uvicorn
 
 from api.app import build_app
 from tests.conftest import ADMIN_KEY, Platform, base_settings, free_port
-from tests.helpers import client
+from tests.helpers import client, until
 from tests.integration.batch_helpers import finished, jsonl, line, lines_of, sdk, submit
 from tests.integration.celery_proc import CeleryWorker, child_env
 from tests.s3_server import READER_KEY, READER_SECRET, SeaweedS3
@@ -207,13 +207,6 @@ async def test_a_batch_runs_with_no_file_on_any_hosts_disk(
     assert s3.keys(url) == [done.output_file_id]
 
 
-async def _until(check: Callable[[], bool], what: str, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.1)
-
-
 async def _send_part_of_an_upload(port: int, key: str, size: int) -> asyncio.StreamWriter:
     """The head of a multipart upload of `size` bytes and its first PART_BYTES + 1 MiB."""
     _reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -233,12 +226,12 @@ async def test_a_client_that_hangs_up_mid_upload_leaves_no_object_and_no_upload(
     url = platform.settings.files_url
     assert url is not None
     writer = await _send_part_of_an_upload(platform.port, tenant_key, 32 * MIB)
-    await _until(lambda: s3.keys(url) != [], "a part stored")
+    await until(lambda: s3.keys(url) != [], "a part stored")
     assert len(s3.keys(url)) == 1 and s3.keys(url)[0].endswith(" (upload)")
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
-    await _until(lambda: s3.keys(url) == [], "the upload aborted")
+    await until(lambda: s3.keys(url) == [], "the upload aborted")
     async with client(platform.url, tenant_key) as c:
         assert (await c.get("/v1/files")).json()["data"] == []
 
@@ -273,7 +266,7 @@ async def test_an_api_killed_mid_upload_leaves_an_upload_that_the_sweep_removes(
                 assert api.poll() is None and time.monotonic() < deadline, log.read_text()
                 await asyncio.sleep(0.2)
         writer = await _send_part_of_an_upload(port, tenant_key, 32 * MIB)
-        await _until(lambda: s3.keys(url) != [], "a part stored")
+        await until(lambda: s3.keys(url) != [], "a part stored")
         os.killpg(api.pid, signal.SIGKILL)
         api.wait(10)
         writer.close()
