@@ -6,6 +6,7 @@ into vLLM's."""
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
 from collections.abc import Callable, Iterator
@@ -206,7 +207,11 @@ def test_the_vllm_internals_the_tiered_scheduler_relies_on_are_there() -> None:
     ):
         assert line in preempt
     assert "if not preempted_reqs" in schedule
+    # Async scheduling (the GPU default): the same scheduler, each step's next tokens
+    # counted as placeholders, and a victim's step in flight delivered as stale output.
     assert issubclass(AsyncScheduler, Scheduler)
+    assert "num_output_placeholders +=" in inspect.getsource(AsyncScheduler._update_after_schedule)
+    assert "request.num_stale_output_tokens = request.num_in_flight_tokens" in preempt
     # What the worker names in its engine arguments resolves to this class.
     from workers.engine.vllm_args import TIERED_SCHEDULER
 
@@ -401,10 +406,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class Engine:
     """vLLM's real scheduler (tierq's, as the worker configures it) and a fake model runner
-    that samples one token for every request whose prompt and output are all computed."""
+    that samples one token for every request whose prompt and output are all computed.
+
+    With `async_scheduling` (vLLM's default on GPUs) the scheduler is tierq's subclass of
+    vLLM's AsyncScheduler and the steps run as vLLM's engine core runs them then
+    (`EngineCore.step_with_batch_queue`, a queue two batches deep): each step is scheduled
+    while the one before is still in flight, its requests' next tokens counted as
+    placeholders, and the results of a step reach the scheduler only after the next one is
+    scheduled."""
 
     def __init__(
-        self, model_dir: Path, slots: int, budget: int, tiering: Tiering, blocks: int = 2000
+        self,
+        model_dir: Path,
+        slots: int,
+        budget: int,
+        tiering: Tiering,
+        blocks: int = 2000,
+        async_scheduling: bool = False,
     ) -> None:
         import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -439,6 +457,9 @@ class Engine:
         kv = KVCacheConfig(
             num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
         )
+        # The CPU platform turns async scheduling off as the config is built; the GPU
+        # platforms leave it on. What the scheduler reads of it is this one field.
+        config.scheduler_config.async_scheduling = async_scheduling
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.scheduler: Any = TieredScheduler(
@@ -447,7 +468,12 @@ class Engine:
             structured_output_manager=StructuredOutputManager(config),
             block_size=BLOCK,
         )
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        assert isinstance(self.scheduler, AsyncScheduler) is async_scheduling
+        self.async_scheduling = async_scheduling
         self.sampled: dict[str, int] = {}  # request id -> tokens the model sampled for it
+        self.in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
         self.serial = 0
 
     def add(
@@ -477,22 +503,33 @@ class Engine:
         return request
 
     def step(self) -> Any:
+        """Schedule one step and return what it scheduled. Synchronous: its results are
+        applied at once. Async: the step joins the one in flight, and the older of the two
+        is applied (only that one, if nothing more can be scheduled)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         out = self.scheduler.schedule()
         ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for rid in ids:
+            # The model samples where a request's prompt and output (the tokens of steps
+            # still in flight included) are all computed: vLLM's own mark of it.
             r = self.scheduler.requests[rid]
-            done = r.num_computed_tokens >= r.num_tokens  # prompt and output all computed
-            sampled.append([FIRST_TOKEN + r.num_output_tokens] if done else [])
+            done = not r.is_prefill_chunk
+            # The position of the token sampled: the async scheduler has counted it already.
+            position = r.num_output_tokens + r.num_output_placeholders - self.async_scheduling
+            sampled.append([FIRST_TOKEN + position] if done else [])
             self.sampled[rid] = self.sampled.get(rid, 0) + done
         runner = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=sampled,
         )
-        self.scheduler.update_from_output(out, runner)
+        self.in_flight.appendleft((out, runner))
+        busy = out.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()
+        if self.async_scheduling and len(self.in_flight) < 2 and busy:
+            return out
+        self.scheduler.update_from_output(*self.in_flight.pop())
         return out
 
     def run(self, steps: int) -> Iterator[Any]:
@@ -500,12 +537,20 @@ class Engine:
             yield self.step()
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Callable[..., Engine]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(model_dir: Path, request: pytest.FixtureRequest) -> Callable[..., Engine]:
+    """Every test on vLLM's real scheduler runs on its synchronous scheduler (the CPU
+    build's) and on its async one (the GPU default)."""
+
     def make(slots: int = 4, budget: int = 256, blocks: int = 2000, **tiering: Any) -> Engine:
-        return Engine(model_dir, slots, budget, Tiering(**tiering), blocks)
+        return Engine(model_dir, slots, budget, Tiering(**tiering), blocks, request.param)
 
     return make
+
+
+def generated(r: Any) -> int:
+    """Tokens a request has generated, those of a step still in flight included (async)."""
+    return int(len(r.output_token_ids) + r.num_output_placeholders)
 
 
 def full_output(max_tokens: int) -> list[int]:
@@ -520,7 +565,7 @@ def test_an_interactive_request_is_scheduled_in_the_next_step_on_an_engine_full_
     e = engine(slots=4)
     batch = [e.add(f"batch{i}", 100) for i in range(4)]
     list(e.run(3))  # every slot busy: prompts done, decoding
-    assert len(e.scheduler.running) == 4 and all(len(b.output_token_ids) == 3 for b in batch)
+    assert len(e.scheduler.running) == 4 and all(generated(b) == 3 for b in batch)
     chat = e.add("chat", 0)
     out = e.step()
     # In the very next step: the chat's prompt goes in, in the slot of the newest batch request.
@@ -682,6 +727,47 @@ def test_a_cleared_step_never_stalls_an_engine_out_of_kv_blocks(
     for r in [*batch, chat]:
         assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED, r.request_id
     assert list(chat.output_token_ids) == full_output(4)
+
+
+@pytest.mark.parametrize("fails", ["at-once", "part-way", "after"])
+def test_a_preemption_that_raises_leaves_its_victim_in_a_queue_and_it_finishes(
+    engine: Callable[..., Engine], fails: str
+) -> None:
+    """vLLM's `_preempt_request` raising — before it touched the victim, after freeing its
+    KV blocks, or once it was back in the waiting queue — strands nothing: the victim is in
+    a queue, tierq's scheduler steps aside for vLLM's own (it does not fit this vLLM), and
+    every request finishes with its whole output."""
+    from vllm.v1.request import RequestStatus
+
+    e = engine(slots=2)
+    batch = [e.add(f"batch{i}", 100) for i in range(2)]
+    list(e.run(3))
+    scheduler = e.scheduler
+    preempt = scheduler._preempt_request
+
+    def failing(request: Any, *args: Any, **kwargs: Any) -> None:
+        if fails == "part-way":
+            scheduler.kv_cache_manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+        elif fails == "after":
+            preempt(request, *args, **kwargs)
+        raise RuntimeError("injected: _preempt_request failed")
+
+    scheduler._preempt_request = failing
+    chat = e.add("chat", 0)
+    e.step()
+    victim = batch[-1]
+    assert scheduler._tiering is False
+    queued = [*scheduler.running, *scheduler.waiting]
+    assert sum(r is victim for r in queued) == 1
+    assert (victim.status == RequestStatus.RUNNING) is (fails == "at-once")
+    scheduler._preempt_request = preempt
+    for _ in range(60):
+        e.step()
+    for r in [*batch, chat]:
+        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED, r.request_id
+        assert list(r.output_token_ids) == full_output(12), r.request_id
+    assert not scheduler.running and not len(scheduler.waiting) and not scheduler.requests
 
 
 def test_vllms_preemptions_are_counted_from_its_step_statistics() -> None:

@@ -59,6 +59,7 @@ pins what this relies on and runs it on vLLM's real scheduler objects.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import time
@@ -481,9 +482,13 @@ def _tiered(base: type) -> type:
                 # What vLLM does to its victim under KV pressure: out of `running`, then back
                 # to the waiting queue keeping its output; only its KV is recomputed.
                 self.running.remove(victim)
-                self._preempt_request(
-                    victim, now, drop_stale_output=getattr(self, "requires_kv_delivery", False)
-                )
+                try:
+                    self._preempt_request(
+                        victim, now, drop_stale_output=getattr(self, "requires_kv_delivery", False)
+                    )
+                except BaseException:
+                    self._restore(victim)  # never in neither queue, whatever failed
+                    raise
                 # Should it resume in this very step, the model runner needs all its tokens
                 # again (as after vLLM's own reset_prefix_cache preemptions).
                 self.prev_step_scheduled_req_ids.discard(victim.request_id)
@@ -495,6 +500,35 @@ def _tiered(base: type) -> type:
                     victim.priority,
                     victim.num_preemptions,
                 )
+
+        def _restore(self, victim: Any) -> None:
+            """Put a victim whose preemption failed back in a queue: a request in neither
+            `running` nor `waiting` is never scheduled again, and its job never ends."""
+            from vllm.v1.request import RequestStatus
+
+            if victim in self.running or any(r is victim for r in self.waiting):
+                return  # vLLM's own preemption got as far as the waiting queue
+            if victim.status == RequestStatus.RUNNING:
+                self.running.append(victim)  # untouched: its KV blocks are still its own
+                log.error("tierq: preempting request %s failed; it runs on", victim.request_id)
+                return
+            # Part-way through: finish the preemption, so that it resumes from scratch (its
+            # output kept) rather than from KV blocks it may no longer hold.
+            with contextlib.suppress(Exception):
+                self.kv_cache_manager.free(victim)
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_computed_tokens = 0
+            if hasattr(victim, "num_stale_output_tokens"):
+                # Async scheduling: the step in flight delivers its tokens as stale ones
+                # (counted, not applied to the reset counters), as vLLM's preemption has it.
+                victim.num_stale_output_tokens = victim.num_in_flight_tokens
+            victim.num_output_placeholders = 0
+            self.waiting.prepend_request(victim)
+            self.reset_preempted_req_ids.add(victim.request_id)
+            log.error(
+                "tierq: preempting request %s failed part-way; it waits to resume",
+                victim.request_id,
+            )
 
     Tiered.__name__ = Tiered.__qualname__ = f"Tiered{base.__name__}"
     return Tiered
