@@ -47,6 +47,7 @@ from tierq.settings import Settings
 from tierq.tiers import TIER_ORDER, Tier, vllm_priority
 from workers.engine.base import Engine
 from workers.engine.simulated_engine import CostModel
+from workers.engine.vllm_args import step_token_budget
 
 POLICIES = ("tierq", "fcfs", "engine-priority")
 
@@ -59,7 +60,7 @@ async def run_qos(
     duration_s: float | None = None,
     policies: tuple[str, ...] = POLICIES,
 ) -> dict[str, Any]:
-    cost = dataclasses.replace(CostModel.load(), max_batched_tokens=base.max_num_batched_tokens)
+    cost = dataclasses.replace(CostModel.load(), max_batched_tokens=step_token_budget(base))
     shape = SIMULATED if engine_kind == "simulated" else REAL
     if engine_kind != "simulated":
         speedup = 1.0

@@ -62,6 +62,7 @@ from tierq.settings import Settings
 from tierq.tiers import TIER_ORDER, Tier
 from workers.engine.base import Chunk, Engine, EngineWrapper
 from workers.engine.simulated_engine import CostModel, SimulatedEngine
+from workers.engine.vllm_args import step_token_budget
 from workers.engine.vllm_scheduler import Tiering
 from workers.worker import Worker
 
@@ -576,7 +577,7 @@ async def run_scale(base: Settings, cfg: ScaleConfig) -> dict[str, Any]:
     cost = dataclasses.replace(
         CostModel.load(),
         slots=cfg.slots,
-        max_batched_tokens=base.max_num_batched_tokens,
+        max_batched_tokens=step_token_budget(base),
         prefix_cache_entries=cfg.cache_entries,
     )
     if cfg.engine == "vllm":

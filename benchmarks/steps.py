@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from tierq.settings import Settings
+from workers.engine.vllm_args import step_token_budget
 
 BATCH_PROMPT = "Tell me about the history of bridges and rivers. "
 QUESTION = "What is the capital of France? Answer briefly please now. "
@@ -91,7 +92,7 @@ async def run_steps(
     )
     result["_run"] = {
         "slots": slots,
-        "max_num_batched_tokens": base.max_num_batched_tokens,
+        "max_num_batched_tokens": step_token_budget(base),
         "interactive_requests": interactive,
         "batch_prompt_tokens_about": 10 * prompt_repeat,
     }

@@ -32,7 +32,7 @@ from services.bootstrap import ensure_tenant_key, write_secret
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 from workers.engine.cpu_placement import bind_threads
-from workers.engine.vllm_build import vllm_cpu_build
+from workers.engine.vllm_args import build_defaults, cpu_build
 
 log = logging.getLogger("tierq.run")
 
@@ -94,7 +94,11 @@ def aux_cpus(settings: Settings) -> set[int] | None:
     belong there too, or they preempt the engine's compute threads. None when there is
     nothing to pin (GPU engine, one core, or pinning turned off).
     """
-    if not settings.pin_aux_processes or settings.engine != "vllm" or not vllm_cpu_build():
+    if (
+        settings.engine != "vllm"
+        or not cpu_build()
+        or not build_defaults(settings).pin_aux_processes
+    ):
         return None
     cores = sorted(os.sched_getaffinity(0))
     return {cores[-1]} if len(cores) >= 2 else None

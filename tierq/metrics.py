@@ -167,6 +167,12 @@ ENGINE_PREEMPTIONS = Counter(
     "is not re-queued. Counted when the request runs again (vLLM reports it with the "
     "request's next output); one aborted while preempted is not counted",
 )
+JOB_STALLS = Counter(
+    "tierq_job_stalls_total",
+    "Runs the worker's watchdog stopped: no output from the engine for JOB_STALL_S (aborted "
+    "in the engine, handed back with their progress, not counted as a failed delivery)",
+    ["tier"],
+)
 DEAD_LETTERS = Counter(
     "tierq_jobs_dead_lettered_total",
     "Jobs failed for good after MAX_DELIVERIES deliveries",
@@ -257,6 +263,7 @@ def _each_tier() -> None:
             JOBS_STARTED,
             JOBS_STARTED_WITHIN_SLO,
             PREEMPTIONS,
+            JOB_STALLS,
             DEAD_LETTERS,
             QUEUE_WAIT,
             TTFT,

@@ -150,17 +150,23 @@ class Settings(BaseSettings):
     # Path of a Hugging Face model folder; None means the bundled SmolLM2 model.
     model_path: str | None = None
     served_model_name: str = "SmolLM2-135M-Instruct"
-    dtype: str = "float32"
+    # Settings left unset (None) take the installed vLLM build's defaults
+    # (workers/engine/vllm_args.py `build_defaults`): on the CPU build float32, eager
+    # mode, a 2048-token step budget and PIN_AUX_PROCESSES; on a CUDA build vLLM's own
+    # dtype ("auto"), CUDA graphs, its own step budget, and no CPU pinning.
+    dtype: str | None = None
     max_model_len: int = 2048
-    max_num_seqs: int = 64
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64  # the most requests one engine runs at once (its batch slots)
+    tensor_parallel_size: int = 1  # GPUs per engine (vLLM's tensor parallelism)
+    gpu_memory_utilization: float = 0.9  # the share of each GPU's memory vLLM may take
+    kv_cache_dtype: str = "auto"  # vLLM's KV cache dtype ("fp8" halves its memory on GPUs)
+    quantization: str | None = None  # vLLM's quantization method; None: the model's own
     cpu_kvcache_space_gib: int = 2
-    enforce_eager: bool = True
-    # vLLM's per-step token budget (its default). On a compute-bound CPU every step lasts as
-    # long as its token count: a small budget (128) keeps interactive first tokens from
-    # waiting behind other jobs' prefill, at a cost in throughput (README, Benchmarks).
-    max_num_batched_tokens: int = 2048
+    enforce_eager: bool | None = None
+    # vLLM's per-step token budget. On a compute-bound CPU every step lasts as long as its
+    # token count: a small budget (128) keeps interactive first tokens from waiting behind
+    # other jobs' prefill, at a cost in throughput (README, Benchmarks).
+    max_num_batched_tokens: int | None = None
     # tierq's scheduler inside vLLM (workers/engine/vllm_scheduler.py): each step's token budget in
     # priority order, lower-tier prefill chunks deferred while better work waits for a
     # slot. False: vLLM's stock scheduler (running requests first, in admission order).
@@ -194,8 +200,8 @@ class Settings(BaseSettings):
     # The CPU engine: `tierq run` keeps the API, dispatcher, Celery and the embedded Redis
     # on the core that vLLM leaves to its front end, and a worker binds itself and vLLM's
     # engine core there once its engine has started (workers/engine/cpu_placement.py), off
-    # the cores vLLM bound its compute to.
-    pin_aux_processes: bool = True
+    # the cores vLLM bound its compute to. None: on for the CPU build, off on CUDA.
+    pin_aux_processes: bool | None = None
 
     # --- worker -------------------------------------------------------------------------
     worker_id: str | None = None  # default: "<hostname>-<pid>"; set it to keep one inbox
@@ -203,6 +209,12 @@ class Settings(BaseSettings):
     worker_dead_after_s: float = 10.0
     max_deliveries: int = 3
     drain_timeout_s: float = 30.0
+    # The per-job watchdog: a run whose engine stream yields nothing for this long is
+    # aborted in the engine and handed back with its progress, not counted as a failed
+    # delivery (a request vLLM lost track of would otherwise hold its job for ever).
+    # 0 turns it off. Keep it above the longest a request may wait inside the engine
+    # (a prefill of MAX_MODEL_LEN tokens, a preempted request's wait for a slot).
+    job_stall_s: float = 300.0
     # How often a worker asks its engine whether it is alive; a dead engine makes the
     # worker hand its jobs back and exit non-zero (its supervisor restarts it).
     engine_health_interval_s: float = 1.0

@@ -68,6 +68,7 @@ from tierq.tiers import vllm_priority
 from workers import identity, observe
 from workers.claims import Claims
 from workers.engine.base import Engine, EngineDead, EngineRequestError, EngineWrapper
+from workers.engine.vllm_args import build_defaults
 from workers.first_steps import FirstSteps
 from workers.streaming import EventPublisher
 
@@ -783,65 +784,79 @@ class Worker:
             out.text, out.finish_reason = "".join(text_parts), "length"
             return out  # it had generated everything: nothing is left to run
         first, cache_counted = True, False
+        # The watchdog: its deadline moves on with every chunk the engine streams.
+        stall_s = self.settings.job_stall_s
+        watchdog = asyncio.timeout(None)
         try:
             await self.first_steps.begin(job.id, suspect=job.fault_charge > 0)
-            async for chunk in tracing.engine_stream(
-                self.engine.generate(
-                    job.id,
-                    job.messages,
-                    job.prompt,
-                    params,
-                    vllm_priority(job.tier),
-                    resume=tuple(out.token_ids),
-                    cache_salt=job.tenant_id,  # the prefix cache is the tenant's own
-                ),
-                job_id=job.id,
-                delivery=job.deliveries,
-                resumed_tokens=out.resumed,
-            ):
-                self.first_steps.passed(job.id)
-                if chunk.cached_tokens and not cache_counted:
-                    metrics.PREFIX_CACHED_TOKENS.labels(job.tier.value).inc(chunk.cached_tokens)
-                    cache_counted = True
-                out.prompt_tokens = chunk.prompt_tokens
-                out.completion_tokens += chunk.new_tokens
-                if keep:
-                    out.token_ids.extend(chunk.token_ids)
-                out.finish_reason = chunk.finish_reason or out.finish_reason
-                if not chunk.text:
-                    continue
-                if "\x00" in chunk.text:
-                    # The model can generate NUL (a token of its vocabulary decodes to it),
-                    # which PostgreSQL's text refuses: the job could never be stored. The
-                    # same replacement goes to followers and to the result.
-                    chunk = dataclasses.replace(chunk, text=chunk.text.replace("\x00", "\ufffd"))
-                if first:
-                    out.first_token_at = clock.now()
-                    ttft = out.first_token_at - msg.enqueued_at
-                    metrics.TTFT.labels(job.tier.value).observe(ttft)
-                    self._sample("ttft", job.tier.value, ttft)
-                    first = False
-                text_parts.append(chunk.text)
-                start, produced = produced, produced + len(chunk.text)
-                if produced > emitted:  # beyond what a previous delivery streamed
-                    # A batch's lines are read from its output file, not followed live: no
-                    # deltas (the final event carries the whole result), so 50,000 lines
-                    # leave next to nothing in Redis.
-                    if job.batch_id is None:
-                        self.publisher.delta(job.id, chunk.text[max(0, emitted - start) :])
-                    emitted = produced
+            async with watchdog:
+                loop = asyncio.get_running_loop()
+                if stall_s > 0:
+                    watchdog.reschedule(loop.time() + stall_s)
+                async for chunk in tracing.engine_stream(
+                    self.engine.generate(
+                        job.id,
+                        job.messages,
+                        job.prompt,
+                        params,
+                        vllm_priority(job.tier),
+                        resume=tuple(out.token_ids),
+                        cache_salt=job.tenant_id,  # the prefix cache is the tenant's own
+                    ),
+                    job_id=job.id,
+                    delivery=job.deliveries,
+                    resumed_tokens=out.resumed,
+                ):
+                    self.first_steps.passed(job.id)
+                    if stall_s > 0:
+                        watchdog.reschedule(loop.time() + stall_s)
+                    if chunk.cached_tokens and not cache_counted:
+                        metrics.PREFIX_CACHED_TOKENS.labels(job.tier.value).inc(chunk.cached_tokens)
+                        cache_counted = True
+                    out.prompt_tokens = chunk.prompt_tokens
+                    out.completion_tokens += chunk.new_tokens
+                    if keep:
+                        out.token_ids.extend(chunk.token_ids)
+                    out.finish_reason = chunk.finish_reason or out.finish_reason
+                    if not chunk.text:
+                        continue
+                    if "\x00" in chunk.text:
+                        # The model can generate NUL (a token of its vocabulary decodes to it),
+                        # which PostgreSQL's text refuses: the job could never be stored. The
+                        # same replacement goes to followers and to the result.
+                        chunk = dataclasses.replace(
+                            chunk, text=chunk.text.replace("\x00", "\ufffd")
+                        )
+                    if first:
+                        out.first_token_at = clock.now()
+                        ttft = out.first_token_at - msg.enqueued_at
+                        metrics.TTFT.labels(job.tier.value).observe(ttft)
+                        self._sample("ttft", job.tier.value, ttft)
+                        first = False
+                    text_parts.append(chunk.text)
+                    start, produced = produced, produced + len(chunk.text)
+                    if produced > emitted:  # beyond what a previous delivery streamed
+                        # A batch's lines are read from its output file, not followed live: no
+                        # deltas (the final event carries the whole result), so 50,000 lines
+                        # leave next to nothing in Redis.
+                        if job.batch_id is None:
+                            self.publisher.delta(job.id, chunk.text[max(0, emitted - start) :])
+                        emitted = produced
         except EngineRequestError as exc:
             return dataclasses.replace(out, kind="failed", code=exc.code, message=str(exc))
         except EngineDead:
             self._engine_died()
             self._handed_back.add(job.id)
         except Exception as exc:
-            # Unknown, perhaps transient: another delivery, resuming after what this one
-            # generated (kept with the job when it goes back).
-            out.text = "".join(text_parts)
-            return dataclasses.replace(
-                out, kind="retry", code="engine_error", message=internal_error(job.id, exc)
-            )
+            if watchdog.expired():  # the engine streamed nothing for JOB_STALL_S
+                await self._stalled(job, out.completion_tokens - out.resumed)
+            else:
+                # Unknown, perhaps transient: another delivery, resuming after what this
+                # one generated (kept with the job when it goes back).
+                out.text = "".join(text_parts)
+                return dataclasses.replace(
+                    out, kind="retry", code="engine_error", message=internal_error(job.id, exc)
+                )
         finally:
             self.first_steps.passed(job.id)
         out.text = "".join(text_parts)
@@ -858,6 +873,25 @@ class Worker:
             if out.kind == "retry":
                 out.code, out.message = "engine_error", "the engine aborted it"
         return out
+
+    async def _stalled(self, job: JobRecord, generated: int) -> None:
+        """The watchdog's hand-back of a run the engine streamed nothing for in JOB_STALL_S:
+        the request goes from the engine, the job back to its queue with what it generated,
+        at no charge (the engine lost it; the job did nothing wrong)."""
+        metrics.JOB_STALLS.labels(job.tier.value).inc()
+        log.warning(
+            "job %s: no output from the engine for %.0f s (%d tokens generated in this run); "
+            "aborting it in the engine and handing it back",
+            job.id,
+            self.settings.job_stall_s,
+            generated,
+        )
+        self._handed_back.add(job.id)
+        try:
+            async with asyncio.timeout(ABORT_TIMEOUT_S):
+                await self.engine.abort(job.id)
+        except Exception:  # a hung engine is the health check's to find
+            log.warning("aborting stalled job %s failed", job.id, exc_info=True)
 
     def _why_stopped(self, job_id: str) -> str:
         """Why the engine stopped a job before it finished: this worker's own doing, or
@@ -1059,6 +1093,7 @@ CANCELLED_WAIT_S = 5.0  # how long a stopping worker waits for its cancelled sid
 # How often a worker checks that Redis holds its model's tokenizer (tierq.fleet).
 PUBLISH_EVERY_S = 30.0
 # How long a job charged for a crash waits for the other runs' first steps before it starts.
+ABORT_TIMEOUT_S = 10.0  # how long the watchdog waits for the engine to drop a stalled run
 SUSPECT_WAIT_S = 10.0
 
 
@@ -1088,7 +1123,7 @@ async def run_worker(
     except BaseException:
         await r.aclose()
         raise
-    if settings.pin_aux_processes:
+    if build_defaults(settings).pin_aux_processes:
         # This process and vLLM's engine core off the cores vLLM bound its compute to.
         pin_off_compute()
     db = Database.for_settings(settings)

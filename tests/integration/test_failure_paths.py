@@ -26,6 +26,7 @@ from dispatcher.loop import Dispatcher
 from models import jobs as job_repo
 from tests.conftest import REDIS_TEST_URL, Platform
 from tests.helpers import client, jobs_of, read_sse, wait_for
+from tierq import metrics
 from tierq.queue import enqueue
 from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP
 from workers import worker as worker_mod
@@ -186,6 +187,42 @@ async def test_a_dead_engine_hands_its_jobs_back_and_the_worker_exits(
         finals = [await wait_for(c, i, timeout=60) for i in ids]
     assert {f["status"] for f in finals} == {"succeeded"}
     await assert_nothing_left(platform, ids)
+
+
+async def test_a_run_the_engine_goes_silent_on_is_handed_back_once_and_finishes(
+    platform: Platform, tenant_key: str
+) -> None:
+    """The watchdog (JOB_STALL_S): a run whose engine streams nothing more is aborted in the
+    engine and handed back with its progress, at no charge — with one delivery allowed, a
+    charged hand-back would dead-letter the job; here each finishes on its next run."""
+    platform.settings.job_stall_s = 1.0
+    platform.settings.max_deliveries = 1
+    platform.start_dispatcher()
+    hosted: list[FaultyEngine] = []
+
+    def stalls(engine: Engine) -> Engine:
+        hosted.append(FaultyEngine(engine, 1.0, seed=7, kinds=("stall",)))
+        return hosted[0]
+
+    await platform.start_worker("w1", cost=SLOW, wrap=stalls)
+    stalled_before = {t: metrics.JOB_STALLS.labels(t)._value.get() for t in ("standard",)}
+    async with client(platform.url, tenant_key) as c:
+        ids = await submit(c, 4, {**CHAT, "max_tokens": 40})
+        finals = [await wait_for(c, i, timeout=60) for i in ids]
+    assert [f["status"] for f in finals] == ["succeeded"] * 4
+    assert all(f["usage"]["completion_tokens"] == 40 for f in finals)
+    await assert_nothing_left(platform, ids)
+    async with platform.db.session() as s:
+        for job_id in ids:
+            job = await job_repo.get_job(s, job_id)
+            assert job is not None and job.deliveries == 2 and job.fault_charge == 0
+            history = [st for st, _ in await job_repo.transitions(s, job_id)]
+            assert history == ["queued", "running", "queued", "running", "succeeded"], history
+    assert hosted[0].injected["stall"] == 4
+    assert metrics.JOB_STALLS.labels("standard")._value.get() - stalled_before["standard"] == 4
+    # Nothing of the silent runs is left in the engine: each was aborted there.
+    _, _, engine = platform.workers["w1"]
+    assert engine._running == {} and engine._waiting == []
 
 
 async def test_a_cancelled_job_is_billed_for_what_the_engine_generated_and_once(

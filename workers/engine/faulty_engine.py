@@ -8,16 +8,23 @@ exercised by the very exceptions it must survive: the engine refusing the reques
 unknown error (`random`, a RuntimeError), and the engine dying (`dead`: every later call
 raises EngineDead and `check_health` reports it). A fault strikes before the first chunk or
 after some, as the seed decides. Never the default: ENGINE_FAULT_RATE is 0 unless set.
+
+One more kind, asked for by name only: `stall`, a run that goes silent (the wrapper stops
+passing its chunks on and waits until the worker gives up on it, as when the engine loses
+track of a request), for the worker's watchdog (JOB_STALL_S). A request stalls at most
+once, so its next delivery finishes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator, Sequence
 
 from workers.engine.base import Chunk, Engine, EngineDead, EngineRequestError, EngineWrapper
 
-FAULT_KINDS = ("request", "validation", "random", "dead")
+FAULT_KINDS = ("request", "validation", "random", "dead")  # the default mix
+KNOWN_KINDS = (*FAULT_KINDS, "stall")
 
 
 def _validation_error(message: str) -> BaseException:
@@ -39,7 +46,7 @@ class FaultyEngine(EngineWrapper):
         seed: int = 0,
         kinds: tuple[str, ...] = FAULT_KINDS,
     ) -> None:
-        unknown = set(kinds) - set(FAULT_KINDS)
+        unknown = set(kinds) - set(KNOWN_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds: {sorted(unknown)}")
         super().__init__(inner, f"faulty-{inner.name}")
@@ -47,7 +54,8 @@ class FaultyEngine(EngineWrapper):
         self.kinds = kinds
         self.rng = random.Random(seed)
         self.dead = False
-        self.injected: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
+        self.injected: dict[str, int] = dict.fromkeys(KNOWN_KINDS, 0)
+        self.stalled: set[str] = set()  # the requests that have had their stall
 
     async def check_health(self) -> None:
         if self.dead:
@@ -74,15 +82,29 @@ class FaultyEngine(EngineWrapper):
         if self.dead:
             raise EngineDead("the engine was killed by fault injection")
         fault = self.rng.choice(self.kinds) if self.rng.random() < self.rate else None
+        if fault == "stall" and request_id in self.stalled:
+            fault = None
         after = self.rng.randint(0, 8) if fault is not None else -1
-        if fault is not None and after == 0:
-            self._raise(fault)
         n = 0
-        async for chunk in run:
+        while True:
+            if fault is not None and n == after:
+                if fault == "stall":
+                    await self._stall(request_id)
+                else:
+                    await self.inner.abort(request_id)
+                    self._raise(fault)
+            try:
+                chunk = await anext(run)
+            except StopAsyncIteration:
+                return
             if self.dead:
                 raise EngineDead("the engine was killed by fault injection")
             yield chunk
             n += 1
-            if fault is not None and n == after:
-                await self.inner.abort(request_id)
-                self._raise(fault)
+
+    async def _stall(self, request_id: str) -> None:
+        """Silence for ever: the run's chunks are no longer passed on (the inner engine goes
+        on with the request until the worker aborts it)."""
+        self.injected["stall"] += 1
+        self.stalled.add(request_id)
+        await asyncio.Event().wait()

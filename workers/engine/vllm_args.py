@@ -13,6 +13,7 @@ the open.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tierq.settings import Settings
@@ -40,20 +41,79 @@ def set_engine_environment(settings: Settings) -> None:
         os.environ.setdefault(name, value)
 
 
+# The CPU build's step budget where MAX_NUM_BATCHED_TOKENS is unset (vLLM's own default
+# on the CPU), and what the simulated engine's cost model assumes when none is set.
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class BuildDefaults:
+    """The engine settings that depend on the installed vLLM build, resolved: a setting
+    left unset (None) takes its build's value. None here means vLLM's own default."""
+
+    dtype: str
+    enforce_eager: bool
+    max_num_batched_tokens: int | None
+    pin_aux_processes: bool
+
+
+def cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (read through the module, so that a test
+    can stand in for either build)."""
+    from workers.engine import vllm_build
+
+    return vllm_build.vllm_cpu_build()
+
+
+def build_defaults(settings: Settings) -> BuildDefaults:
+    """The CPU build keeps float32 (bfloat16 is emulated on CPUs without native support,
+    several times slower), eager mode (no compilation; the CPU build has no Triton), a
+    2048-token step and the platform's processes off its compute cores. A CUDA build gets
+    vLLM's own choices: the model's dtype, CUDA graphs, the step budget vLLM picks for the
+    GPU, and no CPU pinning (vLLM binds nothing there)."""
+    cpu = cpu_build()
+
+    def pick(value: Any, on_cpu: Any, on_gpu: Any) -> Any:
+        if value is not None:
+            return value
+        return on_cpu if cpu else on_gpu
+
+    return BuildDefaults(
+        dtype=pick(settings.dtype, "float32", "auto"),
+        enforce_eager=pick(settings.enforce_eager, True, False),
+        max_num_batched_tokens=pick(
+            settings.max_num_batched_tokens, CPU_MAX_NUM_BATCHED_TOKENS, None
+        ),
+        pin_aux_processes=pick(settings.pin_aux_processes, True, False),
+    )
+
+
+def step_token_budget(settings: Settings) -> int:
+    """The engine's per-step token budget as a number, for what models the engine (the
+    simulated engine's cost model, benchmark reports): MAX_NUM_BATCHED_TOKENS, else the CPU
+    build's default (vLLM's GPU default depends on the GPU and is only known inside it)."""
+    return build_defaults(settings).max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS
+
+
 def engine_kwargs(settings: Settings, **overrides: Any) -> dict[str, Any]:
     """vLLM's `EngineArgs` fields from Settings (for `AsyncEngineArgs(**...)` or `LLM(**...)`),
-    with `overrides` on top. Resolves the model folder (preparing the bundled one once)."""
+    with `overrides` on top; a field whose value is vLLM's default for this build is left
+    out. Resolves the model folder (preparing the bundled one once)."""
+    build = build_defaults(settings)
     kwargs: dict[str, Any] = {
         "model": resolve_model_path(settings),
         "served_model_name": [settings.served_model_name],
-        "dtype": settings.dtype,
+        "dtype": build.dtype,
         "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,
-        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "max_num_batched_tokens": build.max_num_batched_tokens,
         "tensor_parallel_size": settings.tensor_parallel_size,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
-        "enforce_eager": settings.enforce_eager,
+        "kv_cache_dtype": settings.kv_cache_dtype,
+        "quantization": settings.quantization,
+        "enforce_eager": build.enforce_eager,
     }
+    kwargs = {name: value for name, value in kwargs.items() if value is not None}
     kwargs.update(overrides)
     return kwargs
 
@@ -62,11 +122,10 @@ def engine_core_config(settings: Settings) -> dict[str, Any]:
     """What tierq's scheduler classes set up in vLLM's engine-core process beyond the tiers
     (`additional_config`): quiet waits (workers/engine/quiet_waits.py) where wanted."""
     from workers.engine.quiet_waits import CONFIG_KEY
-    from workers.engine.vllm_build import vllm_cpu_build
 
     quiet = settings.engine_quiet_waits
     if quiet is None:
-        quiet = vllm_cpu_build()
+        quiet = cpu_build()
     return {CONFIG_KEY: True} if quiet else {}
 
 
