@@ -31,8 +31,9 @@ import yaml
 from services.bootstrap import ensure_tenant_key, write_secret
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
+from workers.engine import vllm_build
 from workers.engine.cpu_placement import bind_threads
-from workers.engine.vllm_args import build_defaults, cpu_build
+from workers.engine.vllm_args import build_defaults
 
 log = logging.getLogger("tierq.run")
 
@@ -96,7 +97,7 @@ def aux_cpus(settings: Settings) -> set[int] | None:
     """
     if (
         settings.engine != "vllm"
-        or not cpu_build()
+        or not vllm_build.vllm_cpu_build()
         or not build_defaults(settings).pin_aux_processes
     ):
         return None

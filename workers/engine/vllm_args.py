@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tierq.settings import Settings
+from workers.engine import vllm_build
 from workers.engine.bundled_model import resolve_model_path
 
 if TYPE_CHECKING:
@@ -57,21 +58,14 @@ class BuildDefaults:
     pin_aux_processes: bool
 
 
-def cpu_build() -> bool:
-    """Whether the installed vLLM is the CPU build (read through the module, so that a test
-    can stand in for either build)."""
-    from workers.engine import vllm_build
-
-    return vllm_build.vllm_cpu_build()
-
-
 def build_defaults(settings: Settings) -> BuildDefaults:
     """The CPU build keeps float32 (bfloat16 is emulated on CPUs without native support,
     several times slower), eager mode (no compilation; the CPU build has no Triton), a
     2048-token step and the platform's processes off its compute cores. A CUDA build gets
     vLLM's own choices: the model's dtype, CUDA graphs, the step budget vLLM picks for the
     GPU, and no CPU pinning (vLLM binds nothing there)."""
-    cpu = cpu_build()
+    # Read through the module, so that a test can stand in for either build.
+    cpu = vllm_build.vllm_cpu_build()
 
     def pick(value: Any, on_cpu: Any, on_gpu: Any) -> Any:
         if value is not None:
@@ -125,7 +119,7 @@ def engine_core_config(settings: Settings) -> dict[str, Any]:
 
     quiet = settings.engine_quiet_waits
     if quiet is None:
-        quiet = cpu_build()
+        quiet = vllm_build.vllm_cpu_build()
     return {CONFIG_KEY: True} if quiet else {}
 
 
