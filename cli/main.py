@@ -137,18 +137,27 @@ def worker(
     tenant_metrics_port: int | None = typer.Option(
         None, help="Serve the per-tenant series (tokens served) here, on METRICS_HOST."
     ),
+    gpus: str | None = typer.Option(
+        None,
+        help="One engine per group of TENSOR_PARALLEL_SIZE GPUs, each a worker of its own "
+        "(id <WORKER_ID or host>-gpu<indices>; metrics ports +1 each): 'all' "
+        "(CUDA_VISIBLE_DEVICES, else nvidia-smi) or a list such as 0,1,2,3.",
+    ),
 ) -> None:
     """Host an engine and run the jobs the dispatcher sends to this worker's inbox."""
-    from workers.engine.factory import make_engine
-    from workers.worker import Worker, run_worker
-
     setup_logging()
     settings = get_settings()
     if engine:
         settings = settings.model_copy(update={"engine": engine})
+    if gpus is not None:
+        from launch.gpu_workers import run_gpu_workers
+
+        raise SystemExit(run_gpu_workers(settings, gpus, engine, metrics_port, tenant_metrics_port))
     from prometheus_client import start_http_server
 
     from tierq import metrics
+    from workers.engine.factory import make_engine
+    from workers.worker import Worker, run_worker
 
     metrics.bound_tenant_labels(settings.tenant_metrics_max)
     if metrics_port:  # the series without a tenant label only

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,9 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
+    restart_at: float | None = None  # when an exited child starts again (its backoff)
+    # Run in the child before it executes its command (the parent-death signal).
+    preexec: Callable[[], None] | None = None
 
     def start(self, env: dict[str, str]) -> None:
         if self.fresh_dir is not None:
@@ -71,6 +75,7 @@ class Child:
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # its own process group: vLLM's engine core goes with it
+            preexec_fn=self.preexec,
         )
         if out is not None:
             out.close()
@@ -345,14 +350,7 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
     else:
         (state / PROMETHEUS_KEY_COPY).unlink(missing_ok=True)
     children = components(settings, logs)
-    stopping = False
-
-    def on_signal(_sig: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stopping = StopSignals()
     for c in children:
         c.start(env)
         log.info(
@@ -367,21 +365,8 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
     try:
         while not stopping:
             time.sleep(0.5)
-            for c in children:
-                if c.proc is not None and c.proc.poll() is not None and not stopping:
-                    c.restarts += 1
-                    log.error(
-                        "%s exited with %s; restarting (restart %d)%s",
-                        c.name,
-                        c.proc.returncode,
-                        c.restarts,
-                        f"; see {c.log_path}" if c.log_path else "",
-                    )
-                    # Whatever it left in its group (vLLM's engine core, holding memory — on
-                    # a GPU, the GPU's) goes before a new one starts.
-                    c.signal_group(signal.SIGKILL)
-                    time.sleep(min(30, 2**c.restarts))
-                    c.start(env)
+            if not stopping:
+                restart_exited(children, env)
             if not announced and _ready(base):
                 announced = True
                 _announce(base, key, key_file)
@@ -487,10 +472,52 @@ def _announce_metrics(settings: Settings, prometheus_file: Path) -> None:
     )
 
 
-def stop_all(children: list[Child]) -> None:
+class StopSignals:
+    """True once SIGINT or SIGTERM arrived (its handlers are installed when it is made): a
+    supervisor's loop runs until then, and then stops its children."""
+
+    def __init__(self) -> None:
+        self.received = False
+        signal.signal(signal.SIGINT, self._receive)
+        signal.signal(signal.SIGTERM, self._receive)
+
+    def _receive(self, _sig: int, _frame: object) -> None:
+        self.received = True
+
+    def __bool__(self) -> bool:
+        return self.received
+
+
+def restart_exited(children: list[Child], env: dict[str, str]) -> None:
+    """Start again each child that exited, after a backoff that doubles with its restarts
+    (at most 30 s). Called every tick; it never sleeps, so a stop is not held up."""
+    now = time.monotonic()
+    for c in children:
+        if c.proc is None or c.proc.poll() is None:
+            continue
+        if c.restart_at is None:
+            c.restarts += 1
+            log.error(
+                "%s exited with %s; restarting (restart %d)%s",
+                c.name,
+                c.proc.returncode,
+                c.restarts,
+                f"; see {c.log_path}" if c.log_path else "",
+            )
+            # Whatever it left in its group (vLLM's engine core, holding memory — on a
+            # GPU, the GPU's) goes before a new one starts.
+            c.signal_group(signal.SIGKILL)
+            c.restart_at = now + min(30, 2**c.restarts)
+        elif now >= c.restart_at:
+            c.restart_at = None
+            c.start(env)
+
+
+def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM to every child's group, SIGKILL to what is left after `timeout_s`."""
     for c in children:
         c.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     for c in children:
         if c.proc is None:
             continue

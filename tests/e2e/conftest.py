@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +19,7 @@ import psutil
 import pytest
 
 import migrations
-from tests.conftest import PG_ADMIN_URL, REDIS_TEST_URL, free_port, pg_admin_sql
+from tests.conftest import PG_ADMIN_URL, REDIS_TEST_URL, free_port, free_ports, pg_admin_sql
 
 READY_TIMEOUT_S = 420
 
@@ -164,22 +162,6 @@ def pg_live(tmp: Path, env_extra: dict[str, str] | None = None) -> Iterator[Live
         live.kill_everything()
         asyncio.run(pg_admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     assert left == [], f"processes left behind: {left}"
-
-
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive ports free on 127.0.0.1 (RUN_METRICS_PORT's five and the
-    API's), below the ephemeral range, where no outgoing connection takes one meanwhile."""
-    for _ in range(200):
-        first = random.randrange(20000, 32000 - n)
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(first, first + n):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return first
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def metrics_ports() -> dict[str, str]:

@@ -5,12 +5,15 @@ restart workers with real signals."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from tests.conftest import Platform
 
@@ -26,6 +29,7 @@ class WorkerProcess:
         worker_id: str,
         log: Path,
         extra_env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
     ) -> None:
         s = platform.settings
         env = {
@@ -47,7 +51,7 @@ class WorkerProcess:
         self.log = log
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", "worker"],
+                [sys.executable, "-m", "cli.main", "worker", *args],
                 cwd=ROOT,
                 env=env,
                 stdout=out,
@@ -67,9 +71,14 @@ class WorkerProcess:
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL its process group and whatever it started in groups of their own."""
         if self.proc.poll() is None:
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+            for child in descendants:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
 
 
 async def registered(platform: Platform, worker_id: str, timeout_s: float = 60) -> None:

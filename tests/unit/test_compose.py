@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import tomllib
 from pathlib import Path
 
 import typer.main
@@ -43,7 +44,7 @@ def test_the_services_share_no_disk() -> None:
     service mounts a volume another one writes, so each may run on its own host."""
     services = _services()
     assert "s3" in services
-    for name in ("api", "worker", "celery-worker", "celery-beat", "migrate"):
+    for name in ("api", "worker", "worker-gpus", "celery-worker", "celery-beat", "migrate"):
         env = services[name]["environment"]
         assert str(env["FILES_URL"]).startswith("s3://") and "FILES_DIR" not in env, name  # type: ignore[index,operator]
         mounts = [str(v) for v in services[name].get("volumes", [])]  # type: ignore[attr-defined]
@@ -75,8 +76,9 @@ def test_every_command_exists() -> None:
                 queue = command[command.index("-Q") + 1]
                 assert queue in {q.name for q in celery_app.conf.task_queues}, (name, queue)
         checked += 1
-    # migrate, api, dispatcher, worker, celery worker, the reconciler's celery worker, beat
-    assert checked == 7
+    # migrate, api, dispatcher, worker, the multi-GPU worker, celery worker, the reconciler's
+    # celery worker, beat
+    assert checked == 8
 
 
 def test_the_reconciler_has_a_celery_worker_of_its_own() -> None:
@@ -118,3 +120,61 @@ def test_the_keda_example_scales_workers_on_the_signal_the_dispatcher_exports() 
     served = str(_services()["worker"]["environment"]["SERVED_MODEL_NAME"])  # type: ignore[index]
     default = served.removeprefix("${SERVED_MODEL_NAME:-").removesuffix("}")
     assert f'model="{default}"' in trigger["metadata"]["query"], (served, trigger)
+
+
+def test_gpu_workers_share_memory_and_a_multi_gpu_host_runs_one_engine_per_group() -> None:
+    """vLLM's processes share tensors through /dev/shm (64 MB in a container by default);
+    the multi-gpu profile takes every GPU of its host and runs `tierq worker --gpus all`,
+    whose engines' metrics ports (9102 + i, 9202 + i) never meet for up to eight GPUs and
+    are the ones Prometheus scrapes."""
+    services = _services()
+    for name in ("worker", "worker-gpus"):
+        assert services[name].get("ipc") == "host" or services[name].get("shm_size"), name
+    gpus = services["worker-gpus"]
+    assert gpus["profiles"] == ["multi-gpu"]
+    command = [str(a) for a in gpus["command"]]  # type: ignore[attr-defined]
+    assert command[command.index("--gpus") + 1] == "all"
+    metrics = int(command[command.index("--metrics-port") + 1])
+    tenants = int(command[command.index("--tenant-metrics-port") + 1])
+    assert not set(range(metrics, metrics + 8)) & set(range(tenants, tenants + 8))
+    devices = gpus["deploy"]["resources"]["reservations"]["devices"]  # type: ignore[index]
+    assert devices[0]["count"] == "all"
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in scrape["scrape_configs"]}
+    for job, first in (("worker", metrics), ("worker-tenants", tenants)):
+        ports = {c["port"] for c in jobs[job]["dns_sd_configs"] if c["names"] == ["worker-gpus"]}
+        assert ports == set(range(first, first + 8)), job
+
+
+def test_the_kubernetes_multi_gpu_worker_splits_its_gpus_into_engines() -> None:
+    doc = yaml.safe_load((ROOT / "deploy" / "k8s" / "worker-multi-gpu.yaml").read_text())
+    pod = doc["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"][:4] == ["tierq", "worker", "--gpus", "all"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    engines = gpus // int(env["TENSOR_PARALLEL_SIZE"]["value"])
+    assert gpus % int(env["TENSOR_PARALLEL_SIZE"]["value"]) == 0
+    ports = {p["containerPort"] for p in container["ports"]}
+    assert ports == {9102 + i for i in range(engines)} | {9202 + i for i in range(engines)}
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # The KEDA example scales this Deployment.
+    keda = yaml.safe_load((ROOT / "deploy" / "keda-scaledobject.yaml").read_text())
+    assert keda["spec"]["scaleTargetRef"]["name"] == doc["metadata"]["name"]
+
+
+def test_the_gpu_image_is_built_on_cuda_with_a_compiler_and_the_tested_pins() -> None:
+    """Triton and FlashInfer compile launchers with a C compiler at run time; the CUDA build
+    installs with the constraints the tests ran against (vLLM's pin among them)."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert "ARG CUDA_BASE=nvidia/cuda:" in text and "FROM ${CUDA_BASE} AS base-gpu" in text
+    gpu_stage = text[text.index("AS base-gpu") : text.index("AS base-cpu")]
+    assert "gcc" in gpu_stage and "--python 3.11" in gpu_stage
+    assert '-c deploy/gpu/constraints.txt ".[gpu,otel]"' in text
+    pins = (ROOT / "deploy" / "gpu" / "constraints.txt").read_text().splitlines()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert extras["optional-dependencies"]["gpu"][0] in pins  # vllm==<the extra's pin>
+    assert any(p.startswith("torch==") and "+" not in p for p in pins)  # PyPI's CUDA build

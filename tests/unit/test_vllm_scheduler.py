@@ -404,6 +404,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def _device_config() -> dict[str, Any]:
+    """vLLM's CUDA build on a host with no GPU (`make test-vllm-cuda`) finds no platform
+    and cannot infer a device: the config then names the CPU, which the scheduler never
+    reads (it schedules tokens and KV blocks, whatever the device)."""
+    from vllm.config import DeviceConfig
+    from vllm.platforms import current_platform
+
+    return {} if current_platform.device_type else {"device_config": DeviceConfig(device="cpu")}
+
+
 class Engine:
     """vLLM's real scheduler (tierq's, as the worker configures it) and a fake model runner
     that samples one token for every request whose prompt and output are all computed.
@@ -452,6 +462,7 @@ class Engine:
             cache_config=cache,
             scheduler_config=scheduler,
             additional_config=tiering.to_config(),
+            **_device_config(),
         )
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
         kv = KVCacheConfig(
