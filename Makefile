@@ -56,21 +56,21 @@ test-fleet: $(STAMP) fleet-tools
 	TIERQ_FLEET_VARIANTS=direct,pgbouncer $(BIN)/pytest tests/fleet
 
 # The tests of tierq's code inside vLLM (its scheduler, the engine arguments, the quiet
-# waits) against the Python code of vLLM's CUDA build, on this CPU host: the wheel's files
-# unpacked beside the CPU build's torch and taken first on PYTHONPATH (the scheduler is pure
-# Python; nothing of it needs a GPU). VLLM_CUDA=<version> tries a candidate version before
+# waits) against the Python code of vLLM's CUDA build, on this CPU host: the wheel (about
+# 330 MB, from PyPI, once) unpacked beside the CPU build's torch and taken first on
+# PYTHONPATH (the scheduler is pure Python; nothing of it needs a GPU). VLLM_CUDA=<version> tries a candidate version before
 # moving the pins (pyproject.toml's cpu and gpu extras, deploy/gpu/constraints.txt).
 VLLM_CUDA ?= $(shell sed -n 's/^gpu = \["vllm==\([^"]*\)"\]/\1/p' pyproject.toml)
 VLLM_CUDA_DIR := .tierq/vllm-cuda/$(VLLM_CUDA)
 VLLM_TESTS := tests/unit/test_vllm_scheduler.py tests/unit/test_vllm_args.py tests/unit/test_quiet_waits.py
 test-vllm-cuda: $(STAMP)
 	test -n "$(VLLM_CUDA)"
-	test -f $(VLLM_CUDA_DIR)/vllm/__init__.py || ( \
-	  rm -rf $(VLLM_CUDA_DIR) $(VLLM_CUDA_DIR).wheel && \
+	test -d $(VLLM_CUDA_DIR) || ( \
+	  rm -rf $(VLLM_CUDA_DIR).wheel $(VLLM_CUDA_DIR).part && \
 	  $(BIN)/python -m pip download --quiet --no-deps --only-binary :all: \
 	    -d $(VLLM_CUDA_DIR).wheel 'vllm==$(VLLM_CUDA)' && \
-	  $(BIN)/python -m zipfile -e $(VLLM_CUDA_DIR).wheel/vllm-*.whl $(VLLM_CUDA_DIR) && \
-	  rm -rf $(VLLM_CUDA_DIR).wheel )
+	  $(BIN)/python -m zipfile -e $(VLLM_CUDA_DIR).wheel/vllm-*.whl $(VLLM_CUDA_DIR).part && \
+	  mv $(VLLM_CUDA_DIR).part $(VLLM_CUDA_DIR) && rm -rf $(VLLM_CUDA_DIR).wheel )
 	PYTHONPATH=$(VLLM_CUDA_DIR) $(BIN)/python -c "import importlib.metadata as m, pathlib, vllm; \
 	  assert pathlib.Path(vllm.__file__).is_relative_to(pathlib.Path('$(VLLM_CUDA_DIR)').resolve()), vllm.__file__; \
 	  print('vLLM', vllm.__version__, 'CUDA build, from', vllm.__file__)"

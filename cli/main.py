@@ -41,8 +41,6 @@ def _diagnostics(ctx: typer.Context) -> None:
 
 log = logging.getLogger("tierq")
 
-EXIT_ENGINE_DEAD = 3  # `tierq worker`'s exit status when its engine died
-EXIT_WORKER_ID_TAKEN = 4  # ... when another live worker holds its WORKER_ID
 
 KEY_OPTION = typer.Option(
     None, help="API key (default: TIERQ_API_KEY, else STATE_DIR/dev-api-key)."
@@ -175,6 +173,7 @@ def worker(
     async def main() -> None:
         await run_worker(settings, make_engine, install)
 
+    from launch.exits import EXIT_ENGINE_DEAD, EXIT_WORKER_ID_TAKEN
     from workers.engine.base import EngineDead
     from workers.identity import WorkerIdTaken
 

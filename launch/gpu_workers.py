@@ -4,17 +4,21 @@ Each group of TENSOR_PARALLEL_SIZE GPUs gets a `tierq worker` process of its own
 engine has its own identity, inbox and heartbeat, and one engine's death costs only its
 own jobs:
 
-- `CUDA_VISIBLE_DEVICES` names the group's GPUs (vLLM sees them as devices 0..k-1), with
-  `CUDA_DEVICE_ORDER=PCI_BUS_ID` so that the indices are the ones `nvidia-smi` prints;
+- `CUDA_VISIBLE_DEVICES` names the group's GPUs (vLLM sees them as devices 0..k-1): with
+  `CUDA_DEVICE_ORDER=PCI_BUS_ID` where they are indices as `nvidia-smi` prints them; taken
+  from this process's own CUDA_VISIBLE_DEVICES, they are read as it was given;
 - its worker id is `<WORKER_ID or host name>-gpu<indices joined by "-">`: the same after a
   restart of the host's process, so a restarted engine reads the inbox it left;
 - `--metrics-port P` gives the i-th group P+i (and `--tenant-metrics-port Q`, Q+i).
 
 This process supervises them: a child that exits (its engine died: status 3) is started
-again after a backoff; SIGTERM or SIGINT reaches every child, each drains (DRAIN_TIMEOUT_S)
-and hands back what it cannot finish, and what outlives the drain is killed. If this
+again after a backoff; one that cannot run (its configuration refused, status 2; its id
+held by a live worker elsewhere, 4) stops them all, and this process exits with its status.
+SIGTERM, SIGINT or SIGHUP reaches every child, each drains (DRAIN_TIMEOUT_S) and hands back
+what it cannot finish, and what outlives the drain is killed (exit status 1). If this
 process is killed outright, the kernel sends each child SIGTERM (its parent-death signal),
-so none is left running without a supervisor.
+so none is left running without a supervisor; where this process is a container's first
+process, run it under an init (compose's `init: true`) so that orphans are reaped.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
+from launch.exits import EXIT_REFUSED, EXIT_WORKER_ID_TAKEN
 from launch.supervisor import Child, StopSignals, restart_exited, stop_all
 from tierq.settings import Settings
 
@@ -55,22 +61,40 @@ class GpuSpecError(ValueError):
     """The --gpus value names no GPU, or cannot be split into engines."""
 
 
-def visible_gpus(spec: str) -> list[str]:
-    """The GPUs `--gpus` names: a comma-separated list of indices (or GPU UUIDs), or `all`:
-    the host's CUDA_VISIBLE_DEVICES when it is set (a container runtime's or a scheduler's
-    choice), else every GPU `nvidia-smi` lists."""
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs a host's engines share out, and how their names are to be read."""
+
+    names: list[str]
+    # The names are CUDA_VISIBLE_DEVICES as this process was given it (a container
+    # runtime's or a scheduler's choice): read in the order it was given with
+    # (CUDA_DEVICE_ORDER as set, if at all). Otherwise they are nvidia-smi's indices,
+    # which are in PCI bus order.
+    inherited: bool = False
+
+
+def visible_gpus(spec: str) -> Gpus:
+    """The GPUs `--gpus` names: a comma-separated list of indices or GPU UUIDs, or `all`:
+    this process's CUDA_VISIBLE_DEVICES when it is set (a container runtime's or a
+    scheduler's choice; set and empty means no GPU), else every GPU `nvidia-smi` lists."""
     spec = spec.strip()
+    inherited = spec == "all" and "CUDA_VISIBLE_DEVICES" in os.environ
     if spec != "all":
-        gpus = [g.strip() for g in spec.split(",") if g.strip()]
-    elif os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
-        gpus = [g.strip() for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+        listed = spec
+    elif inherited:
+        listed = os.environ["CUDA_VISIBLE_DEVICES"]
     else:
-        gpus = _nvidia_smi_indices()
+        listed = ",".join(_nvidia_smi_indices())
+    gpus = [g.strip() for g in listed.split(",") if g.strip()]
+    source = "CUDA_VISIBLE_DEVICES" if inherited else f"--gpus {spec!r}"
     if not gpus:
-        raise GpuSpecError(f"--gpus {spec!r} names no GPU")
+        raise GpuSpecError(f"{source} names no GPU")
+    bad = [g for g in gpus if not (g.isdigit() or g.startswith(("GPU-", "MIG-")))]
+    if bad:  # CUDA reads a list up to its first invalid entry: "-1" hides every GPU
+        raise GpuSpecError(f"{source}: {', '.join(bad)} is not a GPU index or UUID")
     if len(set(gpus)) != len(gpus):
-        raise GpuSpecError(f"--gpus {spec!r} names a GPU twice")
-    return gpus
+        raise GpuSpecError(f"{source} names a GPU twice")
+    return Gpus(gpus, inherited)
 
 
 def _nvidia_smi_indices() -> list[str]:
@@ -92,6 +116,9 @@ def _nvidia_smi_indices() -> list[str]:
 
 def gpu_groups(gpus: list[str], per_engine: int) -> list[tuple[str, ...]]:
     """The GPUs in consecutive groups of `per_engine` (TENSOR_PARALLEL_SIZE), one engine each."""
+    if per_engine > 1 and any(g.startswith("MIG-") for g in gpus):
+        # CUDA gives a process one MIG instance at most: no tensor parallelism across them.
+        raise GpuSpecError(f"MIG instances take TENSOR_PARALLEL_SIZE=1, not {per_engine}")
     if per_engine < 1 or len(gpus) % per_engine:
         raise GpuSpecError(
             f"{len(gpus)} GPUs ({','.join(gpus)}) do not split into engines of "
@@ -106,12 +133,27 @@ def group_worker_id(base: str, group: tuple[str, ...]) -> str:
     return f"{base}-gpu" + "-".join(re.sub(r"[^A-Za-z0-9._]", "_", g) for g in group)
 
 
+def check_ports(first: int | None, other_first: int | None, engines: int) -> None:
+    """The engines' metrics ports (first + i) and per-tenant ports (other_first + i): real
+    ports, and no port in both ranges."""
+    ranges = [range(p, p + engines) for p in (first, other_first) if p is not None]
+    for r in ranges:
+        if r.start < 1 or r.stop - 1 > 65535:
+            raise GpuSpecError(f"ports {r.start}-{r.stop - 1} for {engines} engines are not ports")
+    if len(ranges) == 2 and set(ranges[0]) & set(ranges[1]):
+        raise GpuSpecError(
+            f"--metrics-port {first} and --tenant-metrics-port {other_first} overlap for "
+            f"{engines} engines (each takes one port an engine)"
+        )
+
+
 def group_children(
     settings: Settings,
     groups: list[tuple[str, ...]],
     worker_argv: list[str],
     metrics_port: int | None,
     tenant_metrics_port: int | None,
+    inherited: bool = False,
 ) -> list[Child]:
     """One `tierq worker` per group: its devices, its id, its ports."""
     base = settings.worker_id or os.uname().nodename
@@ -125,11 +167,9 @@ def group_children(
             argv += ["--metrics-port", str(metrics_port + i)]
         if tenant_metrics_port is not None:
             argv += ["--tenant-metrics-port", str(tenant_metrics_port + i)]
-        env = {
-            "CUDA_VISIBLE_DEVICES": ",".join(group),
-            "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
-            "WORKER_ID": worker_id,
-        }
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(group), "WORKER_ID": worker_id}
+        if not inherited:  # nvidia-smi's numbering
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         child = Child(worker_id, argv, None, pids / f"{worker_id}.pid", env=env)
         child.preexec = functools.partial(_terminated_with, os.getpid())
         children.append(child)
@@ -148,27 +188,44 @@ def run_gpu_workers(
 
     if settings.engine == "vllm" and vllm_build.vllm_cpu_build():
         log.error("--gpus needs vLLM's CUDA build (pip install .[gpu]); this is the CPU build")
-        return 2
+        return EXIT_REFUSED
     try:
-        groups = gpu_groups(visible_gpus(spec), settings.tensor_parallel_size)
+        gpus = visible_gpus(spec)
+        groups = gpu_groups(gpus.names, settings.tensor_parallel_size)
+        check_ports(metrics_port, tenant_metrics_port, len(groups))
     except GpuSpecError as exc:
         log.error("%s", exc)
-        return 2
+        return EXIT_REFUSED
     argv = [sys.executable, "-m", "cli.main", "worker"]
     if engine:
         argv += ["--engine", engine]
-    children = group_children(settings, groups, argv, metrics_port, tenant_metrics_port)
+    children = group_children(
+        settings, groups, argv, metrics_port, tenant_metrics_port, gpus.inherited
+    )
     stopping = StopSignals()
     env = dict(os.environ)
-    for c in children:
-        c.start(env)
-        pid = c.proc.pid if c.proc else "?"
-        log.info("started %s on GPUs %s (pid %s)", c.name, c.env["CUDA_VISIBLE_DEVICES"], pid)
+    status = 0
     try:
-        while not stopping:
+        for c in children:
+            c.start(env)
+            pid = c.proc.pid if c.proc else "?"
+            log.info("started %s on GPUs %s (pid %s)", c.name, c.env["CUDA_VISIBLE_DEVICES"], pid)
+        while not stopping and not status:
             time.sleep(0.5)
-            if not stopping:
+            status = _fatal_exit(children)
+            if not stopping and not status:
                 restart_exited(children, env)
     finally:
-        stop_all(children, settings.drain_timeout_s + STOP_MARGIN_S)
+        killed = stop_all(children, settings.drain_timeout_s + STOP_MARGIN_S)
+    return status or (1 if killed else 0)
+
+
+def _fatal_exit(children: list[Child]) -> int:
+    """The exit status of a child that starting again would not help (its configuration
+    refused, its id held by a live worker elsewhere), else 0."""
+    for c in children:
+        code = c.proc.poll() if c.proc is not None else None
+        if code in (EXIT_REFUSED, EXIT_WORKER_ID_TAKEN):
+            log.error("%s exited with %d: stopping every engine of this host", c.name, code)
+            return int(code)
     return 0

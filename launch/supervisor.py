@@ -39,6 +39,8 @@ from workers.engine.vllm_args import build_defaults
 log = logging.getLogger("tierq.run")
 
 STOP_TIMEOUT_S = 20.0
+# A child that ran this long before it exited was healthy: its backoff starts again.
+HEALTHY_RUN_S = 60.0
 # The copy of an operator's ADMIN_API_KEY that STATE_DIR/prometheus.yml reads.
 PROMETHEUS_KEY_COPY = "prometheus-admin-key"
 READY_TIMEOUT_S = 600.0
@@ -473,13 +475,14 @@ def _announce_metrics(settings: Settings, prometheus_file: Path) -> None:
 
 
 class StopSignals:
-    """True once SIGINT or SIGTERM arrived (its handlers are installed when it is made): a
-    supervisor's loop runs until then, and then stops its children."""
+    """True once SIGINT, SIGTERM or SIGHUP (its terminal closed) arrived; its handlers are
+    installed when it is made. A supervisor's loop runs until then, then stops its
+    children."""
 
     def __init__(self) -> None:
         self.received = False
-        signal.signal(signal.SIGINT, self._receive)
-        signal.signal(signal.SIGTERM, self._receive)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._receive)
 
     def _receive(self, _sig: int, _frame: object) -> None:
         self.received = True
@@ -490,12 +493,14 @@ class StopSignals:
 
 def restart_exited(children: list[Child], env: dict[str, str]) -> None:
     """Start again each child that exited, after a backoff that doubles with its restarts
-    (at most 30 s). Called every tick; it never sleeps, so a stop is not held up."""
+    in a row (at most 30 s). Called every tick; it never sleeps, so a stop is not held up."""
     now = time.monotonic()
     for c in children:
         if c.proc is None or c.proc.poll() is None:
             continue
         if c.restart_at is None:
+            if now - c.started_at > HEALTHY_RUN_S:
+                c.restarts = 0
             c.restarts += 1
             log.error(
                 "%s exited with %s; restarting (restart %d)%s",
@@ -513,11 +518,13 @@ def restart_exited(children: list[Child], env: dict[str, str]) -> None:
             c.start(env)
 
 
-def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM to every child's group, SIGKILL to what is left after `timeout_s`."""
+def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
+    """SIGTERM to every child's group, SIGKILL to what is left after `timeout_s`; the names
+    of the children that had to be killed."""
     for c in children:
         c.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
+    killed = []
     for c in children:
         if c.proc is None:
             continue
@@ -525,6 +532,8 @@ def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S) -> None:
             c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("%s did not stop in time; killing it", c.name)
+            killed.append(c.name)
         c.signal_group(signal.SIGKILL)  # whatever is left of its group (vLLM's engine core)
         c.proc.wait()
         c.pid_path.unlink(missing_ok=True)
+    return killed

@@ -45,7 +45,11 @@ fi
 mkdir -p "$OUT"
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 "$PY" -m pip freeze >"$OUT/packages.txt" 2>/dev/null
-"$PY" -m cli.main prepare-model >"$OUT/prepare-model.log" 2>&1
+if ! "$PY" -m cli.main prepare-model >"$OUT/prepare-model.log" 2>&1; then
+  echo "gpu-check: preparing the bundled model failed (see $OUT/prepare-model.log)" >&2
+  echo "{\"out\":\"$OUT\",\"passed\":false}"
+  exit 1
+fi
 
 declare -A RESULT
 failed=0
@@ -77,8 +81,9 @@ step serve && bench serve serve --keep-dir "$OUT/serve-files"
 if step overhead; then
   port=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   state="$OUT/overhead-state"
-  # The platform's engine and the bench's own share the GPU: each takes at most this share.
-  export GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION:-0.4}
+  # The platform's engine and the bench's own (LLM.chat, in its rounds) share the GPU:
+  # each takes 0.4 of its memory, whatever the environment says.
+  export GPU_MEMORY_UTILIZATION=0.4
   env -u DATABASE_URL -u REDIS_URL STATE_DIR="$state" API_PORT="$port" \
     "$PY" -m cli.main run >"$OUT/overhead-platform.log" 2>&1 &
   platform=$!
@@ -92,7 +97,7 @@ if step overhead; then
   else
     record overhead 1
   fi
-  kill -INT "$platform" 2>/dev/null
+  kill -TERM "$platform" 2>/dev/null
   wait "$platform"
 fi
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,10 @@ def resolve() -> list[tuple[str, str]]:
 
 
 def main() -> None:
+    if sys.version_info[:2] != (3, 11) or platform.machine() != "x86_64" or os.name != "posix":
+        sys.exit(
+            "resolve the GPU image's constraints with Python 3.11 on Linux x86_64, as the image"
+        )
     pins = resolve()
     lines = [
         "# The GPU image's packages, as `python deploy/gpu/constraints.py` resolved them from",

@@ -7,8 +7,10 @@ given and how it is supervised is).
 - TENSOR_PARALLEL_SIZE=2 over four GPUs: two workers, `<id>-gpu0-1` and `<id>-gpu2-3`, each
   with its CUDA_VISIBLE_DEVICES, its own heartbeat and inbox, its own metrics port; jobs run
   on both.
-- One of them SIGKILLed: the host's process starts it again under the same id, and the
-  jobs finish, each billed once.
+- One of them SIGKILLed while it runs jobs: the host's process starts it again under the
+  same id, and the jobs finish, each billed once.
+- A second host process under the same WORKER_ID: its engines' ids are held by live
+  workers, so it stops and exits 4 (restarting would not help), the first untouched.
 - SIGTERM to the host's process drains both and leaves nothing; SIGKILL of it makes the
   kernel SIGTERM each child (its parent-death signal), which drains and exits too.
 """
@@ -20,6 +22,7 @@ import contextlib
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -37,7 +40,10 @@ pytestmark = pytest.mark.integration
 IDS = ("rack1-gpu0-1", "rack1-gpu2-3")
 
 
-def _gpu_host(platform: Platform, tmp_path: Path, metrics_port: int | None = None) -> WorkerProcess:
+def _gpu_host(
+    platform: Platform, tmp_path: Path, log: str = "gpus.log", metrics_port: int | None = None
+) -> WorkerProcess:
+    """`tierq worker --gpus all` as WORKER_ID rack1 on a host whose nvidia-smi lists four."""
     smi = fake_nvidia_smi(tmp_path / "bin", [0, 1, 2, 3])
     env = {
         "PATH": f"{smi}:{os.environ['PATH']}",
@@ -48,7 +54,18 @@ def _gpu_host(platform: Platform, tmp_path: Path, metrics_port: int | None = Non
     args: tuple[str, ...] = ("--gpus", "all")
     if metrics_port is not None:
         args += ("--metrics-port", str(metrics_port))
-    return WorkerProcess(platform, "rack1", tmp_path / "gpus.log", env, args)
+    return WorkerProcess(platform, "rack1", tmp_path / log, env, args)
+
+
+async def _running_host(
+    platform: Platform, processes: list[WorkerProcess], tmp_path: Path, **options: Any
+) -> WorkerProcess:
+    """A `_gpu_host` whose two engines have registered."""
+    host = _gpu_host(platform, tmp_path, **options)
+    processes.append(host)
+    for worker_id in IDS:
+        await registered(platform, worker_id)
+    return host
 
 
 def _children(host: WorkerProcess) -> dict[str, psutil.Process]:
@@ -75,10 +92,7 @@ async def test_one_worker_per_gpu_group_with_its_own_id_devices_inbox_and_restar
 ) -> None:
     platform.start_dispatcher()
     port = free_ports(2)
-    host = _gpu_host(platform, tmp_path, metrics_port=port)
-    processes.append(host)
-    for worker_id in IDS:
-        await registered(platform, worker_id)
+    host = await _running_host(platform, processes, tmp_path, metrics_port=port)
     children = _children(host)
     assert sorted(children) == list(IDS)
     for worker_id, devices in zip(IDS, ("0,1", "2,3"), strict=True):
@@ -100,9 +114,18 @@ async def test_one_worker_per_gpu_group_with_its_own_id_devices_inbox_and_restar
             ran_on = {(await job_repo.get_job(s, j)).worker_id for j in first}  # type: ignore[union-attr]
         assert ran_on == set(IDS)
 
-        # SIGKILL one engine's worker mid-run: started again under its id, jobs finish.
+        # SIGKILL one engine's worker while it runs jobs: started again under its id, the
+        # jobs it held finish.
         second = await _submit(c, 12)
-        await wait_for(c, second[-1], ("running", "succeeded"), timeout=60)
+        held: list[str] = []
+        for _ in range(600):
+            async with platform.db.session() as s:
+                rows = [await job_repo.get_job(s, j) for j in second]
+            held = [r.id for r in rows if r and r.worker_id == IDS[1] and r.status == "running"]
+            if held:
+                break
+            await asyncio.sleep(0.05)
+        assert held, "the engine to kill never ran a job"
         victim = children[IDS[1]]
         victim.kill()
         await until(
@@ -139,10 +162,7 @@ async def test_one_worker_per_gpu_group_with_its_own_id_devices_inbox_and_restar
 async def test_the_engines_drain_when_their_host_process_is_killed(
     platform: Platform, processes: list[WorkerProcess], tmp_path: Path
 ) -> None:
-    host = _gpu_host(platform, tmp_path)
-    processes.append(host)
-    for worker_id in IDS:
-        await registered(platform, worker_id)
+    host = await _running_host(platform, processes, tmp_path)
     children = list(_children(host).values())
     assert len(children) == 2
     host.proc.send_signal(signal.SIGKILL)  # the supervisor alone, not its children's groups
@@ -154,3 +174,19 @@ async def test_the_engines_drain_when_their_host_process_is_killed(
             raise AssertionError(f"{child.pid} outlived its supervisor") from None
     for worker_id in IDS:  # they drained and retired: no heartbeat left behind
         assert await _heartbeat(platform, worker_id) is None, worker_id
+
+
+async def test_a_second_host_under_the_same_ids_exits_4_and_the_first_keeps_them(
+    platform: Platform, processes: list[WorkerProcess], tmp_path: Path
+) -> None:
+    first = await _running_host(platform, processes, tmp_path)
+    holders = {w: (await _heartbeat(platform, w)).holder for w in IDS}  # type: ignore[union-attr]
+    second = _gpu_host(platform, tmp_path, log="second.log")
+    processes.append(second)
+    assert await second.exited(120) == 4
+    log = (tmp_path / "second.log").read_text()
+    assert "exited with 4: stopping every engine of this host" in log
+    assert "restarting" not in log
+    assert first.proc.poll() is None
+    for worker_id in IDS:
+        assert (await _heartbeat(platform, worker_id)).holder == holders[worker_id]  # type: ignore[union-attr]

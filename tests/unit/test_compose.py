@@ -131,7 +131,7 @@ def test_gpu_workers_share_memory_and_a_multi_gpu_host_runs_one_engine_per_group
     for name in ("worker", "worker-gpus"):
         assert services[name].get("ipc") == "host" or services[name].get("shm_size"), name
     gpus = services["worker-gpus"]
-    assert gpus["profiles"] == ["multi-gpu"]
+    assert gpus["profiles"] == ["multi-gpu"] and gpus["init"] is True
     command = [str(a) for a in gpus["command"]]  # type: ignore[attr-defined]
     assert command[command.index("--gpus") + 1] == "all"
     metrics = int(command[command.index("--metrics-port") + 1])
@@ -161,9 +161,13 @@ def test_the_kubernetes_multi_gpu_worker_splits_its_gpus_into_engines() -> None:
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-    # The KEDA example scales this Deployment.
+    # The pause process reaps what a dead engine leaves; the KEDA example's threshold, for
+    # pods of several engines, is said beside it (the signal counts engines).
+    assert pod["shareProcessNamespace"] is True
     keda = yaml.safe_load((ROOT / "deploy" / "keda-scaledobject.yaml").read_text())
     assert keda["spec"]["scaleTargetRef"]["name"] == doc["metadata"]["name"]
+    text = (ROOT / "deploy" / "k8s" / "worker-multi-gpu.yaml").read_text()
+    assert f'set its threshold to the engines a pod runs ("{engines}"' in text
 
 
 def test_the_gpu_image_is_built_on_cuda_with_a_compiler_and_the_tested_pins() -> None:
