@@ -121,6 +121,7 @@ class SoakConfig:
     settle_s: float = 90.0
     max_num_seqs: int = 16
     keep_logs: bool = False
+    fault_kinds: tuple[str, ...] = FAULT_KINDS  # a subset, to tell which one costs what
 
 
 @dataclass
@@ -324,7 +325,7 @@ async def _faults(
             sig = signal.SIGTERM if kind == "sigterm_worker" else signal.SIGKILL
             sup.kill(fault.target, sig)
 
-    await fault_schedule(FAULT_KINDS, cfg.seed, cfg.fault_every_s, cfg.duration_s, act, faults)
+    await fault_schedule(cfg.fault_kinds, cfg.seed, cfg.fault_every_s, cfg.duration_s, act, faults)
 
 
 async def _sample_memory(
@@ -521,14 +522,18 @@ async def _figures(
         counted = [p for p in points if p[0] >= max(warm, born + WARM_S)]
         slope = _slope_mb_per_h(counted) if born + WARM_S <= warm else None
         if slope is not None:
+            # Its trace a minute apart: a curve that flattens is warm-up, a line is growth.
+            minutes = {int((t - born) // 60): mb for t, mb in points}
             log.info(
-                "memory of %s (pid %d): %.0f -> %.0f MB over %.0f s counted, %.1f MB/h",
+                "memory of %s (pid %d): %.0f -> %.0f MB over %.0f s counted, %.1f MB/h; "
+                "by minute: %s",
                 name,
                 _pid,
                 counted[0][1],
                 counted[-1][1],
                 counted[-1][0] - counted[0][0],
                 slope,
+                " ".join(f"{mb:.1f}" for _, mb in sorted(minutes.items())),
             )
             component = name.split("-")[0]
             slopes[component] = max(slopes.get(component, slope), slope)

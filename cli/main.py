@@ -471,10 +471,18 @@ def bench_soak(
     fault_every: float = typer.Option(10.0, help="Seconds between faults."),
     settle: float = typer.Option(90.0, help="After the load: how long work may take to end."),
     keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the processes' logs."),
+    faults: str = typer.Option(
+        "sigterm_worker,kill_worker,pubsub_drop,redis_restart",
+        help="The kinds of fault, taken in turn (a subset tells which costs what).",
+    ),
 ) -> None:
     """A long mixed run (jobs, SSE, cancels, hang-ups, batches) while workers are restarted
     and killed, pub/sub dropped and Redis restarted (simulated engine); one JSON line last."""
-    from benchmarks.soak import SoakConfig, run_soak
+    from benchmarks.soak import FAULT_KINDS, SoakConfig, run_soak
+
+    kinds = tuple(k.strip() for k in faults.split(",") if k.strip())
+    if not kinds or set(kinds) - set(FAULT_KINDS):
+        raise typer.BadParameter(f"kinds among {', '.join(FAULT_KINDS)}", param_hint="--faults")
 
     setup_logging("INFO")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -486,6 +494,7 @@ def bench_soak(
         fault_every_s=fault_every,
         settle_s=settle,
         keep_logs=keep_logs,
+        fault_kinds=kinds,
     )
     _run_platform_bench(run_soak(get_settings(), cfg))
 
