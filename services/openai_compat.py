@@ -24,6 +24,7 @@ from services.requests import (
     Stop,
     some_content,
 )
+from services.structured import ResponseFormat
 from tierq.tiers import Tier
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -47,7 +48,6 @@ _UNSUPPORTED = (
     "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "logit_bias",
     "top_logprobs",
     "audio",
@@ -139,6 +139,7 @@ class _Common(BaseModel):
     user: str | None = None
     metadata: Metadata = None
     store: bool | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -175,6 +176,7 @@ class _Common(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
+            "response_format": self.response_format,
             "metadata": self.metadata,
         }
         fields = {k: v for k, v in optional.items() if v is not None}

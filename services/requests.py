@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from services.structured import ResponseFormat
 from tierq import fleet, token_count
 from tierq.settings import Settings
 from tierq.tiers import Tier
@@ -185,6 +186,8 @@ class JobCreate(BaseModel):
         json_schema_extra={"maximum": DOCUMENTED_MAX_TOKENS, "description": "At most max_tokens."},
     )
     ignore_eos: bool = False
+    # Structured outputs (services/structured.py): JSON, or JSON of a schema.
+    response_format: ResponseFormat | None = None
     metadata: Metadata = None
 
     @field_validator("stop")
@@ -211,7 +214,7 @@ class JobCreate(BaseModel):
 
     def params(self) -> dict[str, Any]:
         """The sampling parameters, as the worker passes them to the engine."""
-        return {
+        params: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -222,6 +225,10 @@ class JobCreate(BaseModel):
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
         }
+        structured = self.response_format.engine_param() if self.response_format else None
+        if structured is not None:  # left out otherwise: what older workers read stays so
+            params["response_format"] = structured
+        return params
 
     def input_chars(self) -> int:
         if self.prompt is not None:

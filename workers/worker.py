@@ -104,9 +104,13 @@ def resumable(params: dict[str, Any]) -> bool:
     - stop strings: the engine looks for them in the text it generates, so one begun
       before the stop and ended after it would go unseen;
     - a seed of the tenant's with sampling: the continuation would draw other random
-      numbers than the uninterrupted run, and a seed promises the same output.
+      numbers than the uninterrupted run, and a seed promises the same output;
+    - structured outputs: the engine's grammar starts at the first token it generates, so
+      a continuation would begin another JSON document after the first one's start.
     Those jobs start again (the work thrown away is counted)."""
     if params.get("presence_penalty") or params.get("frequency_penalty") or params.get("stop"):
+        return False
+    if params.get("response_format"):
         return False
     sampled = float(params.get("temperature", 1.0) or 0.0) > 0
     return not (sampled and params.get("seed") is not None)

@@ -6,8 +6,8 @@ long one that fits run), a
 worker killed with SIGKILL mid-job (its engine process dies with it; the job finishes on
 the restarted worker), an engine that dies under a live worker, interactive work behind
 a full engine, the engine core waiting for its steps without spinning, the prefix cache
-kept per tenant, and the official
-`openai` SDK (chat, streaming, a small batch) against it.
+kept per tenant, the official `openai` SDK (chat, streaming, a small batch) against it, and
+structured outputs (JSON schemas through the SDK and in batch lines).
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ import signal
 import time
 
 import httpx
+import jsonschema
+import openai
 import psutil
 import pytest
 import redis.asyncio as aioredis
 from openai import AsyncOpenAI
+from pydantic import BaseModel, Field
 from sqlalchemy import text
 
 from models.db import Database
@@ -578,3 +581,150 @@ async def test_on_shared_services_tierq_run_makes_no_tenant(pg_platform: LivePla
     # (other tests of this module make tenants of their own)
     assert {r.name: r.keys for r in rows}["dev"] == 1
     assert "No tenant is made on shared services" in pg_platform.output.read_text()
+
+
+class Capital(BaseModel):
+    """What the SDK's `parse` turns into a strict JSON schema (additionalProperties false)."""
+
+    country: str = Field(max_length=40)
+    capital: str = Field(max_length=40)
+
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+async def test_structured_outputs_validate_against_their_schema_on_the_real_engine(
+    pg_platform: LivePlatform,
+) -> None:
+    """`response_format` through the official SDK: a JSON schema (plain, streamed, and the
+    SDK's own `parse` from a pydantic model), any JSON object, and a schema the engine could
+    not compile refused with a 400 before anything is queued."""
+    sdk = AsyncOpenAI(base_url=f"{pg_platform.url}/v1", api_key=pg_platform.key, timeout=300)
+    model = "SmolLM2-135M-Instruct"
+    ask = [{"role": "user", "content": "Describe a person called Ada, aged 36, as JSON."}]
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}
+    chat = await sdk.chat.completions.create(
+        model=model, messages=ask, max_tokens=120, temperature=0, response_format=person
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content or ""), PERSON_SCHEMA)
+
+    stream = await sdk.chat.completions.create(
+        model=model,
+        messages=ask,
+        max_tokens=120,
+        temperature=0.8,
+        response_format=person,
+        stream=True,
+    )
+    streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    jsonschema.validate(json.loads(streamed), PERSON_SCHEMA)
+
+    parsed = await sdk.chat.completions.parse(
+        model=model,
+        messages=[{"role": "user", "content": "Name the capital of France, as JSON."}],
+        max_tokens=120,
+        temperature=0,
+        response_format=Capital,
+    )
+    capital = parsed.choices[0].message.parsed
+    assert isinstance(capital, Capital) and capital.capital
+
+    anything = await sdk.chat.completions.create(
+        model=model,
+        messages=ask,
+        max_tokens=120,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
+
+    before = await _job_count(pg_platform)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.chat.completions.create(
+            model=model,
+            messages=ask,
+            max_tokens=120,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": "string", "pattern": "["}},
+            },
+        )
+    assert refused.value.status_code == 400
+    assert "the JSON schema cannot be used" in refused.value.message
+    assert await _job_count(pg_platform) == before  # nothing was queued
+
+
+async def test_a_batch_of_schema_lines_returns_json_of_the_schema(
+    pg_platform: LivePlatform,
+) -> None:
+    """Batch lines with a JSON schema each run constrained; a line whose schema cannot be
+    compiled fails alone, with its error in the error file."""
+    sdk = AsyncOpenAI(base_url=f"{pg_platform.url}/v1", api_key=pg_platform.key, timeout=300)
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "max_tokens": 120,
+        "temperature": 0,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
+        },
+    }
+    lines = [
+        {
+            "custom_id": f"person-{name}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                **body,
+                "messages": [{"role": "user", "content": f"Describe {name} as JSON."}],
+            },
+        }
+        for name in ("Ada", "Alan", "Grace")
+    ]
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}}
+    lines.append(
+        {**lines[0], "custom_id": "bad", "body": {**lines[0]["body"], "response_format": bad}}
+    )
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    file = await sdk.files.create(file=("people.jsonl", data), purpose="batch")
+    batch = await sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    for _ in range(600):
+        batch = await sdk.batches.retrieve(batch.id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            break
+        await asyncio.sleep(0.5)
+    assert batch.status == "completed", batch
+    assert batch.output_file_id and batch.error_file_id
+    output = [
+        json.loads(x) for x in (await sdk.files.content(batch.output_file_id)).text.splitlines()
+    ]
+    errors = [
+        json.loads(x) for x in (await sdk.files.content(batch.error_file_id)).text.splitlines()
+    ]
+    assert sorted(x["custom_id"] for x in output) == ["person-Ada", "person-Alan", "person-Grace"]
+    for x in output:
+        content = x["response"]["body"]["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(content), PERSON_SCHEMA)
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    assert "the JSON schema cannot be used" in errors[0]["error"]["message"]
+
+
+async def _job_count(live: LivePlatform) -> int:
+    assert live.database_url is not None
+    db = Database(live.database_url)
+    try:
+        async with db.session() as s:
+            return int((await s.execute(text("SELECT count(*) FROM jobs"))).scalar_one())
+    finally:
+        await db.close()

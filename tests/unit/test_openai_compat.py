@@ -70,7 +70,8 @@ def test_vllm_extensions_min_tokens_and_ignore_eos_reach_the_engine_parameters()
     "extra",
     [
         {"tools": [{"type": "function"}]},
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "yaml"}},
+        {"logit_bias": {"42": 5}},
         {"logprobs": True},
         {"n": 3},
         {"stream_options": {"include_usage": True}},  # without stream

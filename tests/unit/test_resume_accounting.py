@@ -24,6 +24,13 @@ def test_penalties_that_count_a_runs_own_tokens_are_not_resumed() -> None:
     assert not resumable({"frequency_penalty": -0.1})
 
 
+def test_structured_outputs_start_again() -> None:
+    """The engine's grammar starts at the first token a run generates: a continuation would
+    open a second JSON document after the first one's start."""
+    assert not resumable({"temperature": 0.0, "response_format": {"json_object": True}})
+    assert not resumable({"temperature": 0.0, "response_format": {"json": {"type": "object"}}})
+
+
 def test_a_run_keeps_progress_only_when_the_engine_named_every_token() -> None:
     out = Outcome("preempted", text=" a b", prompt_tokens=9, completion_tokens=2)
     assert out.progress("vllm:m") is None  # no ids: nothing to resume after

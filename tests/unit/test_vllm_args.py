@@ -149,3 +149,17 @@ def test_the_platforms_processes_are_pinned_only_on_the_cpu_build(
     assert aux_cpus(_settings(engine="vllm", pin_aux_processes=True)) == cpus
     assert aux_cpus(_settings(engine="vllm", pin_aux_processes=False)) is None
     assert aux_cpus(_settings(engine="simulated")) is None
+
+
+def test_the_engine_compiles_schemas_with_the_library_admission_checks_them_with() -> None:
+    """llguidance in both places (services/structured.py): what admission takes compiles."""
+    from workers.engine.vllm_args import worker_engine_args
+    from workers.engine.vllm_engine import structured_outputs
+    from workers.engine.vllm_scheduler import Tiering
+
+    args = worker_engine_args(Settings(), Tiering())
+    assert args.structured_outputs_config.backend == "guidance"
+    assert structured_outputs(None) is None
+    assert structured_outputs({"json_object": True}).json_object is True
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert structured_outputs({"json": schema}).json == schema

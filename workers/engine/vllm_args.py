@@ -128,6 +128,7 @@ def worker_engine_args(settings: Settings, tiering: Tiering, stock_scheduler: bo
     scheduling, tierq's scheduler unless ENGINE_PRIORITY_STEPS is off or `stock_scheduler`
     (`tierq bench serve`'s default: vLLM's own scheduler, without tierq's policy)."""
     set_engine_environment(settings)
+    from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     tiered = settings.engine_priority_steps and not stock_scheduler
@@ -138,6 +139,9 @@ def worker_engine_args(settings: Settings, tiering: Tiering, stock_scheduler: bo
             scheduler_cls=TIERED_SCHEDULER if tiered else STOCK_SCHEDULER,
             additional_config={**tiering.to_config(), **engine_core_config(settings)},
             disable_log_stats=True,
+            # llguidance: admission checks each schema with the same library
+            # (services/structured.py), so what is admitted compiles here.
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
         )
     )
 

@@ -40,6 +40,18 @@ def translate_error(exc: BaseException) -> BaseException:
     return exc
 
 
+def structured_outputs(response_format: dict[str, Any] | None) -> Any:
+    """vLLM's constraint for a job's `response_format` parameter (services/structured.py):
+    a JSON schema, or any JSON object; None for plain text."""
+    if not response_format:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if "json" in response_format:
+        return StructuredOutputsParams(json=response_format["json"])
+    return StructuredOutputsParams(json_object=True)
+
+
 def request_error_code(message: str) -> str:
     lowered = message.lower()
     too_long = ("context length", "max_model_len", "maximum model length", "too long")
@@ -138,6 +150,7 @@ class VllmEngine:
                 frequency_penalty=params.get("frequency_penalty", 0.0),
                 min_tokens=params.get("min_tokens", 0),
                 ignore_eos=bool(params.get("ignore_eos", False)),
+                structured_outputs=structured_outputs(params.get("response_format")),
                 output_kind=RequestOutputKind.DELTA,
             )
             request: Any
