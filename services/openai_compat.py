@@ -20,6 +20,7 @@ from services.requests import (
     NOT_BLANK,
     ChatMessage,
     JobCreate,
+    LogitBias,
     Metadata,
     Stop,
     some_content,
@@ -48,7 +49,6 @@ _UNSUPPORTED = (
     "tool_choice",
     "functions",
     "function_call",
-    "logit_bias",
     "top_logprobs",
     "audio",
     "modalities",
@@ -140,6 +140,7 @@ class _Common(BaseModel):
     metadata: Metadata = None
     store: bool | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: LogitBias = None
 
     @model_validator(mode="before")
     @classmethod
@@ -177,6 +178,7 @@ class _Common(BaseModel):
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
             "response_format": self.response_format,
+            "logit_bias": self.logit_bias,
             "metadata": self.metadata,
         }
         fields = {k: v for k, v in optional.items() if v is not None}

@@ -36,6 +36,36 @@ DOCUMENTED_MAX_TOKENS = Settings.model_fields["max_model_len"].default - 1
 DOCUMENTED_MAX_PROMPT_CHARS = Settings.model_fields["max_prompt_chars"].default
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 MAX_STOPS = 4
+# logit_bias: token ids (decimal strings, as OpenAI's JSON has them) to a bias in
+# [-100, 100], at most this many (each is an addition to every step's logits).
+MAX_LOGIT_BIAS = 300
+_TOKEN_ID = re.compile(r"[0-9]{1,9}")
+_LOGIT_BIAS_SCHEMA: dict[str, Any] = {
+    "maxProperties": MAX_LOGIT_BIAS,
+    "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+}
+
+
+def _logit_bias(v: dict[str, float] | None) -> dict[str, float] | None:
+    if not v:
+        return None
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids")
+    for token, bias in v.items():
+        if not _TOKEN_ID.fullmatch(token):
+            raise ValueError(f"keys are token ids (decimal integers), not {token[:20]!r}")
+        if not -100 <= bias <= 100:
+            raise ValueError(f"a bias is between -100 and 100, not {bias}")
+    return v
+
+
+# Added to the logits of these token ids at every step (-100 bans one, 100 forces it).
+LogitBias = Annotated[
+    dict[str, float] | None,
+    AfterValidator(_logit_bias),
+    Field(json_schema_extra=_LOGIT_BIAS_SCHEMA),
+]
 
 # JSON Schema of what the validators below require.
 # A string with something besides whitespace, where whitespace is the set JSON Schema's
@@ -188,6 +218,7 @@ class JobCreate(BaseModel):
     ignore_eos: bool = False
     # Structured outputs (services/structured.py): JSON, or JSON of a schema.
     response_format: ResponseFormat | None = None
+    logit_bias: LogitBias = None
     metadata: Metadata = None
 
     @field_validator("stop")
@@ -228,6 +259,8 @@ class JobCreate(BaseModel):
         structured = self.response_format.engine_param() if self.response_format else None
         if structured is not None:  # left out otherwise: what older workers read stays so
             params["response_format"] = structured
+        if self.logit_bias:
+            params["logit_bias"] = self.logit_bias
         return params
 
     def input_chars(self) -> int:
@@ -257,10 +290,21 @@ def check(body: JobCreate, settings: Settings) -> str:
             "context_length_exceeded",
             "messages" if body.messages is not None else "prompt",
         )
+    counter = token_count.for_settings(settings)
+    vocabulary = counter.vocabulary_size()
+    past = [t for t in body.logit_bias or {} if vocabulary and int(t) >= vocabulary]
+    if past:
+        raise Refused(
+            400,
+            f"logit_bias names token ids past this model's vocabulary of {vocabulary}: "
+            f"{', '.join(past[:5])}.",
+            "invalid_request",
+            "logit_bias",
+        )
     # What provably cannot fit goes no further (no tokenizer run: bytes over the longest
     # token of the vocabulary).
     contents = [{"content": m.content} for m in body.messages or []]
-    floor = token_count.for_settings(settings).floor_quick(contents or None, body.prompt)
+    floor = counter.floor_quick(contents or None, body.prompt)
     refuse_unless_fits(floor, body, settings)
     return model
 

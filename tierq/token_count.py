@@ -84,6 +84,10 @@ class PromptCounter:
     def exact(self) -> bool:
         return self.tokenizer is not None
 
+    def vocabulary_size(self) -> int | None:
+        """How many token ids the tokenizer has (added tokens too); None without one."""
+        return None if self.tokenizer is None else int(self.tokenizer.get_vocab_size())
+
     def _tokens(self, text: str) -> int:
         return self._tokens_many([text])[0]
 

@@ -33,7 +33,9 @@ from models.db import Database
 from tests.conftest import REDIS_TEST_URL
 from tests.e2e.conftest import PG_ADMIN_KEY, LivePlatform
 from tests.helpers import client, read_sse, wait_for
+from tierq import token_count
 from tierq.redis_names import RedisNames
+from tierq.settings import Settings
 
 pytestmark = pytest.mark.e2e
 
@@ -728,3 +730,32 @@ async def _job_count(live: LivePlatform) -> int:
             return int((await s.execute(text("SELECT count(*) FROM jobs"))).scalar_one())
     finally:
         await db.close()
+
+
+async def test_logit_bias_forces_and_bounds_tokens_on_the_real_engine(
+    pg_platform: LivePlatform,
+) -> None:
+    """`logit_bias` reaches vLLM: +100 on one token id makes every greedy step that token;
+    an id past the vocabulary is a 400 at admission."""
+    from tokenizers import Tokenizer
+
+    folder = token_count.own_folder(Settings())
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    (zebra,) = tokenizer.encode(" zebra", add_special_tokens=False).ids
+    sdk = AsyncOpenAI(base_url=f"{pg_platform.url}/v1", api_key=pg_platform.key, timeout=300)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    forced = await sdk.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=question,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(zebra): 100},
+    )
+    assert forced.choices[0].message.content == " zebra" * 4
+    with pytest.raises(openai.BadRequestError, match="past this model's vocabulary"):
+        await sdk.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=question,
+            max_tokens=4,
+            logit_bias={str(tokenizer.get_vocab_size()): -100},
+        )

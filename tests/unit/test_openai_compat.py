@@ -71,7 +71,8 @@ def test_vllm_extensions_min_tokens_and_ignore_eos_reach_the_engine_parameters()
     [
         {"tools": [{"type": "function"}]},
         {"response_format": {"type": "yaml"}},
-        {"logit_bias": {"42": 5}},
+        {"logit_bias": {"42": 500}},
+        {"tool_choice": "auto"},
         {"logprobs": True},
         {"n": 3},
         {"stream_options": {"include_usage": True}},  # without stream

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
-from services.requests import JobCreate
+from services.requests import MAX_LOGIT_BIAS, JobCreate, Refused, check
+from tierq import token_count
+from tierq.settings import Settings
 
 
 def test_job_defaults_and_params() -> None:
@@ -58,3 +62,31 @@ def test_blank_is_the_documents_whitespace_not_pythons() -> None:
             JobCreate(prompt=text)
         with pytest.raises(ValidationError):
             JobCreate(messages=[{"role": "user", "content": text}])
+
+
+def test_logit_bias_reaches_the_engine_bounded() -> None:
+    body = JobCreate.model_validate({"prompt": "a", "logit_bias": {"42": -100, "7": 2.5}})
+    assert body.params()["logit_bias"] == {"42": -100.0, "7": 2.5}
+    assert "logit_bias" not in JobCreate.model_validate({"prompt": "a", "logit_bias": {}}).params()
+    for bad, message in (
+        ({"x": 1}, "token ids"),
+        ({"-1": 1}, "token ids"),
+        ({"1": 101}, "between -100 and 100"),
+        ({str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}, f"at most {MAX_LOGIT_BIAS}"),
+    ):
+        with pytest.raises(ValidationError, match=message):
+            JobCreate.model_validate({"prompt": "a", "logit_bias": bad})
+
+
+def test_logit_bias_past_the_vocabulary_is_refused_before_queueing(tmp_path: Path) -> None:
+    """With the model's tokenizer at hand (the bundled model's here), a token id past its
+    vocabulary is a 400 at admission, not a job the engine fails."""
+    settings = Settings(state_dir=tmp_path)
+    vocabulary = token_count.for_settings(settings).vocabulary_size()
+    assert vocabulary is not None and vocabulary > 1000
+    ok = JobCreate.model_validate({"prompt": "a", "logit_bias": {str(vocabulary - 1): 5}})
+    assert check(ok, settings) == settings.served_model_name
+    past = JobCreate.model_validate({"prompt": "a", "logit_bias": {str(vocabulary): 5}})
+    with pytest.raises(Refused, match="past this model's vocabulary") as refused:
+        check(past, settings)
+    assert refused.value.status == 400 and refused.value.param == "logit_bias"

@@ -151,6 +151,7 @@ class VllmEngine:
                 min_tokens=params.get("min_tokens", 0),
                 ignore_eos=bool(params.get("ignore_eos", False)),
                 structured_outputs=structured_outputs(params.get("response_format")),
+                logit_bias={int(t): b for t, b in (params.get("logit_bias") or {}).items()} or None,
                 output_kind=RequestOutputKind.DELTA,
             )
             request: Any
