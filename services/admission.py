@@ -20,6 +20,7 @@ API answers it in OpenAI's error shape, and a batch writes it to its error file.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -46,7 +47,7 @@ from models.batches import BatchLine
 from models.db import Database, RawPool
 from models.records import JobRecord, TenantRecord
 from models.tables import utcnow
-from services import openai_compat
+from services import openai_compat, structured
 from services.batch_input import RawLine, requests_from
 from services.requests import JobCreate, Refused, check, refuse_unless_fits
 from tierq import fleet, logs, metrics, token_count, tracing
@@ -190,6 +191,9 @@ async def submit(
     `gate` (a tenant's id -> the context admitting it) bounds admissions of one tenant in
     this process (api/gate.py).
     """
+    if body.response_format is not None:
+        # A schema is compiled off the event loop first (the check below then finds it done).
+        await asyncio.to_thread(structured.refusal, body.response_format.engine_param())
     model = validate(body, settings, tenant)
     tier = resolve_tier(tenant, body.tier)
     logs.bind(tenant_id=tenant.id, tier=tier.value)

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from services import structured
 from services.structured import ResponseFormat
 from tierq import fleet, token_count
 from tierq.settings import Settings
@@ -290,6 +291,9 @@ def check(body: JobCreate, settings: Settings) -> str:
             "context_length_exceeded",
             "messages" if body.messages is not None else "prompt",
         )
+    why = structured.refusal(body.response_format.engine_param() if body.response_format else None)
+    if why is not None:
+        raise Refused(400, f"{why}.", "invalid_response_format", "response_format")
     counter = token_count.for_settings(settings)
     vocabulary = counter.vocabulary_size()
     past = [t for t in body.logit_bias or {} if vocabulary and int(t) >= vocabulary]
@@ -298,7 +302,7 @@ def check(body: JobCreate, settings: Settings) -> str:
             400,
             f"logit_bias names token ids past this model's vocabulary of {vocabulary}: "
             f"{', '.join(past[:5])}.",
-            "invalid_request",
+            "token_id_out_of_vocabulary",
             "logit_bias",
         )
     # What provably cannot fit goes no further (no tokenizer run: bytes over the longest

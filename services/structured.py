@@ -5,63 +5,180 @@ A job may ask for any JSON object (`{"type": "json_object"}`) or JSON that valid
 a JSON Schema (`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`);
 `{"type": "text"}` is the default. vLLM constrains the generation with a grammar compiled
 from the schema; the worker's engine uses the `guidance` backend (llguidance), and
-admission compiles the schema with the same library, so a schema the engine could not
-compile is a 400 here (or a batch line's error), never a job that fails after queueing.
+admission compiles each schema with the same library and the same options, so a schema the
+engine could not run is refused before anything is queued (`400 invalid_response_format`,
+or a batch line's error), never a job that fails after queueing.
+
+Before the compiler sees a schema, its shape is bounded (`schema_refusal`): a compile, and
+each step of the generation after it, costs in proportion to what the schema spells out,
+and some shapes cost without bound (llguidance spells a `maxItems` out one item at a time:
+ten million abort its process on a 4 GB allocation, in the engine too, with every job beside
+it; an `anyOf` past 2,000 branches passes the compile and fails at the first token). The
+bounds: at most MAX_SCHEMA_CHARS of JSON, nesting at most MAX_DEPTH (vLLM's own limit),
+array bounds at most MAX_ARRAY_BOUND, at most MAX_ALTERNATIVES enum values, anyOf/oneOf/
+allOf branches, prefixItems or properties of one object, `enum` and `const` values of
+strings, numbers, booleans and null, and patterns whose counted repetitions multiply to at
+most MAX_REPETITION.
 
 The schema is enforced whatever `strict` says (tierq has no looser mode to fall back to);
 a schema without `additionalProperties: false` lets the model add properties, as JSON
-Schema does.
+Schema does. Whitespace between JSON tokens is not generated (compact JSON): a small model
+left free to emit whitespace may emit only that until max_tokens.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any, Literal
+import re
+from re import _constants as sre_constants  # type: ignore[attr-defined]
+from re import _parser as sre_parse  # type: ignore[attr-defined]
+from typing import Annotated, Any, Literal
 
 import llguidance
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-# A schema's size, as JSON: a grammar is compiled from it on every engine it runs on.
 MAX_SCHEMA_CHARS = 65_536
-# The largest array bound (minItems, maxItems, ...) a schema may set. The grammar spells
-# each bounded repetition out: maxItems 100,000 takes the compiler 130 MB and half a
-# second, 10,000,000 aborts the process on a 4 GB allocation (in the engine too, whose
-# other jobs it would take with it) before any of llguidance's limits applies.
+MAX_DEPTH = 64  # vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING
 MAX_ARRAY_BOUND = 1024
+MAX_ALTERNATIVES = 256
+MAX_REPETITION = 1024
+MAX_ERROR_CHARS = 300  # of the compiler's message, which may quote the schema
+
 _ARRAY_BOUNDS = ("minItems", "maxItems", "minContains", "maxContains")
-_ANY_OBJECT = '{"type": "object"}'
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "enum")
+_DATA = ("const", "default", "examples", "enum", "description", "title", "$comment")
 
 
-def _bound_past_limit(node: Any) -> str | None:
-    """The first array bound in a schema above MAX_ARRAY_BOUND, named, or None."""
-    stack = [node]
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)
+
+
+def _repetition(pattern: str) -> int:
+    """The product of a regular expression's nested counted repetitions (`(a{30}){40}`:
+    1200), read with Python's parser (JSON Schema's ECMA patterns are close enough for
+    counting); 0 when Python cannot read it (the compiler then judges it)."""
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return 0
+    worst = 1
+
+    def walk(items: Any, factor: int) -> None:
+        nonlocal worst
+        for op, av in items:
+            if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT):
+                low, high, sub = av
+                count = low if high == sre_constants.MAXREPEAT else max(low, high)
+                inner = factor * max(count, 1)
+                worst = max(worst, inner)
+                walk(sub, inner)
+            elif op == sre_constants.SUBPATTERN:
+                walk(av[-1], factor)
+            elif op == sre_constants.BRANCH:
+                for branch in av[1]:
+                    walk(branch, factor)
+
+    walk(parsed, 1)
+    return worst
+
+
+def _too_deep(schema: Any) -> bool:
+    """vLLM's own count (`check_json_nesting`): objects and arrays nested past MAX_DEPTH."""
+    level = [schema]
+    for _ in range(MAX_DEPTH):
+        level = [
+            child
+            for node in level
+            for child in (node.values() if isinstance(node, dict) else node)
+            if isinstance(child, dict | list)
+        ]
+        if not level:
+            return False
+    return True
+
+
+def schema_refusal(schema: Any) -> str | None:
+    """Why a schema's shape is past what this server compiles, or None."""
+    if not isinstance(schema, dict):
+        return "the JSON schema must be an object"
+    if _too_deep(schema):
+        return f"the JSON schema nests objects and arrays more than {MAX_DEPTH} levels deep"
+    stack: list[Any] = [schema]
     while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            for key, value in item.items():
-                big = isinstance(value, int | float) and not isinstance(value, bool)
-                if key in _ARRAY_BOUNDS and big and value > MAX_ARRAY_BOUND:
-                    return f"{key} {value}"
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if key in _ARRAY_BOUNDS and number and value > MAX_ARRAY_BOUND:
+                return f"'{key}' may be at most {MAX_ARRAY_BOUND}, not {value}"
+            if key in _LISTS and isinstance(value, list) and len(value) > MAX_ALTERNATIVES:
+                return f"'{key}' may list at most {MAX_ALTERNATIVES}, not {len(value)}"
+            if key == "properties" and isinstance(value, dict):
+                if len(value) > MAX_ALTERNATIVES:
+                    return f"an object may have at most {MAX_ALTERNATIVES} properties"
+                stack.extend(value.values())  # each a schema; their names are data
+                continue
+            if key in ("enum", "const"):
+                values = value if key == "enum" and isinstance(value, list) else [value]
+                if not all(_scalar(v) for v in values):
+                    return f"'{key}' takes strings, numbers, booleans and null"
+            if key == "pattern" and isinstance(value, str) and _repetition(value) > MAX_REPETITION:
+                return f"a pattern's counted repetitions multiply past {MAX_REPETITION}"
+            if key == "patternProperties" and isinstance(value, dict):
+                if any(_repetition(p) > MAX_REPETITION for p in value):
+                    return f"a pattern's counted repetitions multiply past {MAX_REPETITION}"
+                stack.extend(value.values())
+                continue
+            if key not in _DATA:
                 stack.append(value)
-        elif isinstance(item, list):
-            stack.extend(item)
     return None
 
 
+@functools.lru_cache(maxsize=128)
 def compile_error(schema_json: str) -> str | None:
-    """Why the engine could not run a schema (llguidance's own message), or None. Pure
-    and quick (no tokenizer): the grammar is checked, not built for a vocabulary."""
+    """Why the engine could not run a schema (llguidance's message, cut short), or None.
+    No tokenizer is needed: the grammar is checked, not built for a vocabulary. Cached: an
+    online request checks before it is queued (in a thread) and again in `check`; a batch
+    line when its file is reserved and when it is expanded."""
     try:
+        # The options the engine compiles with: vLLM's guidance backend with whitespace
+        # off (`disable_any_whitespace`, workers/engine/vllm_engine.py).
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema_json, defaults={"whitespace_flexible": True}
+            schema_json, defaults={"whitespace_flexible": False}
         )
+        error = llguidance.LLMatcher.validate_grammar(grammar, None)
     except Exception as exc:  # whatever the library raises, the schema is the cause
-        return str(exc) or type(exc).__name__
-    error = llguidance.LLMatcher.validate_grammar(grammar, None)
-    return error or None
+        error = str(exc) or type(exc).__name__
+    if not error:
+        return None
+    error = " ".join(error.split())
+    return error if len(error) <= MAX_ERROR_CHARS else error[: MAX_ERROR_CHARS - 1] + "…"
 
 
-class JsonSchemaFormat(BaseModel):
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+
+    def engine_param(self) -> dict[str, Any] | None:
+        return None
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json_object"]
+
+    def engine_param(self) -> dict[str, Any] | None:
+        return {"json_object": True}
+
+
+class JsonSchema(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
@@ -71,47 +188,35 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`. A `json_schema` without a schema is any JSON object."""
-
+class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _compiles(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("'json_schema' is given with, and only with, type 'json_schema'")
-        schema = self.output_schema()
-        if schema is None or schema == _ANY_OBJECT:
-            return self
-        if len(schema) > MAX_SCHEMA_CHARS:
-            raise ValueError(f"the JSON schema is longer than {MAX_SCHEMA_CHARS} characters")
-        past = _bound_past_limit(self.json_schema.json_schema if self.json_schema else None)
-        if past is not None:
-            raise ValueError(
-                f"the JSON schema's {past} is more than this server takes ({MAX_ARRAY_BOUND})"
-            )
-        error = compile_error(schema)
-        if error is not None:
-            raise ValueError(f"the JSON schema cannot be used: {error.strip()}")
-        return self
-
-    def output_schema(self) -> str | None:
-        """The schema the output must validate against, as JSON; None for plain text."""
-        if self.type == "text":
-            return None
-        if self.json_schema is None or self.json_schema.json_schema is None:
-            return _ANY_OBJECT
-        return json.dumps(self.json_schema.json_schema, separators=(",", ":"))
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
 
     def engine_param(self) -> dict[str, Any] | None:
-        """What the worker hands the engine (a job's `response_format` parameter): the schema
-        (`json`) or any object (`json_object`); None for plain text."""
-        schema = self.output_schema()
-        if schema is None:
-            return None
-        if schema == _ANY_OBJECT:
-            return {"json_object": True}
-        return {"json": json.loads(schema)}
+        """The schema; without one, any JSON object (as OpenAI takes it)."""
+        schema = self.json_schema.json_schema
+        return {"json_object": True} if schema is None else {"json": schema}
+
+
+# OpenAI's `response_format`: one of three shapes, told apart by `type`.
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+
+
+def refusal(param: dict[str, Any] | None) -> str | None:
+    """Why a job's `response_format` parameter (its `engine_param`) cannot run, or None:
+    its shape first (quick, pure), then the compiler's verdict."""
+    if not param or "json" not in param:
+        return None
+    schema = param["json"]
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text) > MAX_SCHEMA_CHARS:
+        return f"the JSON schema is longer than {MAX_SCHEMA_CHARS} characters"
+    why = schema_refusal(schema)
+    if why is not None:
+        return why
+    error = compile_error(text)
+    return None if error is None else f"the JSON schema cannot be used: {error}"

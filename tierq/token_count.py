@@ -22,6 +22,7 @@ in the default pool that file writes and every other thread hop of the process s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -75,6 +76,9 @@ class PromptCounter:
         self, tokenizer: Any = None, base: int = 0, per_message: int = 0, longest: int = 0
     ) -> None:
         self.tokenizer = tokenizer
+        # The model's vocabulary size (config.json's vocab_size, what the engine checks
+        # token ids against), where the folder says it; else the tokenizer's.
+        self.model_vocabulary: int | None = None
         self.base = base  # template tokens of a one-message conversation
         self.per_message = per_message  # template tokens each further message adds
         # The most bytes one token of the vocabulary stands for (0: unknown, no floor).
@@ -85,7 +89,11 @@ class PromptCounter:
         return self.tokenizer is not None
 
     def vocabulary_size(self) -> int | None:
-        """How many token ids the tokenizer has (added tokens too); None without one."""
+        """How many token ids the model takes (the engine refuses a logit_bias past them):
+        its config's vocab_size, else the tokenizer's (added tokens too); None without
+        either."""
+        if self.model_vocabulary:
+            return self.model_vocabulary
         return None if self.tokenizer is None else int(self.tokenizer.get_vocab_size())
 
     def _tokens(self, text: str) -> int:
@@ -180,6 +188,12 @@ class PromptCounter:
         # marker is three bytes for one): never below, so the floor never over-counts.
         longest = max((len(t.encode()) for t in tokenizer.get_vocab()), default=0)
         counter = cls(tokenizer, longest=longest)
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            model_config = json.loads((folder / "config.json").read_text())
+            vocabulary = model_config.get("vocab_size") or model_config.get(
+                "text_config", {}
+            ).get("vocab_size")
+            counter.model_vocabulary = int(vocabulary) if vocabulary else None
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template = config.get("chat_template")

@@ -871,6 +871,11 @@ class Worker:
         )
         if job.id in self._superseded:
             out.kind = "superseded"
+        elif out.finish_reason == "error":
+            # vLLM ended the request itself (a request-level error, such as a grammar that
+            # failed mid-run): not an answer; tried again, as a failed delivery.
+            out.kind, out.code = "retry", "engine_error"
+            out.message = "the engine ended the request with an error"
         elif out.finish_reason in (None, "abort"):
             # It stopped early (a finished one stays finished, whatever marks came late).
             out.kind = self._why_stopped(job.id)

@@ -623,7 +623,7 @@ async def test_structured_outputs_validate_against_their_schema_on_the_real_engi
         model=model,
         messages=ask,
         max_tokens=120,
-        temperature=0.8,
+        temperature=0,
         response_format=person,
         stream=True,
     )
@@ -662,6 +662,7 @@ async def test_structured_outputs_validate_against_their_schema_on_the_real_engi
         )
     assert refused.value.status_code == 400
     assert "the JSON schema cannot be used" in refused.value.message
+    assert refused.value.code == "invalid_response_format"
     assert await _job_count(pg_platform) == before  # nothing was queued
 
 

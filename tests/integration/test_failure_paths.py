@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import uuid
 from typing import Any
@@ -694,3 +695,42 @@ async def test_an_internal_error_reaches_the_tenant_as_a_code_and_a_reference(
 
 def leaky(engine: Engine) -> Engine:
     return LeakyEngine(engine, "leaky")
+
+
+class EndsInError(EngineWrapper):
+    """The engine ends each request's first run with finish_reason "error" (vLLM's own
+    request-level error: a grammar that failed mid-run, a KV load that failed)."""
+
+    def __init__(self, inner: Engine) -> None:
+        super().__init__(inner, f"ends-in-error-{inner.name}")
+        self.ended: set[str] = set()
+
+    def observe(self, request_id: str, resume: Any, run: Any) -> Any:
+        return self._run(request_id, run)
+
+    async def _run(self, request_id: str, run: Any) -> Any:
+        async for chunk in run:
+            if chunk.finish_reason is not None and request_id not in self.ended:
+                self.ended.add(request_id)
+                chunk = dataclasses.replace(chunk, finish_reason="error")
+            yield chunk
+
+
+async def test_a_run_the_engine_ends_with_an_error_is_not_an_answer(
+    platform: Platform, tenant_key: str
+) -> None:
+    """finish_reason "error" is no answer: the job is tried again (a failed delivery, as
+    any engine error), succeeds on its next run and is billed once; "error" never reaches
+    the tenant as a finish reason."""
+    platform.start_dispatcher()
+    await platform.start_worker("w1", wrap=EndsInError)
+    async with client(platform.url, tenant_key) as c:
+        (job_id,) = await submit(c, 1, CHAT)
+        done = await wait_for(c, job_id, timeout=60)
+    assert done["status"] == "succeeded" and done["result"]["finish_reason"] == "length"
+    async with platform.db.session() as s:
+        job = await job_repo.get_job(s, job_id)
+        history = [st for st, _ in await job_repo.transitions(s, job_id)]
+        assert len(await job_repo.usage_for_job(s, job_id)) == 1
+    assert job is not None and job.deliveries == 2 and job.fault_charge > 0
+    assert history == ["queued", "running", "queued", "running", "succeeded"], history

@@ -7,6 +7,7 @@ build with a model of the operator's choosing; every knob comes from Settings.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -47,9 +48,13 @@ def structured_outputs(response_format: dict[str, Any] | None) -> Any:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
+    # Compact JSON, as admission compiled it (services/structured.py); the schema as text,
+    # which reaches vLLM's engine core whatever its numbers (msgpack takes no integer past
+    # 64 bits).
     if "json" in response_format:
-        return StructuredOutputsParams(json=response_format["json"])
-    return StructuredOutputsParams(json_object=True)
+        schema = json.dumps(response_format["json"], separators=(",", ":"))
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
 
 
 def request_error_code(message: str) -> str:
