@@ -190,9 +190,8 @@ class PromptCounter:
         counter = cls(tokenizer, longest=longest)
         with contextlib.suppress(OSError, ValueError, TypeError):
             model_config = json.loads((folder / "config.json").read_text())
-            vocabulary = model_config.get("vocab_size") or model_config.get(
-                "text_config", {}
-            ).get("vocab_size")
+            text_config = model_config.get("text_config") or {}
+            vocabulary = model_config.get("vocab_size") or text_config.get("vocab_size")
             counter.model_vocabulary = int(vocabulary) if vocabulary else None
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
