@@ -642,12 +642,14 @@ async def test_structured_outputs_validate_against_their_schema_on_the_real_engi
 
     anything = await sdk.chat.completions.create(
         model=model,
-        messages=ask,
+        messages=[{"role": "user", "content": "Give the capital of France as a JSON object."}],
         max_tokens=120,
         temperature=0,
         response_format={"type": "json_object"},
     )
-    assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
+    content = anything.choices[0].message.content or ""
+    assert anything.choices[0].finish_reason == "stop", content
+    assert isinstance(json.loads(content), dict) and "\n" not in content  # compact
 
     before = await _job_count(pg_platform)
     with pytest.raises(openai.BadRequestError) as refused:

@@ -159,7 +159,11 @@ def test_the_engine_compiles_schemas_with_the_library_admission_checks_them_with
 
     args = worker_engine_args(Settings(), Tiering())
     assert args.structured_outputs_config.backend == "guidance"
+    assert args.structured_outputs_config.disable_any_whitespace is True
     assert structured_outputs(None) is None
     assert structured_outputs({"json_object": True}).json_object is True
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    assert structured_outputs({"json": schema}).json == schema
+    assert (
+        structured_outputs({"json": schema}).json
+        == '{"type":"object","properties":{"a":{"type":"integer"}}}'
+    )

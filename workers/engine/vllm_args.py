@@ -139,9 +139,13 @@ def worker_engine_args(settings: Settings, tiering: Tiering, stock_scheduler: bo
             scheduler_cls=TIERED_SCHEDULER if tiered else STOCK_SCHEDULER,
             additional_config={**tiering.to_config(), **engine_core_config(settings)},
             disable_log_stats=True,
-            # llguidance: admission checks each schema with the same library
-            # (services/structured.py), so what is admitted compiles here.
-            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
+            # llguidance, with whitespace off: admission checks each schema with the same
+            # library and options (services/structured.py), so what is admitted compiles
+            # here. (The guidance backend reads whitespace from this config, not from a
+            # request's own flag.)
+            structured_outputs_config=StructuredOutputsConfig(
+                backend="guidance", disable_any_whitespace=True
+            ),
         )
     )
 
