@@ -32,6 +32,7 @@ import yaml
 from services.bootstrap import ensure_tenant_key, write_secret
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
+from workers.celery_flags import QUIET_WORKER_FLAGS
 from workers.engine import vllm_build
 from workers.engine.cpu_placement import bind_threads
 from workers.engine.vllm_args import build_defaults
@@ -241,7 +242,15 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
         worker,
         child(
             "celery-worker",
-            [*celery, "worker", "--pool=solo", "--loglevel=INFO", "-Q", names.celery_queue],
+            [
+                *celery,
+                "worker",
+                *QUIET_WORKER_FLAGS,
+                "--pool=solo",
+                "--loglevel=INFO",
+                "-Q",
+                names.celery_queue,
+            ],
             ports.celery_worker if ports else None,
         ),
         # The reconciler on its own queue and process: batch work never delays it.
@@ -250,6 +259,7 @@ def components(settings: Settings, logs: Path | None) -> list[Child]:
             [
                 *celery,
                 "worker",
+                *QUIET_WORKER_FLAGS,
                 "--pool=solo",
                 "--loglevel=INFO",
                 "-Q",

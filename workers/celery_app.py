@@ -43,6 +43,8 @@ if sentinel is not None:
     app.conf.result_backend_transport_options = watched
 
 app.conf.update(
+    # No pidbox (its fanout is a pub/sub subscription): workers/celery_flags.py says why.
+    worker_enable_remote_control=False,
     task_acks_late=True,  # a task interrupted by a worker restart runs again
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tierq.settings import Settings
+from workers.celery_flags import QUIET_WORKER_FLAGS
 
 
 def child_env(settings: Settings, **extra: str) -> dict[str, str]:
@@ -55,6 +56,7 @@ class CeleryWorker:
                     "-A",
                     "workers.celery_app",
                     "worker",
+                    *QUIET_WORKER_FLAGS,
                     "-B",
                     f"--pool={self.pool}",
                     *(["--concurrency=2"] if self.pool == "prefork" else []),

@@ -10,6 +10,7 @@ import typer.main
 import yaml
 
 from cli.main import app
+from workers.celery_flags import QUIET_WORKER_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,6 +68,8 @@ def test_every_command_exists() -> None:
                     assert arg in options, f"{name}: 'tierq {command[1]}' has no {arg}"
         else:
             module = command[command.index("-A") + 1]
+            if command[command.index("-A") + 2] == "worker":  # no pub/sub steps
+                assert set(QUIET_WORKER_FLAGS) <= set(command), (name, command)
             celery_app = importlib.import_module(module).app
             assert command[command.index("-A") + 2] in ("worker", "beat")
             assert "tierq.reconcile" in celery_app.conf.beat_schedule["reconcile"]["task"]
