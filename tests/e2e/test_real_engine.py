@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import time
+from typing import Any
 
 import httpx
 import jsonschema
@@ -533,27 +534,10 @@ async def test_the_openai_sdk_chats_streams_and_runs_a_batch_on_the_real_engine(
             "body": {**lines[0]["body"], "messages": past_context},
         }
     )
-    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
-    file = await sdk.files.create(file=("capitals.jsonl", data), purpose="batch")
-    batch = await sdk.batches.create(
-        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    for _ in range(600):
-        batch = await sdk.batches.retrieve(batch.id)
-        if batch.status in ("completed", "failed", "expired", "cancelled"):
-            break
-        await asyncio.sleep(0.5)
-    assert batch.status == "completed", batch
+    batch, output, errors = await _run_batch(sdk, "capitals.jsonl", lines)
     assert batch.request_counts is not None
     assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
     assert batch.id in [b.id for b in (await sdk.batches.list()).data]
-    assert batch.output_file_id and batch.error_file_id
-    output = [
-        json.loads(x) for x in (await sdk.files.content(batch.output_file_id)).text.splitlines()
-    ]
-    errors = [
-        json.loads(x) for x in (await sdk.files.content(batch.error_file_id)).text.splitlines()
-    ]
     answers = {
         x["custom_id"]: x["response"]["body"]["choices"][0]["message"]["content"] for x in output
     }
@@ -699,8 +683,22 @@ async def test_a_batch_of_schema_lines_returns_json_of_the_schema(
     lines.append(
         {**lines[0], "custom_id": "bad", "body": {**lines[0]["body"], "response_format": bad}}
     )
+    _, output, errors = await _run_batch(sdk, "people.jsonl", lines)
+    assert sorted(x["custom_id"] for x in output) == ["person-Ada", "person-Alan", "person-Grace"]
+    for x in output:
+        content = x["response"]["body"]["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(content), PERSON_SCHEMA)
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    assert "the JSON schema cannot be used" in errors[0]["error"]["message"]
+
+
+async def _run_batch(
+    sdk: AsyncOpenAI, name: str, lines: list[dict[str, Any]]
+) -> tuple[Any, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Upload `lines` as a batch file to chat completions, run it to its end (it must
+    complete, with both an output and an error file) and read both files."""
     data = "".join(json.dumps(x) + "\n" for x in lines).encode()
-    file = await sdk.files.create(file=("people.jsonl", data), purpose="batch")
+    file = await sdk.files.create(file=(name, data), purpose="batch")
     batch = await sdk.batches.create(
         input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
@@ -717,12 +715,7 @@ async def test_a_batch_of_schema_lines_returns_json_of_the_schema(
     errors = [
         json.loads(x) for x in (await sdk.files.content(batch.error_file_id)).text.splitlines()
     ]
-    assert sorted(x["custom_id"] for x in output) == ["person-Ada", "person-Alan", "person-Grace"]
-    for x in output:
-        content = x["response"]["body"]["choices"][0]["message"]["content"]
-        jsonschema.validate(json.loads(content), PERSON_SCHEMA)
-    assert [e["custom_id"] for e in errors] == ["bad"]
-    assert "the JSON schema cannot be used" in errors[0]["error"]["message"]
+    return batch, output, errors
 
 
 async def _job_count(live: LivePlatform) -> int:
