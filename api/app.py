@@ -24,6 +24,7 @@ from api.limits import BodySizeLimit, HostileInput
 from api.openai.router import router as openai_router
 from api.request_spans import RequestSpans
 from api.usage import router as usage_router
+from api.webhooks.router import router as webhooks_router
 from models.db import Database
 from tierq import __version__, fleet, metrics, token_count
 from tierq.queue import Enqueuer, EventLog
@@ -109,6 +110,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
     app.include_router(openai_router)
     app.include_router(files_router)
     app.include_router(batches_router)
+    app.include_router(webhooks_router)
     app.include_router(usage_router)
     app.include_router(admin_router)
     app.include_router(console_router)  # the operator console (/console)

@@ -333,3 +333,56 @@ class Invoice(Base):
     cost: Mapped[Decimal] = mapped_column(Money)
     lines: Mapped[list[Any]] = mapped_column(JSON)  # per tier and model
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class WebhookEndpoint(Base):
+    """A URL a tenant's events are sent to, signed with its secret (Standard Webhooks).
+    A deleted endpoint keeps its row (`deleted_at`), so its deliveries stay readable."""
+
+    __tablename__ = "webhook_endpoints"
+    __table_args__ = (Index("ix_webhook_endpoints_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(200))
+    url: Mapped[str] = mapped_column(String(2048))
+    event_types: Mapped[list[Any]] = mapped_column(JSON)
+    secret: Mapped[str] = mapped_column(String(100))  # whsec_ and base64 of its bytes
+    # After a rotation that keeps the old secret for a while: deliveries carry both
+    # signatures until `previous_secret_until`.
+    previous_secret: Mapped[str | None] = mapped_column(String(100))
+    previous_secret_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_by: Mapped[str] = mapped_column(String(20))  # "tenant" or "operator"
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class WebhookDelivery(Base):
+    """One event for one endpoint, sent until it is answered 2xx or out of attempts. Its
+    id is the event's (`webhook-id`), the same on every attempt: receivers deduplicate
+    on it. Written in the transaction of the change it reports (an outbox)."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        UniqueConstraint(
+            "endpoint_id", "event_type", "object_id", name="uq_webhook_deliveries_event"
+        ),
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_tenant_created", "tenant_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    event_type: Mapped[str] = mapped_column(String(60))
+    object_id: Mapped[str] = mapped_column(String(40))  # the batch's id
+    payload: Mapped[str] = mapped_column(Text)  # the body sent, byte for byte
+    status: Mapped[str] = mapped_column(String(20))  # pending, delivered, failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(String(500))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from dispatcher.loop import slo_from_settings
 from models import overview as repo
+from models import webhooks as webhook_repo
 from models.db import Database
 from models.quotas import QuotaRecord, QuotaUsage
 from models.records import unix
@@ -39,6 +40,7 @@ BATCHES_SHOWN = 20
 BATCHES_FINISHED_WITHIN = timedelta(hours=1)
 FAILURES_SHOWN = 20
 FAILURES_ADMITTED_WITHIN = timedelta(days=1)
+DELIVERIES_SHOWN = 20
 PERCENTILES = (50, 95, 99)
 
 
@@ -184,6 +186,8 @@ async def gather(
         tenants, tenant_total = await repo.tenants(s, now, TENANTS_SHOWN)
         batches = await repo.batches(s, now, BATCHES_SHOWN, BATCHES_FINISHED_WITHIN)
         failures, by_code = await repo.failures(s, now, FAILURES_SHOWN, FAILURES_ADMITTED_WITHIN)
+        deliveries = await webhook_repo.delivery_counts(s)
+        undelivered = await webhook_repo.undelivered(s, DELIVERIES_SHOWN)
     saved = await r.get(names.dispatch_state)
     served, shares = served_shares(
         json.loads(saved) if saved else None, redis_time, settings.share_window_s
@@ -237,5 +241,10 @@ async def gather(
                 }
                 for f in failures
             ],
+        },
+        # Webhook deliveries by status, and the latest not taken (failed, or being retried).
+        "webhooks": {
+            "by_status": deliveries,
+            "undelivered": [d.to_api() for d in undelivered],
         },
     }

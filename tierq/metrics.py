@@ -78,6 +78,12 @@ DISPATCH_DECISION = Histogram(
     buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2),
 )
 BATCHES = Counter("tierq_batches_total", "Batches that entered a status", ["status"])
+WEBHOOK_ATTEMPTS = Counter(
+    "tierq_webhook_attempts_total",
+    "Webhook delivery attempts by outcome: delivered (2xx), retry (failed, to be tried "
+    "again), failed (out of attempts)",
+    ["outcome"],
+)
 CELERY_TASK_ERRORS = Counter(
     "tierq_celery_task_errors_total",
     "Celery tasks that ended in an error (logged; the next run or tick does their work)",

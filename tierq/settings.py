@@ -293,6 +293,24 @@ class Settings(BaseSettings):
     # cancelling); one more is refused with 429 too_many_batches.
     max_batches_per_tenant: int = 10
 
+    # --- webhooks (OpenAI's batch events, signed as Standard Webhooks) ------------------
+    # Whether tenants register their own endpoints (`/v1/webhook_endpoints`); when false
+    # only the operator does (`/admin/tenants/{id}/webhook_endpoints`), and a tenant reads.
+    webhook_tenant_endpoints: bool = True
+    webhook_max_endpoints: int = Field(default=10, ge=0)  # per tenant
+    # Outbound requests go to public addresses only: a URL whose host is (or resolves to)
+    # a private, loopback, link-local or otherwise non-global address is refused, unless
+    # the operator allows them (receivers inside the deployment's own network).
+    webhook_allow_private: bool = False
+    webhook_allow_http: bool = False  # plain http:// URLs (https only otherwise)
+    webhook_timeout_s: float = Field(default=10.0, gt=0)  # one attempt, connect to answer
+    # A delivery is retried with exponential backoff from base to max (plus jitter) until
+    # it succeeds or this many attempts failed (about 21 hours at the defaults).
+    webhook_max_attempts: int = Field(default=30, ge=1)
+    webhook_retry_base_s: float = Field(default=5.0, gt=0)
+    webhook_retry_max_s: float = Field(default=3600.0, gt=0)
+    webhook_tick_s: float = Field(default=5.0, gt=0)  # beat sends what is due this often
+
     # --- Celery -------------------------------------------------------------------------
     # One Celery beat of the deployment sends the periodic tasks, holding a lease in Redis
     # this long (renewed every third of it); every other beat stands by and takes over

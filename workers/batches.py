@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from models import batches as batch_repo
 from models import files as file_repo
+from models import webhooks as webhook_repo
 from models.batches import BatchLine
 from models.db import Database
 from models.records import BatchRecord
@@ -56,7 +58,16 @@ MAX_STEPS = 20  # status changes in one advance (validating -> in_progress -> ..
 
 
 class BatchRunner:
-    def __init__(self, settings: Settings, db: Database, r: aioredis.Redis) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        db: Database,
+        r: aioredis.Redis,
+        on_deliveries: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_deliveries`: called when a batch's end recorded webhook deliveries (Celery's
+        tasks send them at once; beat's webhook tick sends them otherwise)."""
+        self.on_deliveries = on_deliveries
         self.settings = settings
         self.db = db
         self.r = r
@@ -194,6 +205,7 @@ class BatchRunner:
         return moved is not None
 
     async def _fail(self, batch: BatchRecord, fence: int, errors: list[dict[str, Any]]) -> bool:
+        deliveries = 0
         async with self.db.transaction() as s:
             await batch_repo.hold(s, batch.id, fence)
             moved = await batch_repo.transition(
@@ -204,8 +216,11 @@ class BatchRunner:
                 failed_at=clock.utcnow(),
                 errors=errors,
             )
+            if moved is not None:
+                deliveries = await webhook_repo.record_batch_event(s, moved)
         if moved is not None:
             metrics.BATCHES.labels(status=BatchStatus.FAILED).inc()
+            self._announced(deliveries)
         return moved is not None
 
     # --- in_progress -------------------------------------------------------------------
@@ -291,6 +306,7 @@ class BatchRunner:
         completed = failed = 0
         output_id = error_id = None
         moved, kept_files = None, False
+        deliveries = 0
         try:
             for name in names:
                 writers.append(batch_output.Lines(await asyncio.to_thread(store.create, name)))
@@ -339,6 +355,7 @@ class BatchRunner:
                 await batch_repo.hold(s, batch.id, fence)
                 moved = await batch_repo.transition(s, batch.id, final, sources, **values)
                 if moved is not None:
+                    deliveries = await webhook_repo.record_batch_event(s, moved)
                     for kept in (output_id, error_id):
                         if kept is not None:
                             await file_repo.add_file(
@@ -358,8 +375,16 @@ class BatchRunner:
         if moved is None:
             return False
         metrics.BATCHES.labels(status=final).inc()
+        self._announced(deliveries)
         log.info("batch %s %s: %d completed, %d failed", batch.id, final, completed, failed)
         return True
+
+    def _announced(self, deliveries: int) -> None:
+        if deliveries and self.on_deliveries is not None:
+            try:
+                self.on_deliveries()
+            except Exception:  # the broker unreachable: beat's webhook tick sends them
+                log.warning("could not ask for webhook deliveries now", exc_info=True)
 
 
 def _error(code: str, message: str, line: int | None = None) -> dict[str, Any]:

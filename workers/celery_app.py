@@ -75,6 +75,11 @@ app.conf.update(
             "schedule": settings.batch_tick_s,
             "options": {"expires": settings.batch_tick_s},
         },
+        "webhooks": {
+            "task": "tierq.webhooks.deliver",
+            "schedule": settings.webhook_tick_s,
+            "options": {"expires": settings.webhook_tick_s},
+        },
         "files": {
             "task": "tierq.files.expire",
             "schedule": settings.file_expiry_interval_s,

@@ -24,6 +24,7 @@ from workers.billing import roll_up_invoices
 from workers.celery_app import app, names, settings
 from workers.files_expiry import remove_expired_files
 from workers.reconcile import reconcile
+from workers.webhooks import deliver_due
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -85,16 +86,27 @@ def reconcile_task() -> list[str]:
     return _run("reconcile", lambda rt: reconcile(settings, rt.db, rt.r)) or []
 
 
+def _batches(rt: _Runtime) -> BatchRunner:
+    # A batch's end that recorded webhook deliveries has them sent now, not at the tick.
+    return BatchRunner(settings, rt.db, rt.r, on_deliveries=webhooks_deliver.delay)
+
+
 @app.task(name="tierq.batches.tick")
 def batches_tick() -> None:
     """Advance every active batch (expansion, finalisation, cancellation, expiry)."""
-    _run("batches.tick", lambda rt: BatchRunner(settings, rt.db, rt.r).tick())
+    _run("batches.tick", lambda rt: _batches(rt).tick())
 
 
 @app.task(name="tierq.batches.advance")
 def batch_advance(batch_id: str) -> None:
     """Advance one batch now (asked for by the API or a worker when something changed)."""
-    _run("batches.advance", lambda rt: BatchRunner(settings, rt.db, rt.r).advance(batch_id))
+    _run("batches.advance", lambda rt: _batches(rt).advance(batch_id))
+
+
+@app.task(name="tierq.webhooks.deliver")
+def webhooks_deliver() -> int:
+    """Send the webhook deliveries that are due (beat's tick, and each batch's end)."""
+    return _run("webhooks.deliver", lambda rt: deliver_due(settings, rt.db)) or 0
 
 
 @app.task(name="tierq.billing.rollup")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from api.admin import billing, keys, metrics, overview, prices, quotas, tenants
+from api.admin import billing, keys, metrics, overview, prices, quotas, tenants, webhooks
 from api.deps import require_admin
 from api.errors import documented
 
@@ -19,5 +19,5 @@ router = APIRouter(
     dependencies=[Depends(require_admin)],
     responses=documented(400, 401, 403, 503),
 )
-for part in (metrics, overview, tenants, keys, quotas, prices, billing):
+for part in (metrics, overview, tenants, keys, quotas, prices, billing, webhooks):
     router.include_router(part.router)

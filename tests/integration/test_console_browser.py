@@ -43,7 +43,14 @@ async def test_the_console_shows_the_platform_and_suspends_a_tenant(
     platform.start_dispatcher()
     # Unscaled simulated steps (30 ms) and 4 lines outstanding: the batch takes seconds.
     await platform.start_worker("w1", CostModel(slots=platform.settings.max_num_seqs))
-    celery = CeleryWorker(platform.settings, BATCH_MAX_OUTSTANDING="4")
+    # Webhooks: one attempt each, sent when a batch ends (no tick sends them again).
+    celery = CeleryWorker(
+        platform.settings,
+        BATCH_MAX_OUTSTANDING="4",
+        WEBHOOK_MAX_ATTEMPTS="1",
+        WEBHOOK_TICK_S="3600",
+        WEBHOOK_TIMEOUT_S="2",
+    )
     celery.start()
     try:
         await _console_scenario(platform, browser, tmp_path)
@@ -77,12 +84,41 @@ async def _console_scenario(platform: Platform, driver: WebDriver, tmp_path: Pat
     await off_loop(until, driver, lambda d: "w1" in text_of(d, "#workers tbody"))
     await off_loop(until, driver, lambda d: "acme-browser" in text_of(d, "#tenants tbody"))
 
+    # A webhook endpoint that will not take the batch's event (no receiver there).
+    async with admin(platform) as a:
+        hook = await a.post(
+            f"/admin/tenants/{tenant_id}/webhook_endpoints",
+            json={"name": "ops", "url": "https://8.8.8.8/hook", "event_types": ["batch.completed"]},
+        )
+        assert hook.status_code == 200, hook.text
+
     # A batch: its progress bar advances while the page polls, to its end.
     batch = await submit(
         sdk(platform, key), jsonl([line(f"l-{i}", max_tokens=16) for i in range(48)])
     )
     done = await follow_batch(driver, batch.id, 48, 90, tmp_path / "console-batch.png")
     assert len([d for d in done if 0 < d < 48]) >= 2, done  # seen part-way, more than once
+
+    # Its event's delivery failed: the page shows it, and sends it again.
+    async with admin(platform) as a:
+        for _ in range(100):
+            found = (await a.get("/admin/webhook_deliveries")).json()["data"]
+            if found and found[0]["status"] == "failed":
+                break
+            await asyncio.sleep(0.2)
+    [delivery] = found
+    assert delivery["status"] == "failed" and delivery["data"]["id"] == batch.id
+    await off_loop(until, driver, lambda d: batch.id in text_of(d, "#webhooks tbody"))
+    assert "failed: 1" in await off_loop(text_of, driver, "#webhook-counts")
+    await off_loop(click_twice, driver, f"redeliver-{delivery['id']}")
+    async with admin(platform) as a:
+        for _ in range(50):
+            again = (await a.get("/admin/webhook_deliveries")).json()["data"][0]
+            if again["status"] == "pending":
+                break
+            await asyncio.sleep(0.1)
+    assert again["status"] == "pending" and again["attempts"] == 0
+    await off_loop(until, driver, lambda d: "retrying" in text_of(d, "#webhooks tbody"))
 
     # Set a quota from the page's form; the admin API has it, the page shows its headroom.
     await off_loop(fill_quota, driver, tenant_id, {"requests_per_minute": "100"})

@@ -267,12 +267,34 @@
     ])), "no failed job admitted in the last day");
   }
 
+  function renderWebhooks(o) {
+    const counts = o.webhooks.by_status;
+    $("webhook-counts").textContent = "· " + Object.entries(counts).map(([s, n]) => s + ": " + n).join(", ");
+    fill("webhooks", o.webhooks.undelivered.map((d) => {
+      const answer = d.last_error || (d.last_status_code === null ? "–" : String(d.last_status_code));
+      const status = d.status === "pending" && d.next_attempt_at
+        ? "retrying at " + new Date(d.next_attempt_at * 1000).toLocaleTimeString()
+        : d.status;
+      const tr = row([
+        new Date(d.created_at * 1000).toLocaleTimeString(), d.event_type, d.data.id, d.tenant_id,
+        status, d.attempts, answer,
+        d.status === "failed"
+          ? actionButton("redeliver-" + d.id, "Send again", () => api("POST", "/admin/webhook_deliveries/" + encodeURIComponent(d.id) + "/redeliver"))
+          : "",
+      ]);
+      tr.dataset.delivery = d.id;
+      if (d.status === "failed") tr.className = "warn";
+      return tr;
+    }), "every webhook delivery was taken");
+  }
+
   function render(o) {
     renderTiers(o);
     renderWorkers(o);
     renderBatches(o);
     renderTenants(o);
     renderFailures(o);
+    renderWebhooks(o);
     $("status").textContent = "updated " + new Date(o.at * 1000).toLocaleTimeString();
   }
 
@@ -341,7 +363,7 @@
     sessionStorage.removeItem(KEY_STORE);
     if (timer !== null) { clearInterval(timer); timer = null; }
     $("board").hidden = true;
-    for (const id of ["tiers", "workers", "batches", "tenants", "failures"]) $(id).querySelector("tbody").replaceChildren();
+    for (const id of ["tiers", "workers", "batches", "tenants", "failures", "webhooks"]) $(id).querySelector("tbody").replaceChildren();
     history.length = 0;
     $("login").hidden = false;
     $("sign-out").hidden = true;
