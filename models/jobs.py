@@ -347,6 +347,7 @@ def finish_job(
     error_code: str | None = None,
     error_message: str | None = None,
     delivery: int | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> JobRecord | None:
     """running -> succeeded/failed with its result, and its usage record, exactly once.
     Synchronous: on SQLite the whole ending is one hop to the writer's thread
@@ -359,6 +360,7 @@ def finish_job(
         delivery=delivery,
         finished_at=utcnow(),
         result_text=text,
+        result_logprobs=logprobs,
         finish_reason=finish_reason,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,

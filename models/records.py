@@ -125,6 +125,7 @@ class JobRecord:
     preemptions: int = 0  # deliveries that ended in a preemption (not failures)
     fault_charge: int = 0  # failed deliveries held against it, in thousandths of one
     progress: Progress | None = None  # what earlier runs generated, to resume after
+    result_logprobs: list[dict[str, Any]] | None = None  # with `logprobs`: each token's
 
     @classmethod
     def from_row(cls, row: Job) -> JobRecord:
@@ -159,6 +160,7 @@ class JobRecord:
             preemptions=row.preemptions or 0,
             fault_charge=row.fault_charge or 0,
             progress=Progress.from_json(row.progress),
+            result_logprobs=row.result_logprobs,
         )
 
     def to_message(self) -> JobMessage:
@@ -182,9 +184,11 @@ class JobRecord:
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
             }
-        result = None
+        result: dict[str, Any] | None = None
         if self.result_text is not None:
             result = {"text": self.result_text, "finish_reason": self.finish_reason}
+            if self.result_logprobs is not None:
+                result["logprobs"] = self.result_logprobs
         error = None
         if self.error_code is not None:
             error = {"code": self.error_code, "message": self.error_message}

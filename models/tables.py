@@ -116,6 +116,9 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     result_text: Mapped[str | None] = mapped_column(Text)
+    # With `logprobs` asked for: each generated token's, in OpenAI's chat shape
+    # ({"token", "logprob", "bytes", "top_logprobs"}); the API renders each endpoint's.
+    result_logprobs: Mapped[list[Any] | None] = mapped_column(JSON)
     finish_reason: Mapped[str | None] = mapped_column(String(40))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)

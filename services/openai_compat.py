@@ -17,6 +17,7 @@ from services.requests import (
     DOCUMENTED_MAX_TOKENS,
     INT64,
     MAX_TOKENS_SCHEMA,
+    MAX_TOP_LOGPROBS,
     NOT_BLANK,
     ChatMessage,
     JobCreate,
@@ -28,6 +29,7 @@ from services.requests import (
 from services.structured import ResponseFormat
 from tierq.tiers import Tier
 
+MAX_COMPLETION_LOGPROBS = 5  # what OpenAI's legacy completions take
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
 ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
@@ -49,7 +51,6 @@ _UNSUPPORTED = (
     "tool_choice",
     "functions",
     "function_call",
-    "top_logprobs",
     "audio",
     "modalities",
     "prediction",
@@ -149,8 +150,6 @@ class _Common(BaseModel):
             for name in _UNSUPPORTED:
                 if data.get(name) not in (None, False):
                     raise ValueError(f"'{name}' is not supported by this server")
-            if data.get("logprobs") not in (None, False, 0):
-                raise ValueError("'logprobs' is not supported by this server")
         return data
 
     @model_validator(mode="after")
@@ -182,24 +181,48 @@ class _Common(BaseModel):
             "metadata": self.metadata,
         }
         fields = {k: v for k, v in optional.items() if v is not None}
+        inputs = {k: v for k, v in inputs.items() if v is not None}
         return JobCreate.model_validate(
             {"tier": self.tier, "model": self.model, "max_tokens": max_tokens, **inputs, **fields}
         )
 
 
+# `top_logprobs` is only taken with `logprobs: true`.
+_TOP_LOGPROBS_NEED_LOGPROBS: dict[str, Any] = {
+    "anyOf": [
+        {"not": {"required": ["top_logprobs"]}},
+        {"properties": {"top_logprobs": {"type": "null"}}},
+        {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    ]
+}
+
+
 class ChatCompletionRequest(_Common):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS]},
+    )
+
     messages: list[OpenAIMessage] = Field(min_length=1, json_schema_extra=some_content(_SOME_TEXT))
     max_tokens: int | None = Field(default=None, ge=1, json_schema_extra=MAX_TOKENS_SCHEMA)
     max_completion_tokens: int | None = Field(
         default=None, ge=1, json_schema_extra=MAX_TOKENS_SCHEMA
     )
-    # Refused when true (_refuse_unsupported): no log probabilities here.
-    logprobs: bool | None = Field(default=None, json_schema_extra={"enum": [False, None]})
+    # Each generated token's log probability, and `top_logprobs` most likely at its place.
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' is only allowed when 'logprobs' is true")
+        return self
 
     def to_job(self) -> JobCreate:
         max_tokens = self.max_completion_tokens or self.max_tokens or 256
-        return self._job(max_tokens, messages=[m.plain() for m in self.messages])
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._job(max_tokens, messages=[m.plain() for m in self.messages], logprobs=logprobs)
 
 
 class CompletionRequest(_Common):
@@ -215,8 +238,9 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(default=16, ge=1, json_schema_extra=MAX_TOKENS_SCHEMA)
     echo: bool = Field(default=False, json_schema_extra={"const": False})  # refused when true
     best_of: int | None = Field(default=None, ge=1, le=1)
-    # Refused unless 0 (_refuse_unsupported): no log probabilities here.
-    logprobs: int | None = Field(default=None, json_schema_extra={"enum": [0, False, None]})
+    # Each generated token's log probability and the `logprobs` most likely at its place
+    # (OpenAI's legacy bound: at most 5).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -228,7 +252,7 @@ class CompletionRequest(_Common):
 
     def to_job(self) -> JobCreate:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-        return self._job(self.max_tokens or 16, prompt=prompt)
+        return self._job(self.max_tokens or 16, prompt=prompt, logprobs=self.logprobs)
 
 
 def parse(endpoint: str, body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
@@ -273,6 +297,36 @@ def response_id(job: JobRecord, chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + job.id
 
 
+def chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A chat choice's `logprobs`: the tokens' entries as stored (OpenAI's chat shape)."""
+    return None if entries is None else {"content": entries, "refusal": None}
+
+
+def completion_logprobs(entries: list[dict[str, Any]] | None, offset: int = 0) -> Any:
+    """A text completion choice's `logprobs`, OpenAI's legacy shape: parallel lists of the
+    tokens, their log probabilities, the most likely tokens at each place with the chosen
+    one (up to `logprobs` + 1), and each token's character offset in the completion from
+    `offset` (where the previous chunk's text ended)."""
+    if entries is None:
+        return None
+    offsets, at = [], offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [
+            {
+                **{t["token"]: t["logprob"] for t in e["top_logprobs"]},
+                e["token"]: e["logprob"],
+            }
+            for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
 def chat_completion(job: JobRecord) -> dict[str, Any]:
     return {
         "id": response_id(job, True),
@@ -283,7 +337,7 @@ def chat_completion(job: JobRecord) -> dict[str, Any]:
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": job.result_text or "", "refusal": None},
-                "logprobs": None,
+                "logprobs": chat_logprobs(job.result_logprobs),
                 "finish_reason": job.finish_reason or "stop",
             }
         ],
@@ -303,7 +357,7 @@ def text_completion(job: JobRecord) -> dict[str, Any]:
             {
                 "index": 0,
                 "text": job.result_text or "",
-                "logprobs": None,
+                "logprobs": completion_logprobs(job.result_logprobs),
                 "finish_reason": job.finish_reason or "stop",
             }
         ],
@@ -325,8 +379,11 @@ def chunk(
     role: bool = False,
     finish_reason: str | None = None,
     include_usage: bool = False,
+    logprobs: list[dict[str, Any]] | None = None,
+    offset: int = 0,
 ) -> dict[str, Any]:
-    """One streamed chunk (chat.completion.chunk, or a text_completion piece)."""
+    """One streamed chunk (chat.completion.chunk, or a text_completion piece); `logprobs`:
+    the entries of its text's tokens (`offset`: the characters of text sent before it)."""
     if chat:
         delta: dict[str, Any] = {}
         if role:
@@ -334,9 +391,10 @@ def chunk(
         if text is not None or role:
             delta["content"] = text or ""
         choice: dict[str, Any] = {"index": 0, "delta": delta}
+        choice["logprobs"] = chat_logprobs(logprobs)
     else:
         choice = {"index": 0, "text": text or ""}
-    choice["logprobs"] = None
+        choice["logprobs"] = completion_logprobs(logprobs, offset)
     choice["finish_reason"] = finish_reason
     body: dict[str, Any] = {
         "id": response_id(job, chat),

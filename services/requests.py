@@ -37,6 +37,7 @@ DOCUMENTED_MAX_TOKENS = Settings.model_fields["max_model_len"].default - 1
 DOCUMENTED_MAX_PROMPT_CHARS = Settings.model_fields["max_prompt_chars"].default
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 MAX_STOPS = 4
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs, and vLLM's default max_logprobs
 # logit_bias: token ids (decimal strings, as OpenAI's JSON has them) to a bias in
 # [-100, 100], at most this many (each is an addition to every step's logits).
 MAX_LOGIT_BIAS = 300
@@ -220,6 +221,9 @@ class JobCreate(BaseModel):
     # Structured outputs (services/structured.py): JSON, or JSON of a schema.
     response_format: ResponseFormat | None = None
     logit_bias: LogitBias = None
+    # Log probabilities of the generated tokens: each token's, and the `logprobs` most
+    # likely at its position (0: the chosen token's alone); None: none.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     metadata: Metadata = None
 
     @field_validator("stop")
@@ -262,6 +266,8 @@ class JobCreate(BaseModel):
             params["response_format"] = structured
         if self.logit_bias:
             params["logit_bias"] = self.logit_bias
+        if self.logprobs is not None:
+            params["logprobs"] = self.logprobs
         return params
 
     def input_chars(self) -> int:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from tierq.aio import raise_if_cancelled
 from tierq.messages import JobEvent
@@ -86,14 +87,19 @@ class EventPublisher:
                 )
             )
 
-    def delta(self, job_id: str, text: str) -> None:
+    def delta(self, job_id: str, text: str, logprobs: Sequence[dict[str, Any]] = ()) -> None:
+        """Queue a text delta (with its tokens' log probabilities, when the job asked)."""
         delivery = self._deliveries.get(job_id)
         i = self._last_delta.get(job_id)
         if i is not None and self._batch[i][3] == delivery:
-            self._batch[i][1].data["text"] += text
+            data = self._batch[i][1].data
+            data["text"] += text
+            if logprobs:
+                data.setdefault("logprobs", []).extend(logprobs)
             return
         self._last_delta[job_id] = len(self._batch)
-        self._batch.append((job_id, JobEvent("delta", {"text": text}), None, delivery))
+        data = {"text": text, **({"logprobs": list(logprobs)} if logprobs else {})}
+        self._batch.append((job_id, JobEvent("delta", data), None, delivery))
         self._wake.set()
 
     async def send(self, job_id: str, event: JobEvent) -> None:

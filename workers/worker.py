@@ -106,11 +106,13 @@ def resumable(params: dict[str, Any]) -> bool:
     - a seed of the tenant's with sampling: the continuation would draw other random
       numbers than the uninterrupted run, and a seed promises the same output;
     - structured outputs: the engine's grammar starts at the first token it generates, so
-      a continuation would begin another JSON document after the first one's start.
+      a continuation would begin another JSON document after the first one's start;
+    - log probabilities: the tokens resumed after are prompt to the engine, which gives
+      none for them.
     Those jobs start again (the work thrown away is counted)."""
     if params.get("presence_penalty") or params.get("frequency_penalty") or params.get("stop"):
         return False
-    if params.get("response_format"):
+    if params.get("response_format") or params.get("logprobs") is not None:
         return False
     sampled = float(params.get("temperature", 1.0) or 0.0) > 0
     return not (sampled and params.get("seed") is not None)
@@ -135,6 +137,7 @@ class Outcome:
     completion_tokens: int = 0  # of the job so far: earlier runs' and this one's
     token_ids: list[int] = dataclasses.field(default_factory=list)  # the same tokens' ids
     resumed: int = 0  # of those, the tokens earlier runs generated (this one resumed after)
+    logprobs: list[dict[str, Any]] | None = None  # with `logprobs` asked for: each token's
     first_token_at: float | None = None  # when this run streamed its first text
     # What this delivery is held against the job when it goes back, in thousandths of a
     # failed delivery (models/jobs.py `requeue_job`): a drain or a preemption costs nothing.
@@ -788,6 +791,10 @@ class Worker:
             out.text, out.finish_reason = "".join(text_parts), "length"
             return out  # it had generated everything: nothing is left to run
         first, cache_counted = True, False
+        # Log probabilities of tokens not yet streamed: they go with the next delta.
+        pending: list[dict[str, Any]] = []
+        if params.get("logprobs") is not None:
+            out.logprobs = []
         # The watchdog: its deadline moves on with every chunk the engine streams.
         stall_s = self.settings.job_stall_s
         watchdog = asyncio.timeout(None)
@@ -822,6 +829,9 @@ class Worker:
                     if keep:
                         out.token_ids.extend(chunk.token_ids)
                     out.finish_reason = chunk.finish_reason or out.finish_reason
+                    if out.logprobs is not None:
+                        out.logprobs.extend(chunk.logprobs)
+                        pending.extend(chunk.logprobs)
                     if not chunk.text:
                         continue
                     if "\x00" in chunk.text:
@@ -844,8 +854,12 @@ class Worker:
                         # deltas (the final event carries the whole result), so 50,000 lines
                         # leave next to nothing in Redis.
                         if job.batch_id is None:
-                            self.publisher.delta(job.id, chunk.text[max(0, emitted - start) :])
+                            self.publisher.delta(
+                                job.id, chunk.text[max(0, emitted - start) :], pending
+                            )
                         emitted = produced
+                    # (Text an earlier delivery streamed went with its log probabilities.)
+                    pending = []
         except EngineRequestError as exc:
             return dataclasses.replace(out, kind="failed", code=exc.code, message=str(exc))
         except EngineDead:
@@ -975,6 +989,7 @@ class Worker:
                 prompt_tokens=out.prompt_tokens,
                 completion_tokens=out.completion_tokens,
                 delivery=delivery,
+                logprobs=out.logprobs,
             )
 
         async def write() -> JobRecord | None:

@@ -252,6 +252,9 @@ async def _stream(
     # timing its first chunk measures the time to the first token, not to admission.
     role_sent = not chat
     sent = 0  # characters of text sent
+    # With `logprobs` asked for, every content chunk carries its tokens' (maybe none).
+    wants = job.params.get("logprobs") is not None
+    scored = 0  # tokens whose log probabilities were sent
     gap = False
     final: JobRecord | None = None
     try:
@@ -266,8 +269,19 @@ async def _stream(
                         if not role_sent:
                             role_sent = True
                             yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
+                        scores = event.data.get("logprobs", []) if wants else None
+                        yield _data(
+                            oa.chunk(
+                                job,
+                                chat,
+                                text=text,
+                                include_usage=include_usage,
+                                logprobs=scores,
+                                offset=sent,
+                            )
+                        )
                         sent += len(text)
-                        yield _data(oa.chunk(job, chat, text=text, include_usage=include_usage))
+                        scored += len(scores or ())
                     continue
                 finished = True
                 final = await ctx.job(job.id)
@@ -281,8 +295,18 @@ async def _stream(
                 yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
             # What followed text the replay buffer no longer held: from the result.
             rest = (final.result_text or "")[sent:]
-            if rest:
-                yield _data(oa.chunk(job, chat, text=rest, include_usage=include_usage))
+            rest_scores = (final.result_logprobs or [])[scored:] if wants else None
+            if rest or rest_scores:
+                yield _data(
+                    oa.chunk(
+                        job,
+                        chat,
+                        text=rest,
+                        include_usage=include_usage,
+                        logprobs=rest_scores,
+                        offset=sent,
+                    )
+                )
             yield _data(
                 oa.chunk(
                     final,

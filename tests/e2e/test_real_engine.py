@@ -755,3 +755,77 @@ async def test_logit_bias_forces_and_bounds_tokens_on_the_real_engine(
             max_tokens=4,
             logit_bias={str(tokenizer.get_vocab_size()): -100},
         )
+
+
+async def test_logprobs_on_the_real_engine_plain_streamed_and_in_a_batch(
+    pg_platform: LivePlatform,
+) -> None:
+    """vLLM's log probabilities in OpenAI's shapes: greedy decoding picks the most likely
+    token, so each chosen token is the first of its top_logprobs, with the same value; the
+    tokens spell the text; streamed and batch answers carry them alike."""
+    sdk = AsyncOpenAI(base_url=f"{pg_platform.url}/v1", api_key=pg_platform.key, timeout=300)
+    model = "SmolLM2-135M-Instruct"
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = await sdk.chat.completions.create(
+        model=model, messages=question, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and chat.usage is not None
+    assert len(content) == chat.usage.completion_tokens
+    # The tokens spell the text; a run that ended on its own ends with the end-of-turn
+    # token, which is generated (and counted) but not part of the text.
+    spelled = "".join(t.token for t in content)
+    if chat.choices[0].finish_reason == "stop":
+        assert content[-1].token == "<|im_end|>"
+        spelled = spelled.removesuffix("<|im_end|>")
+    assert spelled == chat.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        values = [c.logprob for c in t.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
+    stream = await sdk.chat.completions.create(
+        model=model,
+        messages=question,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    streamed = [
+        t
+        async for c in stream
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+    legacy = await sdk.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = legacy.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert "".join(lp.tokens).removesuffix("<|im_end|>") == legacy.choices[0].text
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == value and len(top) == 2 and max(top.values()) == value
+
+    line = {
+        "custom_id": "scored",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": model,
+            "messages": question,
+            "max_tokens": 12,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    }
+    bad = {**line, "custom_id": "too-many", "body": {**line["body"], "top_logprobs": 30}}
+    _, output, errors = await _run_batch(sdk, "scored.jsonl", [line, bad])
+    [answer] = output
+    scored = answer["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [(t["token"], t["logprob"]) for t in scored] == [(t.token, t.logprob) for t in content]
+    assert [e["custom_id"] for e in errors] == ["too-many"]

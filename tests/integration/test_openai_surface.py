@@ -178,6 +178,90 @@ async def test_text_completions_streamed_and_not(running: Platform, tenant_key: 
     assert pieces[-1].choices[0].finish_reason in ("stop", "length")
 
 
+async def test_logprobs_plain_and_streamed_in_each_endpoints_shape(
+    running: Platform, tenant_key: str
+) -> None:
+    """The simulated engine emits each token with certainty: log probability 0, every
+    other candidate the floor. What is checked is where they go: each token's entry, in
+    order, plain and streamed, chat and legacy, and the job keeps them."""
+    client = sdk(running, tenant_key)
+    model = running.settings.served_model_name
+    chat = await client.chat.completions.create(
+        model=model, messages=HELLO, max_tokens=6, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == chat.usage.completion_tokens == 6  # type: ignore[union-attr]
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    for t in content:
+        assert t.logprob == 0.0 and t.bytes == list(t.token.encode())
+        assert [c.logprob for c in t.top_logprobs] == [0.0, -9999.0, -9999.0]
+        assert t.top_logprobs[0].token == t.token
+    plain = await client.chat.completions.create(model=model, messages=HELLO, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+    stream = await client.chat.completions.create(
+        model=model, messages=HELLO, max_tokens=6, logprobs=True, stream=True
+    )
+    chunks = [c async for c in stream]
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "".join(t.token for t in streamed) == text and len(streamed) == 6
+    assert all(t.top_logprobs == [] for t in streamed)  # top_logprobs 0: the chosen only
+    job = await _job(running, "job_" + chunks[0].id.split("job_", 1)[1])
+    assert job.result_logprobs == [t.model_dump() for t in streamed]
+
+    legacy = await client.completions.create(model=model, prompt="Once", max_tokens=5, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and len(lp.tokens) == 5
+    assert "".join(lp.tokens) == legacy.choices[0].text
+    assert lp.token_logprobs == [0.0] * 5 and lp.text_offset is not None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert lp.top_logprobs is not None and all(len(top) == 2 for top in lp.top_logprobs)
+    pieces = [
+        c
+        async for c in await client.completions.create(
+            model=model, prompt="Once", max_tokens=5, logprobs=1, stream=True
+        )
+    ]
+    offsets = [
+        o for c in pieces if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset or []
+    ]
+    tokens = [
+        t for c in pieces if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []
+    ]
+    assert "".join(tokens) == "".join(c.choices[0].text for c in pieces)
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+    # Refused: past the bounds, and top_logprobs without logprobs.
+    async with httpx.AsyncClient(base_url=running.url) as raw:
+        auth = {"Authorization": f"Bearer {tenant_key}"}
+        # The native API takes them too, and its job's result carries them.
+        made = await raw.post(
+            "/v1/jobs", json={"prompt": "Once", "max_tokens": 3, "logprobs": 1}, headers=auth
+        )
+        assert made.status_code in (200, 201, 202), made.text
+        for _ in range(100):
+            native = (await raw.get(f"/v1/jobs/{made.json()['id']}", headers=auth)).json()
+            if native["status"] == "succeeded":
+                break
+            await asyncio.sleep(0.05)
+        result = native["result"]
+        assert [e["token"] for e in result["logprobs"]] == [" tok1", " tok2", " tok3"]
+        assert all(len(e["top_logprobs"]) == 1 for e in result["logprobs"])
+        for path, body in (
+            ("/v1/chat/completions", {"messages": HELLO, "logprobs": True, "top_logprobs": 21}),
+            ("/v1/chat/completions", {"messages": HELLO, "top_logprobs": 2}),
+            ("/v1/completions", {"prompt": "x", "logprobs": 6}),
+        ):
+            resp = await raw.post(path, json={"model": model, **body}, headers=auth)
+            assert_openai_error(resp, 400)
+
+
 async def test_bad_requests_get_openai_errors_and_enqueue_nothing(
     running: Platform, tenant_key: str
 ) -> None:

@@ -73,7 +73,8 @@ def test_vllm_extensions_min_tokens_and_ignore_eos_reach_the_engine_parameters()
         {"response_format": {"type": "yaml"}},
         {"logit_bias": {"42": 500}},
         {"tool_choice": "auto"},
-        {"logprobs": True},
+        {"top_logprobs": 2},  # without logprobs
+        {"logprobs": True, "top_logprobs": 21},
         {"n": 3},
         {"stream_options": {"include_usage": True}},  # without stream
         {"unknown_field": 1},
@@ -84,3 +85,44 @@ def test_unsupported_parameters_are_refused_not_ignored(extra: dict[str, object]
         oa.ChatCompletionRequest.model_validate(
             {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
         )
+
+
+def test_logprobs_become_the_jobs_top_count() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    chat = oa.ChatCompletionRequest.model_validate
+    assert "logprobs" not in chat(base).to_job().params()
+    assert "logprobs" not in chat({**base, "logprobs": False}).to_job().params()
+    assert chat({**base, "logprobs": True}).to_job().params()["logprobs"] == 0
+    assert chat({**base, "logprobs": True, "top_logprobs": 20}).to_job().params()["logprobs"] == 20
+    text = oa.CompletionRequest.model_validate
+    assert text({"model": "m", "prompt": "p", "logprobs": 5}).to_job().params()["logprobs"] == 5
+    assert text({"model": "m", "prompt": "p", "logprobs": 0}).to_job().params()["logprobs"] == 0
+    with pytest.raises(ValidationError):  # OpenAI's legacy bound
+        text({"model": "m", "prompt": "p", "logprobs": 6})
+
+
+def _entry(token: str, logprob: float, top: list[tuple[str, float]]) -> dict[str, object]:
+    from workers.engine.base import logprob_entry
+
+    return logprob_entry(token, logprob, top)
+
+
+def test_logprobs_render_in_each_endpoints_shape() -> None:
+    entries = [
+        _entry("Hi", -0.5, [("Hi", -0.5), ("Hello", -1.25)]),
+        _entry("!", -0.1, [("!", -0.1), (".", float("-inf"))]),
+    ]
+    assert entries[1]["top_logprobs"][1]["logprob"] == -9999.0  # -inf as JSON carries it
+    assert entries[0]["bytes"] == [72, 105]
+    assert oa.chat_logprobs(entries) == {"content": entries, "refusal": None}
+    assert oa.chat_logprobs(None) is None
+    legacy = oa.completion_logprobs(entries, offset=10)
+    assert legacy == {
+        "tokens": ["Hi", "!"],
+        "token_logprobs": [-0.5, -0.1],
+        "top_logprobs": [{"Hi": -0.5, "Hello": -1.25}, {"!": -0.1, ".": -9999.0}],
+        "text_offset": [10, 12],
+    }
+    # The chosen token is always among the legacy top_logprobs (up to logprobs + 1).
+    unlikely = oa.completion_logprobs([_entry("x", -7.0, [("a", -0.1)])])
+    assert unlikely["top_logprobs"] == [{"a": -0.1, "x": -7.0}]

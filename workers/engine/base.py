@@ -41,6 +41,27 @@ class Chunk:
     finish_reason: str | None  # set on the last chunk
     token_ids: tuple[int, ...] = ()  # the ids of this chunk's new tokens
     cached_tokens: int = 0  # prompt tokens the prefix cache held (0 until it is known)
+    # With `logprobs` asked for: one entry per new token (`logprob_entry`).
+    logprobs: tuple[dict[str, Any], ...] = ()
+
+
+# What JSON carries for a log probability of -inf (a token the model rules out): the floor
+# OpenAI's API and vLLM's server use.
+LOGPROB_FLOOR = -9999.0
+
+
+def logprob_entry(token: str, logprob: float, top: Sequence[tuple[str, float]]) -> dict[str, Any]:
+    """One generated token's log probability and the most likely tokens at its place, in
+    OpenAI's chat shape (`bytes`: the UTF-8 of the token's text)."""
+
+    def one(text: str, value: float) -> dict[str, Any]:
+        return {
+            "token": text,
+            "logprob": max(float(value), LOGPROB_FLOOR),
+            "bytes": list(text.encode("utf-8")),
+        }
+
+    return {**one(token, logprob), "top_logprobs": [one(t, v) for t, v in top]}
 
 
 class Engine(Protocol):

@@ -44,7 +44,14 @@ from typing import Any
 from tierq import metrics
 from tierq.messages import PREFIX_CHARS, prefix_key
 from tierq.token_count import PromptCounter
-from workers.engine.base import Chunk, EngineDead, EngineRequestError, resumed_params
+from workers.engine.base import (
+    LOGPROB_FLOOR,
+    Chunk,
+    EngineDead,
+    EngineRequestError,
+    logprob_entry,
+    resumed_params,
+)
 from workers.engine.vllm_scheduler import (
     FirstSteps,
     StepBudget,
@@ -118,6 +125,7 @@ class _Request:
     cached: int = field(default=0, compare=False)  # prompt tokens the prefix cache held
     arrived_at: float = field(default=0.0, compare=False)  # time.monotonic()
     tierq_first_step_cleared: bool = field(default=False, compare=False)  # clear_step's mark
+    logprobs: int | None = field(default=None, compare=False)  # top log probabilities asked
 
     # The names tierq's scheduler reads on vLLM's requests (workers/engine/vllm_scheduler.py).
     @property
@@ -211,6 +219,7 @@ class SimulatedEngine:
             asyncio.Queue(),
             generated=max_tokens - left,
             arrived_at=time.monotonic(),
+            logprobs=params.get("logprobs"),
         )
         req.cached = self._cached_prefix(
             messages, prompt, prompt_tokens + req.generated, cache_salt
@@ -369,7 +378,18 @@ class SimulatedEngine:
                         finish_reason="length" if done else None,
                         token_ids=(req.generated,),
                         cached_tokens=req.cached,
+                        logprobs=_logprobs(req),
                     )
                 )
                 if done:
                     del self._running[req.request_id]
+
+
+def _logprobs(req: _Request) -> tuple[dict[str, Any], ...]:
+    """The simulated engine's own distribution: it emits its next token with certainty
+    (log probability 0), every other one never (the floor)."""
+    if req.logprobs is None:
+        return ()
+    n = req.generated
+    top = [(f" tok{n + j}", 0.0 if j == 0 else LOGPROB_FLOOR) for j in range(req.logprobs)]
+    return (logprob_entry(f" tok{n}", 0.0, top),)

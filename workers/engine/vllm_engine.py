@@ -14,7 +14,14 @@ from typing import Any
 
 from tierq import metrics, token_count
 from tierq.settings import Settings
-from workers.engine.base import Chunk, EngineDead, EngineRequestError, resumed_params
+from workers.engine.base import (
+    LOGPROB_FLOOR,
+    Chunk,
+    EngineDead,
+    EngineRequestError,
+    logprob_entry,
+    resumed_params,
+)
 from workers.engine.vllm_args import worker_engine_args
 from workers.engine.vllm_build import vllm_cpu_build
 from workers.engine.vllm_scheduler import Tiering
@@ -157,6 +164,7 @@ class VllmEngine:
                 ignore_eos=bool(params.get("ignore_eos", False)),
                 structured_outputs=structured_outputs(params.get("response_format")),
                 logit_bias={int(t): b for t, b in (params.get("logit_bias") or {}).items()} or None,
+                logprobs=params.get("logprobs"),
                 output_kind=RequestOutputKind.DELTA,
             )
             request: Any
@@ -189,12 +197,45 @@ class VllmEngine:
                     finish_reason=completion.finish_reason if out.finished else None,
                     token_ids=tuple(completion.token_ids),
                     cached_tokens=getattr(out, "num_cached_tokens", None) or 0,
+                    logprobs=self._logprobs(
+                        completion.token_ids, completion.logprobs, params.get("logprobs")
+                    ),
                 )
         except Exception as exc:
             translated = translate_error(exc)
             if translated is exc:
                 raise
             raise translated from exc
+
+    def _logprobs(
+        self, token_ids: Sequence[int], positions: Any, top: int | None
+    ) -> tuple[dict[str, Any], ...]:
+        """Each new token's entry (`logprob_entry`) from vLLM's: at each place a dict of
+        token id to Logprob — the chosen token's (its rank whatever it is) and ranks 1 to
+        `top`. These are the model's own log probabilities (vLLM's `raw_logprobs`), before
+        temperature, penalties or a bias change them."""
+        if top is None or not positions:
+            return ()
+
+        def text(token_id: int, entry: Any) -> str:
+            decoded = entry.decoded_token if entry is not None else None
+            return decoded if decoded is not None else str(self._tokenizer.decode([token_id]))
+
+        entries = []
+        for token_id, place in zip(token_ids, positions, strict=False):
+            chosen = place.get(token_id)
+            ranked = sorted(
+                (p for p in place.items() if p[1].rank is not None and p[1].rank <= top),
+                key=lambda p: p[1].rank,
+            )
+            entries.append(
+                logprob_entry(
+                    text(token_id, chosen),
+                    chosen.logprob if chosen is not None else LOGPROB_FLOOR,
+                    [(text(i, lp), lp.logprob) for i, lp in ranked[:top]],
+                )
+            )
+        return tuple(entries)
 
     async def check_health(self) -> None:
         if self._llm is None:
