@@ -44,6 +44,7 @@ from models.prices import MILLION
 from models.records import JobRecord, as_utc
 from models.spend import period_keys
 from models.tenants import REVOKED
+from tierq.messages import output_bound
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 
@@ -237,7 +238,7 @@ async def admit_with_quotas(pool: RawPool, a: Admission) -> QuotaOutcome:
     row = await pool.fetchrow(
         ADMIT_WITH_QUOTAS,
         *_job_args(a),
-        int(a.new.params["max_tokens"]),
+        output_bound(a.new.params),
         day,
         month,
         quota_repo.BILLING_GRACE,

@@ -21,6 +21,7 @@ from models.quotas import reservation_cost
 from models.records import BatchRecord, JobRecord
 from models.tables import Batch, Job, JobTransition, utcnow
 from tierq.ids import new_id
+from tierq.messages import output_bound
 from tierq.states import BatchStatus, JobStatus
 from tierq.tiers import Tier
 
@@ -234,7 +235,7 @@ async def expand(
     tokens = sum(item.reserved_tokens for item in lines if item.error_code is None)
     cost = sum(
         (
-            reservation_cost(item.reserved_tokens, int(item.params.get("max_tokens", 0)), *prices)
+            reservation_cost(item.reserved_tokens, output_bound(item.params), *prices)
             for item in lines
             if item.error_code is None
         ),

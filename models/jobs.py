@@ -348,6 +348,7 @@ def finish_job(
     error_message: str | None = None,
     delivery: int | None = None,
     logprobs: list[dict[str, Any]] | None = None,
+    choices: list[dict[str, Any]] | None = None,
 ) -> JobRecord | None:
     """running -> succeeded/failed with its result, and its usage record, exactly once.
     Synchronous: on SQLite the whole ending is one hop to the writer's thread
@@ -361,6 +362,7 @@ def finish_job(
         finished_at=utcnow(),
         result_text=text,
         result_logprobs=logprobs,
+        result_choices=choices,
         finish_reason=finish_reason,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,

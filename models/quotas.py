@@ -37,6 +37,7 @@ from models.prices import cost_of
 from models.records import as_utc
 from models.tables import Batch, Job, Quota, utcnow
 from tierq import clock
+from tierq.messages import output_bound
 from tierq.states import JobStatus
 from tierq.tiers import Tier
 
@@ -440,8 +441,7 @@ async def held_reservations(
     )
     for reserved, params, price_in, price_out in (await s.execute(stmt)).all():
         tokens += reserved
-        max_tokens = int((params or {}).get("max_tokens", 0))
-        cost += reservation_cost(reserved, max_tokens, price_in, price_out)
+        cost += reservation_cost(reserved, output_bound(params or {}), price_in, price_out)
     return tokens, cost
 
 

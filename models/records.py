@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import Any
 
 from models.tables import Batch, File, Job, Tenant
-from tierq.messages import JobMessage, estimate_tokens, prefix_key
+from tierq.messages import JobMessage, estimate_tokens, output_bound, prefix_key
 from tierq.states import BatchStatus, JobStatus, TenantStatus
 from tierq.tiers import Tier
 
@@ -126,6 +126,7 @@ class JobRecord:
     fault_charge: int = 0  # failed deliveries held against it, in thousandths of one
     progress: Progress | None = None  # what earlier runs generated, to resume after
     result_logprobs: list[dict[str, Any]] | None = None  # with `logprobs`: each token's
+    result_choices: list[dict[str, Any]] | None = None  # with n > 1: the choices after the first
 
     @classmethod
     def from_row(cls, row: Job) -> JobRecord:
@@ -161,7 +162,19 @@ class JobRecord:
             fault_charge=row.fault_charge or 0,
             progress=Progress.from_json(row.progress),
             result_logprobs=row.result_logprobs,
+            result_choices=row.result_choices,
         )
+
+    def choices(self) -> list[dict[str, Any]]:
+        """Every choice of the result in order: {"index", "text", "finish_reason",
+        "logprobs"} (one unless the job asked for n > 1)."""
+        first = {
+            "index": 0,
+            "text": self.result_text or "",
+            "finish_reason": self.finish_reason,
+            "logprobs": self.result_logprobs,
+        }
+        return [first, *(self.result_choices or [])]
 
     def to_message(self) -> JobMessage:
         return JobMessage(
@@ -169,7 +182,7 @@ class JobRecord:
             tenant_id=self.tenant_id,
             tier=self.tier,
             enqueued_at=self.created_at.timestamp(),
-            cost=estimate_tokens(self.messages, self.prompt, int(self.params.get("max_tokens", 1))),
+            cost=estimate_tokens(self.messages, self.prompt, output_bound(self.params) or 1),
             preemptions=self.preemptions,
             batch_id=self.batch_id,
             prefix=prefix_key(self.messages, self.prompt, scope=self.tenant_id),
@@ -189,6 +202,8 @@ class JobRecord:
             result = {"text": self.result_text, "finish_reason": self.finish_reason}
             if self.result_logprobs is not None:
                 result["logprobs"] = self.result_logprobs
+            if self.result_choices is not None:
+                result["choices"] = self.choices()
         error = None
         if self.error_code is not None:
             error = {"code": self.error_code, "message": self.error_message}

@@ -119,6 +119,9 @@ class Job(Base):
     # With `logprobs` asked for: each generated token's, in OpenAI's chat shape
     # ({"token", "logprob", "bytes", "top_logprobs"}); the API renders each endpoint's.
     result_logprobs: Mapped[list[Any] | None] = mapped_column(JSON)
+    # With `n` > 1: the choices after the first, [{"index", "text", "finish_reason",
+    # "logprobs"}] in order (the first is result_text, finish_reason, result_logprobs).
+    result_choices: Mapped[list[Any] | None] = mapped_column(JSON)
     finish_reason: Mapped[str | None] = mapped_column(String(40))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)

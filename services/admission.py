@@ -53,6 +53,7 @@ from services.requests import JobCreate, Refused, check, refuse_unless_fits
 from tierq import fleet, logs, metrics, token_count, tracing
 from tierq.file_store import FileStore
 from tierq.ids import new_id
+from tierq.messages import output_bound
 from tierq.queue import Enqueuer
 from tierq.settings import Settings
 from tierq.states import TenantStatus
@@ -149,7 +150,7 @@ def reservation(settings: Settings, body: JobCreate) -> int:
     counter = token_count.for_settings(settings)
     floor, bound = counter.measure(_messages(body), body.prompt)
     refuse_unless_fits(floor, body, settings)  # the engine would refuse it after queueing
-    return bound + body.max_tokens
+    return bound + body.output_tokens
 
 
 def _messages(body: JobCreate) -> list[dict[str, Any]] | None:
@@ -205,7 +206,7 @@ async def submit(
     # A reservation is never below what the engine will bill. The fast path admits only
     # where no quota applies, so nothing is checked against it: it reserves the byte bound
     # (no tokenizer run); the exact path counts with the served model's tokenizer.
-    reserved = token_count.BYTE_BOUND.reserve(messages, body.prompt, body.max_tokens)
+    reserved = token_count.BYTE_BOUND.reserve(messages, body.prompt, body.output_tokens)
     new = job_repo.NewJob(
         tenant_id=tenant.id,
         tier=tier,
@@ -305,7 +306,7 @@ async def _counted(
         refuse_unless_fits(floor, body, settings)
     except Refused as exc:
         raise _refuse(exc.status, exc.message, exc.code, exc.param) from None
-    return dataclasses.replace(new, reserved_tokens=bound + body.max_tokens)
+    return dataclasses.replace(new, reserved_tokens=bound + body.output_tokens)
 
 
 def _admission(settings: Settings, key_id: str | None, new: job_repo.NewJob) -> Admission:
@@ -405,7 +406,7 @@ async def _admit_exact(
             price = await price_repo.current_price(s, new.model, new.tier, settings.batch_discount)
             price_in = price.input_per_million if price else Decimal(0)
             price_out = price.output_per_million if price else Decimal(0)
-            max_tokens = int(new.params["max_tokens"])
+            max_tokens = output_bound(new.params)
             await _admit(
                 s,
                 settings,
@@ -554,7 +555,7 @@ def file_reservation(
         except (ValidationError, Refused):
             continue
         tokens += reserved
-        cost += quota_repo.reservation_cost(reserved, job.max_tokens, price_in, price_out)
+        cost += quota_repo.reservation_cost(reserved, job.output_tokens, price_in, price_out)
     return tokens, cost
 
 

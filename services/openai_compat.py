@@ -16,6 +16,7 @@ from services.requests import (
     DOCUMENTED_MAX_PROMPT_CHARS,
     DOCUMENTED_MAX_TOKENS,
     INT64,
+    MAX_CHOICES,
     MAX_TOKENS_SCHEMA,
     MAX_TOP_LOGPROBS,
     NOT_BLANK,
@@ -44,13 +45,13 @@ _TIER_BY_SERVICE_TIER: dict[str, Tier | None] = {
 # The service_tier a response echoes: the OpenAI name of the tier the job ran in.
 SERVICE_TIER_BY_TIER = {Tier.INTERACTIVE: "priority", Tier.STANDARD: "default", Tier.BATCH: "batch"}
 
+# Tool calling needs a model whose chat template takes tool definitions and a parser for
+# the calls it writes (vLLM's --tool-call-parser); the bundled model's template takes none
+# (SmolLM2-135M-Instruct renders only role and content), and tierq runs no parser.
+_TOOLS = ("tools", "tool_choice", "functions", "function_call")
 # Parameters OpenAI defines that this server does not implement: refused with a clear 400
 # rather than silently ignored.
 _UNSUPPORTED = (
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
     "audio",
     "modalities",
     "prediction",
@@ -124,7 +125,8 @@ class _Common(BaseModel):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int | None = Field(default=None, ge=1, le=1)  # one choice per request
+    # Choices for the prompt, each up to max_tokens, each billed (prompt tokens once).
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: Stop = None
     seed: int | None = Field(default=None, json_schema_extra=INT64)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -147,6 +149,13 @@ class _Common(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            for name in _TOOLS:
+                if data.get(name) not in (None, False):
+                    raise ValueError(
+                        f"'{name}' is not supported: this server runs no tool calling for "
+                        f"the model '{data.get('model')}' (its chat template takes no tools "
+                        "and no tool-call parser is configured)"
+                    )
             for name in _UNSUPPORTED:
                 if data.get(name) not in (None, False):
                     raise ValueError(f"'{name}' is not supported by this server")
@@ -178,6 +187,7 @@ class _Common(BaseModel):
             "ignore_eos": self.ignore_eos,
             "response_format": self.response_format,
             "logit_bias": self.logit_bias,
+            "n": self.n,
             "metadata": self.metadata,
         }
         fields = {k: v for k, v in optional.items() if v is not None}
@@ -335,11 +345,12 @@ def chat_completion(job: JobRecord) -> dict[str, Any]:
         "model": job.model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": job.result_text or "", "refusal": None},
-                "logprobs": chat_logprobs(job.result_logprobs),
-                "finish_reason": job.finish_reason or "stop",
+                "index": c["index"],
+                "message": {"role": "assistant", "content": c["text"], "refusal": None},
+                "logprobs": chat_logprobs(c["logprobs"]),
+                "finish_reason": c["finish_reason"] or "stop",
             }
+            for c in job.choices()
         ],
         "usage": usage(job),
         "service_tier": SERVICE_TIER_BY_TIER[job.tier],
@@ -355,11 +366,12 @@ def text_completion(job: JobRecord) -> dict[str, Any]:
         "model": job.model,
         "choices": [
             {
-                "index": 0,
-                "text": job.result_text or "",
-                "logprobs": completion_logprobs(job.result_logprobs),
-                "finish_reason": job.finish_reason or "stop",
+                "index": c["index"],
+                "text": c["text"],
+                "logprobs": completion_logprobs(c["logprobs"]),
+                "finish_reason": c["finish_reason"] or "stop",
             }
+            for c in job.choices()
         ],
         "usage": usage(job),
         "service_tier": SERVICE_TIER_BY_TIER[job.tier],
@@ -381,19 +393,21 @@ def chunk(
     include_usage: bool = False,
     logprobs: list[dict[str, Any]] | None = None,
     offset: int = 0,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed chunk (chat.completion.chunk, or a text_completion piece); `logprobs`:
-    the entries of its text's tokens (`offset`: the characters of text sent before it)."""
+    """One streamed chunk of choice `index` (chat.completion.chunk, or a text_completion
+    piece); `logprobs`: the entries of its text's tokens (`offset`: the characters of the
+    choice's text sent before it)."""
     if chat:
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None or role:
             delta["content"] = text or ""
-        choice: dict[str, Any] = {"index": 0, "delta": delta}
+        choice: dict[str, Any] = {"index": index, "delta": delta}
         choice["logprobs"] = chat_logprobs(logprobs)
     else:
-        choice = {"index": 0, "text": text or ""}
+        choice = {"index": index, "text": text or ""}
         choice["logprobs"] = completion_logprobs(logprobs, offset)
     choice["finish_reason"] = finish_reason
     body: dict[str, Any] = {

@@ -38,6 +38,8 @@ DOCUMENTED_MAX_PROMPT_CHARS = Settings.model_fields["max_prompt_chars"].default
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs, and vLLM's default max_logprobs
+# Choices per request (`n`): each is a sequence of its own in the engine's batch.
+MAX_CHOICES = 16
 # logit_bias: token ids (decimal strings, as OpenAI's JSON has them) to a bias in
 # [-100, 100], at most this many (each is an addition to every step's logits).
 MAX_LOGIT_BIAS = 300
@@ -224,6 +226,8 @@ class JobCreate(BaseModel):
     # Log probabilities of the generated tokens: each token's, and the `logprobs` most
     # likely at its position (0: the chosen token's alone); None: none.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Choices generated for the prompt, each up to max_tokens, each billed.
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     metadata: Metadata = None
 
     @field_validator("stop")
@@ -268,7 +272,14 @@ class JobCreate(BaseModel):
             params["logit_bias"] = self.logit_bias
         if self.logprobs is not None:
             params["logprobs"] = self.logprobs
+        if self.n > 1:
+            params["n"] = self.n
         return params
+
+    @property
+    def output_tokens(self) -> int:
+        """The most tokens the job can generate: max_tokens for each of its n choices."""
+        return self.max_tokens * self.n
 
     def input_chars(self) -> int:
         if self.prompt is not None:

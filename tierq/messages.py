@@ -107,6 +107,12 @@ def prefix_key(
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
+def output_bound(params: dict[str, Any]) -> int:
+    """The most tokens a job can generate: `max_tokens` for each of its `n` choices. What
+    it reserves, is charged by the scheduler and may be billed for, besides its prompt."""
+    return int(params.get("max_tokens", 0)) * int(params.get("n", 1) or 1)
+
+
 def estimate_tokens(
     messages: list[dict[str, Any]] | None, prompt: str | None, max_tokens: int
 ) -> int:

@@ -321,12 +321,25 @@ def truncated(event: JobEvent) -> str:
     """What a replay buffer keeps of a delta past its byte limit: how many characters it
     had (a re-run of the job skips that much of its text, as it skips what was kept)."""
     chars = len(event.data.get("text", ""))
-    return JobEvent("delta", {"text": "", "replay_truncated": True, "chars": chars}).encode()
+    kept: dict[str, Any] = {"text": "", "replay_truncated": True, "chars": chars}
+    if event.data.get("index"):
+        kept["index"] = event.data["index"]  # the choice it continued (n > 1)
+    return JobEvent("delta", kept).encode()
 
 
 def delta_chars(event: JobEvent) -> int:
     """Characters of text a delta carried, kept or truncated in the buffer."""
     return int(event.data.get("chars", len(event.data.get("text", ""))))
+
+
+def streamed_chars(events: list[JobEvent]) -> dict[int, int]:
+    """Characters of text the deltas carried, per choice (0 unless the job has n > 1)."""
+    chars: dict[int, int] = {}
+    for event in events:
+        if event.kind == "delta":
+            index = int(event.data.get("index", 0))
+            chars[index] = chars.get(index, 0) + delta_chars(event)
+    return chars
 
 
 class EventLog:

@@ -87,11 +87,18 @@ class EventPublisher:
                 )
             )
 
-    def delta(self, job_id: str, text: str, logprobs: Sequence[dict[str, Any]] = ()) -> None:
-        """Queue a text delta (with its tokens' log probabilities, when the job asked)."""
+    def delta(
+        self, job_id: str, text: str, logprobs: Sequence[dict[str, Any]] = (), index: int = 0
+    ) -> None:
+        """Queue a text delta (with its tokens' log probabilities, when the job asked) of
+        the job's choice `index` (0 unless it asked for n > 1)."""
         delivery = self._deliveries.get(job_id)
         i = self._last_delta.get(job_id)
-        if i is not None and self._batch[i][3] == delivery:
+        if (
+            i is not None
+            and self._batch[i][3] == delivery
+            and self._batch[i][1].data.get("index", 0) == index
+        ):
             data = self._batch[i][1].data
             data["text"] += text
             if logprobs:
@@ -99,6 +106,8 @@ class EventPublisher:
             return
         self._last_delta[job_id] = len(self._batch)
         data = {"text": text, **({"logprobs": list(logprobs)} if logprobs else {})}
+        if index:
+            data["index"] = index
         self._batch.append((job_id, JobEvent("delta", data), None, delivery))
         self._wake.set()
 

@@ -52,10 +52,10 @@ from tierq.ids import new_id
 from tierq.messages import FAULT_UNIT, Heartbeat, JobEvent, JobMessage, Served, fault_share
 from tierq.queue import (
     EventLog,
-    delta_chars,
     enqueue,
     push_latency_samples,
     read_group,
+    streamed_chars,
     wake_dispatcher,
     write_heartbeat,
 )
@@ -67,7 +67,7 @@ from tierq.states import JobStatus
 from tierq.tiers import vllm_priority
 from workers import identity, observe
 from workers.claims import Claims
-from workers.engine.base import Engine, EngineDead, EngineRequestError, EngineWrapper
+from workers.engine.base import Chunk, Engine, EngineDead, EngineRequestError, EngineWrapper
 from workers.engine.vllm_args import build_defaults
 from workers.first_steps import FirstSteps
 from workers.streaming import EventPublisher
@@ -108,11 +108,14 @@ def resumable(params: dict[str, Any]) -> bool:
     - structured outputs: the engine's grammar starts at the first token it generates, so
       a continuation would begin another JSON document after the first one's start;
     - log probabilities: the tokens resumed after are prompt to the engine, which gives
-      none for them.
+      none for them;
+    - n > 1 choices: the choices would each have to resume after their own tokens.
     Those jobs start again (the work thrown away is counted)."""
     if params.get("presence_penalty") or params.get("frequency_penalty") or params.get("stop"):
         return False
     if params.get("response_format") or params.get("logprobs") is not None:
+        return False
+    if int(params.get("n", 1)) > 1:
         return False
     sampled = float(params.get("temperature", 1.0) or 0.0) > 0
     return not (sampled and params.get("seed") is not None)
@@ -121,6 +124,47 @@ def resumable(params: dict[str, Any]) -> bool:
 def unavailable(exc: BaseException) -> bool:
     """The database or Redis could not be reached: worth waiting for, not a job's fault."""
     return db_mod.is_unavailable(exc) or redis_unavailable(exc)
+
+
+@dataclass
+class Choice:
+    """One of the choices after the first of a job with n > 1, as its run generates it
+    (the first is the Outcome's own text, finish reason and log probabilities)."""
+
+    index: int
+    emitted: int  # characters of it that followers have (an earlier delivery streamed)
+    logprobs: list[dict[str, Any]] | None  # None: not asked for
+    parts: list[str] = dataclasses.field(default_factory=list)
+    produced: int = 0
+    finish_reason: str | None = None
+    pending: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def take(self, chunk: Chunk) -> tuple[str, list[dict[str, Any]]] | None:
+        """Add the engine's chunk; what of it to stream (the text past what followers
+        have, with the log probabilities not sent yet), or None."""
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        if self.logprobs is not None:
+            self.logprobs.extend(chunk.logprobs)
+            self.pending.extend(chunk.logprobs)
+        if not chunk.text:
+            return None
+        text = chunk.text.replace("\x00", "\ufffd")  # as the first choice's (NUL)
+        self.parts.append(text)
+        start, self.produced = self.produced, self.produced + len(text)
+        pending, self.pending = self.pending, []
+        if self.produced <= self.emitted:
+            return None
+        fresh = text[max(0, self.emitted - start) :]
+        self.emitted = self.produced
+        return fresh, pending
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "text": "".join(self.parts),
+            "finish_reason": self.finish_reason,
+            "logprobs": self.logprobs,
+        }
 
 
 @dataclass
@@ -138,6 +182,7 @@ class Outcome:
     token_ids: list[int] = dataclasses.field(default_factory=list)  # the same tokens' ids
     resumed: int = 0  # of those, the tokens earlier runs generated (this one resumed after)
     logprobs: list[dict[str, Any]] | None = None  # with `logprobs` asked for: each token's
+    choices: list[dict[str, Any]] | None = None  # with n > 1: the choices after the first
     first_token_at: float | None = None  # when this run streamed its first text
     # What this delivery is held against the job when it goes back, in thousandths of a
     # failed delivery (models/jobs.py `requeue_job`): a drain or a preemption costs nothing.
@@ -727,10 +772,10 @@ class Worker:
         observe.count_start(self.settings, job)
         return await self._generate(job, msg, already)
 
-    async def _claim(self, msg: JobMessage) -> tuple[JobRecord, int] | str:
+    async def _claim(self, msg: JobMessage) -> tuple[JobRecord, dict[int, int]] | str:
         """This run's claim on the job (the database's, then the event stream's delivery
-        fence) and how many characters earlier deliveries streamed; or why it does not run
-        (superseded, skipped)."""
+        fence) and how many characters earlier deliveries streamed of each choice; or why
+        it does not run (superseded, skipped)."""
         job, why_not = await self._retrying("start job", lambda: self._start(msg))
         if job is None:
             return why_not
@@ -746,11 +791,12 @@ class Worker:
             else []
         )
         self.publisher.fence(job.id, job.deliveries, [event for _, event in earlier])
-        return job, sum(delta_chars(e) for _, e in earlier if e.kind == "delta")
+        return job, streamed_chars([e for _, e in earlier])
 
-    async def _generate(self, job: JobRecord, msg: JobMessage, already: int) -> Outcome:
-        """Run the job in the engine, streaming what goes beyond the `already` characters
-        that followers have; the outcome says how it ended."""
+    async def _generate(self, job: JobRecord, msg: JobMessage, streamed: dict[int, int]) -> Outcome:
+        """Run the job in the engine, streaming of each choice what goes beyond the
+        characters followers have (`streamed`); the outcome says how it ended."""
+        already = streamed.get(0, 0)
         params: dict[str, Any] = dict(job.params)
         if params.get("seed") is None:
             params["seed"] = replay_seed(job.id)
@@ -795,6 +841,8 @@ class Worker:
         pending: list[dict[str, Any]] = []
         if params.get("logprobs") is not None:
             out.logprobs = []
+        # The choices after the first (n > 1), as they come.
+        others: dict[int, Choice] = {}
         # The watchdog: its deadline moves on with every chunk the engine streams.
         stall_s = self.settings.job_stall_s
         watchdog = asyncio.timeout(None)
@@ -828,6 +876,18 @@ class Worker:
                     out.completion_tokens += chunk.new_tokens
                     if keep:
                         out.token_ids.extend(chunk.token_ids)
+                    if chunk.index:  # a choice after the first
+                        other = others.get(chunk.index)
+                        if other is None:
+                            other = others[chunk.index] = Choice(
+                                chunk.index,
+                                streamed.get(chunk.index, 0),
+                                None if out.logprobs is None else [],
+                            )
+                        fresh = other.take(chunk)
+                        if fresh is not None and job.batch_id is None:
+                            self.publisher.delta(job.id, *fresh, index=chunk.index)
+                        continue
                     out.finish_reason = chunk.finish_reason or out.finish_reason
                     if out.logprobs is not None:
                         out.logprobs.extend(chunk.logprobs)
@@ -883,6 +943,18 @@ class Worker:
             job.id,
             out.completion_tokens - out.resumed,
         )
+        choices = int(params.get("n", 1))
+        if choices > 1:
+            out.choices = [
+                others[i].result() if i in others else Choice(i, 0, None).result()
+                for i in range(1, choices)
+            ]
+            # The run is over when every choice is: the first's reason stands for all.
+            reasons = [out.finish_reason, *(c["finish_reason"] for c in out.choices)]
+            if "error" in reasons:
+                out.finish_reason = "error"
+            elif any(r in (None, "abort") for r in reasons):
+                out.finish_reason = next(r for r in reasons if r in (None, "abort"))
         if job.id in self._superseded:
             out.kind = "superseded"
         elif out.finish_reason == "error":
@@ -990,6 +1062,7 @@ class Worker:
                 completion_tokens=out.completion_tokens,
                 delivery=delivery,
                 logprobs=out.logprobs,
+                choices=out.choices,
             )
 
         async def write() -> JobRecord | None:

@@ -248,27 +248,33 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     state.started = True
     finished = False
-    # The assistant's role chunk goes out with the first token, as vLLM sends it: a client
-    # timing its first chunk measures the time to the first token, not to admission.
-    role_sent = not chat
-    sent = 0  # characters of text sent
+    # Per choice (one unless the job asked for n > 1), by its index: whether its role chunk
+    # went out — with its first token, as vLLM sends it: a client timing its first chunk
+    # measures the time to the first token, not to admission — the characters of text and
+    # the tokens' log probabilities sent, and whether the replay buffer dropped some of its
+    # text (past such a placeholder the choice continues from the result, in order, once
+    # the job is over).
+    roles: set[int] = set()
+    sent: dict[int, int] = {}
+    scored: dict[int, int] = {}
+    gaps: set[int] = set()
     # With `logprobs` asked for, every content chunk carries its tokens' (maybe none).
     wants = job.params.get("logprobs") is not None
-    scored = 0  # tokens whose log probabilities were sent
-    gap = False
     final: JobRecord | None = None
     try:
         async with contextlib.aclosing(ctx.follow(job)) as events:
             async for _seq, event in events:
                 if event.kind == "delta":
-                    # Past a placeholder (text the replay buffer did not keep) the text
-                    # continues from the result, in order, once the job is over.
-                    gap = gap or bool(event.data.get("replay_truncated"))
-                    text = "" if gap else event.data.get("text", "")
+                    i = int(event.data.get("index", 0))
+                    if event.data.get("replay_truncated"):
+                        gaps.add(i)
+                    text = "" if i in gaps else event.data.get("text", "")
                     if text:
-                        if not role_sent:
-                            role_sent = True
-                            yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
+                        if chat and i not in roles:
+                            roles.add(i)
+                            yield _data(
+                                oa.chunk(job, chat, role=True, include_usage=include_usage, index=i)
+                            )
                         scores = event.data.get("logprobs", []) if wants else None
                         yield _data(
                             oa.chunk(
@@ -277,11 +283,12 @@ async def _stream(
                                 text=text,
                                 include_usage=include_usage,
                                 logprobs=scores,
-                                offset=sent,
+                                offset=sent.get(i, 0),
+                                index=i,
                             )
                         )
-                        sent += len(text)
-                        scored += len(scores or ())
+                        sent[i] = sent.get(i, 0) + len(text)
+                        scored[i] = scored.get(i, 0) + len(scores or ())
                     continue
                 finished = True
                 final = await ctx.job(job.id)
@@ -291,30 +298,36 @@ async def _stream(
             ctx.cancel_later(job.id)  # answered with an error: it must not run on
             yield _data(error_body(503, "The job's stream ended early.", "service_unavailable"))
         elif final.status.value == "succeeded":
-            if not role_sent:  # nothing was generated: the role still opens the answer
-                yield _data(oa.chunk(job, chat, role=True, include_usage=include_usage))
-            # What followed text the replay buffer no longer held: from the result.
-            rest = (final.result_text or "")[sent:]
-            rest_scores = (final.result_logprobs or [])[scored:] if wants else None
-            if rest or rest_scores:
+            for choice in final.choices():
+                i = choice["index"]
+                if chat and i not in roles:  # nothing was streamed: the role still opens it
+                    yield _data(
+                        oa.chunk(job, chat, role=True, include_usage=include_usage, index=i)
+                    )
+                # What followed text the replay buffer no longer held: from the result.
+                rest = choice["text"][sent.get(i, 0) :]
+                rest_scores = (choice["logprobs"] or [])[scored.get(i, 0) :] if wants else None
+                if rest or rest_scores:
+                    yield _data(
+                        oa.chunk(
+                            job,
+                            chat,
+                            text=rest,
+                            include_usage=include_usage,
+                            logprobs=rest_scores,
+                            offset=sent.get(i, 0),
+                            index=i,
+                        )
+                    )
                 yield _data(
                     oa.chunk(
-                        job,
+                        final,
                         chat,
-                        text=rest,
+                        finish_reason=choice["finish_reason"] or "stop",
                         include_usage=include_usage,
-                        logprobs=rest_scores,
-                        offset=sent,
+                        index=i,
                     )
                 )
-            yield _data(
-                oa.chunk(
-                    final,
-                    chat,
-                    finish_reason=final.finish_reason or "stop",
-                    include_usage=include_usage,
-                )
-            )
             if include_usage:
                 yield _data(oa.usage_chunk(final, chat))
         else:

@@ -829,3 +829,53 @@ async def test_logprobs_on_the_real_engine_plain_streamed_and_in_a_batch(
     scored = answer["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert [(t["token"], t["logprob"]) for t in scored] == [(t.token, t.logprob) for t in content]
     assert [e["custom_id"] for e in errors] == ["too-many"]
+
+
+async def test_n_choices_on_the_real_engine_plain_streamed_and_in_a_batch(
+    pg_platform: LivePlatform,
+) -> None:
+    """n = 3 through vLLM's parallel sampling: three choices, each with its own index and
+    finish, sampled apart; streamed choices carry their index; usage counts every choice's
+    tokens; a batch line takes n too."""
+    sdk = AsyncOpenAI(base_url=f"{pg_platform.url}/v1", api_key=pg_platform.key, timeout=300)
+    model = "SmolLM2-135M-Instruct"
+    question = [{"role": "user", "content": "Write one word about the sea."}]
+    chat = await sdk.chat.completions.create(
+        model=model, messages=question, max_tokens=16, temperature=1.0, n=3
+    )
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert all(c.message.content and c.finish_reason in ("stop", "length") for c in chat.choices)
+    assert chat.usage is not None and chat.usage.completion_tokens >= 3
+    stream = await sdk.chat.completions.create(
+        model=model,
+        messages=question,
+        max_tokens=16,
+        temperature=1.0,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usage = None
+    async for c in stream:
+        usage = c.usage or usage
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert sorted(texts) == sorted(finishes) == [0, 1, 2] and all(texts.values())
+    assert usage is not None and usage.completion_tokens >= 3
+    line = {
+        "custom_id": "three",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": model, "messages": question, "max_tokens": 16, "n": 3},
+    }
+    bad = {**line, "custom_id": "too-many", "body": {**line["body"], "n": 99}}
+    _, output, errors = await _run_batch(sdk, "three.jsonl", [line, bad])
+    [answer] = output
+    body = answer["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["completion_tokens"] >= 3
+    assert [e["custom_id"] for e in errors] == ["too-many"]

@@ -223,3 +223,32 @@ async def test_a_job_cancelled_while_it_ran_holds_its_reservation_until_billed(
     assert await held() == 0  # billed: the ledger holds it now
     async with platform.db.session() as s:
         assert await spend.spent(s, tenant_id, None, "total", now) == (320, Decimal(0))
+
+
+async def test_a_job_of_n_choices_reserves_and_holds_max_tokens_for_each(
+    platform: Platform,
+) -> None:
+    """Output at 1 a token, a spend budget of 100, no worker (jobs stay queued, holding
+    their reservations): a job of n = 3 x 30 tokens holds 90; 5 more fit, 10 more do not.
+    What a waiting job holds is counted by the admission function itself (migration 0014:
+    max_tokens x n), not only when the job is admitted."""
+    async with client(platform.url, ADMIN_KEY) as a:
+        price = {
+            "model": platform.settings.served_model_name,
+            "tier": "standard",
+            "input_per_million": "0",
+            "output_per_million": "1000000",
+        }
+        assert (await a.put("/admin/prices", json=price)).status_code == 200
+    _, key = await budgeted_tenant(platform, spend_budget="100")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tier": "standard"}
+    async with client(platform.url, key) as c:
+        too_many = await c.post("/v1/jobs", json={**chat, "max_tokens": 30, "n": 4})
+        assert too_many.status_code == 429, too_many.text  # 120 > 100 on its own
+        held = await c.post("/v1/jobs", json={**chat, "max_tokens": 30, "n": 3})
+        assert held.status_code in (200, 201, 202), held.text
+        fits = await c.post("/v1/jobs", json={**chat, "max_tokens": 5})
+        assert fits.status_code in (200, 201, 202), fits.text
+        over = await c.post("/v1/jobs", json={**chat, "max_tokens": 10})
+        assert over.status_code == 429, over.text
+        assert over.json()["error"]["code"] == "budget_exceeded", over.text

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI
+from sqlalchemy import text
 
 from models import jobs as job_repo
 from models import tenants as tenant_repo
@@ -262,6 +263,61 @@ async def test_logprobs_plain_and_streamed_in_each_endpoints_shape(
             assert_openai_error(resp, 400)
 
 
+async def test_n_choices_plain_and_streamed_each_billed(running: Platform, tenant_key: str) -> None:
+    """n = 3 on the simulated engine (choice i's tokens read " tok<k>.<i>"): every choice
+    whole and in order, plain and streamed with its index, each one's tokens billed."""
+    client = sdk(running, tenant_key)
+    model = running.settings.served_model_name
+    chat = await client.chat.completions.create(
+        model=model, messages=HELLO, max_tokens=4, n=3, logprobs=True
+    )
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert chat.choices[0].message.content == " tok1 tok2 tok3 tok4"
+    assert chat.choices[2].message.content == " tok1.2 tok2.2 tok3.2 tok4.2"
+    assert all(c.finish_reason == "length" for c in chat.choices)
+    for c in chat.choices:
+        assert "".join(t.token for t in c.logprobs.content or []) == c.message.content  # type: ignore[union-attr]
+    assert chat.usage is not None and chat.usage.completion_tokens == 12
+    job = await _job(running, "job_" + chat.id.split("job_", 1)[1])
+    async with running.db.session() as s:
+        billed = await s.execute(
+            text("SELECT completion_tokens FROM usage_records WHERE job_id = :id"), {"id": job.id}
+        )
+    assert billed.scalar_one() == 12
+
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=HELLO,
+        max_tokens=3,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    texts: dict[int, str] = {}
+    roles: dict[int, int] = {}
+    finishes: dict[int, list[str]] = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            roles[choice.index] = roles.get(choice.index, 0) + (choice.delta.role == "assistant")
+            if choice.finish_reason:
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    assert texts == {0: " tok1 tok2 tok3", 1: " tok1.1 tok2.1 tok3.1"}
+    assert roles == {0: 1, 1: 1} and finishes == {0: ["length"], 1: ["length"]}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+
+    legacy = await client.completions.create(model=model, prompt="Once", max_tokens=2, n=2)
+    assert [c.text for c in legacy.choices] == [" tok1 tok2", " tok1.1 tok2.1"]
+    async with httpx.AsyncClient(base_url=running.url) as raw:
+        resp = await raw.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": HELLO, "n": 17},
+            headers={"Authorization": f"Bearer {tenant_key}"},
+        )
+        assert_openai_error(resp, 400)
+
+
 async def test_bad_requests_get_openai_errors_and_enqueue_nothing(
     running: Platform, tenant_key: str
 ) -> None:
@@ -272,7 +328,7 @@ async def test_bad_requests_get_openai_errors_and_enqueue_nothing(
     assert not_found.value.code == "model_not_found"
     bad: list[dict[str, object]] = [
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        {"n": 2},
+        {"n": 17},
         {"max_tokens": 0},
         {"temperature": 3},
         {"messages": []},

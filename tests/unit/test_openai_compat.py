@@ -75,7 +75,8 @@ def test_vllm_extensions_min_tokens_and_ignore_eos_reach_the_engine_parameters()
         {"tool_choice": "auto"},
         {"top_logprobs": 2},  # without logprobs
         {"logprobs": True, "top_logprobs": 21},
-        {"n": 3},
+        {"n": 17},
+        {"n": 0},
         {"stream_options": {"include_usage": True}},  # without stream
         {"unknown_field": 1},
     ],
@@ -126,3 +127,23 @@ def test_logprobs_render_in_each_endpoints_shape() -> None:
     # The chosen token is always among the legacy top_logprobs (up to logprobs + 1).
     unlikely = oa.completion_logprobs([_entry("x", -7.0, [("a", -0.1)])])
     assert unlikely["top_logprobs"] == [{"a": -0.1, "x": -7.0}]
+
+
+def test_tools_are_refused_naming_the_model() -> None:
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}]}
+    for extra in (
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"tool_choice": "auto"},
+    ):
+        with pytest.raises(
+            ValidationError, match="tool calling for the model 'SmolLM2-135M-Instruct'"
+        ):
+            oa.ChatCompletionRequest.model_validate({**body, **extra})
+
+
+def test_n_choices_reserve_max_tokens_each() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+    job = oa.ChatCompletionRequest.model_validate({**body, "n": 3}).to_job()
+    assert job.params()["n"] == 3 and job.output_tokens == 21
+    one = oa.ChatCompletionRequest.model_validate(body).to_job()
+    assert "n" not in one.params() and one.output_tokens == 7

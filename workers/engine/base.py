@@ -43,6 +43,7 @@ class Chunk:
     cached_tokens: int = 0  # prompt tokens the prefix cache held (0 until it is known)
     # With `logprobs` asked for: one entry per new token (`logprob_entry`).
     logprobs: tuple[dict[str, Any], ...] = ()
+    index: int = 0  # the choice (of the request's n) this chunk continues
 
 
 # What JSON carries for a log probability of -inf (a token the model rules out): the floor

@@ -126,6 +126,7 @@ class _Request:
     arrived_at: float = field(default=0.0, compare=False)  # time.monotonic()
     tierq_first_step_cleared: bool = field(default=False, compare=False)  # clear_step's mark
     logprobs: int | None = field(default=None, compare=False)  # top log probabilities asked
+    index: int = field(default=0, compare=False)  # the choice it generates (of the n asked)
 
     # The names tierq's scheduler reads on vLLM's requests (workers/engine/vllm_scheduler.py).
     @property
@@ -172,6 +173,7 @@ class SimulatedEngine:
         self._step_no = 0
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
+        self._children: dict[str, list[str]] = {}  # a request of n > 1 -> its other choices' ids
         self._arrivals = itertools.count()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -210,32 +212,43 @@ class SimulatedEngine:
         # A resumed run prefills its prompt and the tokens it resumes after, and goes on
         # counting from there: its text continues the earlier run's exactly.
         left = int(resumed_params(params, len(resume))["max_tokens"])
-        req = _Request(
-            priority,
-            next(self._arrivals),
-            request_id,
-            prompt_tokens,
-            max_tokens,
-            asyncio.Queue(),
-            generated=max_tokens - left,
-            arrived_at=time.monotonic(),
-            logprobs=params.get("logprobs"),
-        )
-        req.cached = self._cached_prefix(
-            messages, prompt, prompt_tokens + req.generated, cache_salt
-        )
-        req.prefill_left = prompt_tokens + req.generated - req.cached
-        self._waiting.append(req)
+        # n choices are n requests of their own, as in vLLM (the first under the request's
+        # id), writing to one queue.
+        n = int(params.get("n", 1))
+        out: asyncio.Queue[Chunk | None] = asyncio.Queue()
+        if n > 1:
+            self._children[request_id] = [f"{i}_{request_id}" for i in range(1, n)]
+        for i in range(n):
+            req = _Request(
+                priority,
+                next(self._arrivals),
+                request_id if i == 0 else f"{i}_{request_id}",
+                prompt_tokens,
+                max_tokens,
+                out,
+                generated=max_tokens - left,
+                arrived_at=time.monotonic(),
+                logprobs=params.get("logprobs"),
+                index=i,
+            )
+            req.cached = self._cached_prefix(
+                messages, prompt, prompt_tokens + req.generated, cache_salt
+            )
+            req.prefill_left = prompt_tokens + req.generated - req.cached
+            self._waiting.append(req)
         self._waiting.sort()
         self._wake.set()
+        finished = 0
         try:
             while True:
-                chunk = await req.out.get()
+                chunk = await out.get()
                 if chunk is None:
                     return  # aborted
                 yield chunk
                 if chunk.finish_reason is not None:
-                    return
+                    finished += 1
+                    if finished == n:
+                        return
         finally:
             await self.abort(request_id)
 
@@ -263,6 +276,8 @@ class SimulatedEngine:
         return 0
 
     async def abort(self, request_id: str) -> None:
+        for child in self._children.pop(request_id, []):
+            await self.abort(child)
         req = self._running.pop(request_id, None)
         if req is None:
             for i, waiting in enumerate(self._waiting):
@@ -372,17 +387,25 @@ class SimulatedEngine:
                 done = req.generated >= req.max_tokens
                 req.out.put_nowait(
                     Chunk(
-                        text=f" tok{req.generated}",
+                        text=_token(req),
                         new_tokens=1,
                         prompt_tokens=req.prompt_tokens,
                         finish_reason="length" if done else None,
                         token_ids=(req.generated,),
                         cached_tokens=req.cached,
                         logprobs=_logprobs(req),
+                        index=req.index,
                     )
                 )
                 if done:
                     del self._running[req.request_id]
+
+
+def _token(req: _Request, ahead: int = 0) -> str:
+    """The simulated engine's text of a token: " tok<k>" for the k-th, " tok<k>.<i>" in
+    choice i > 0."""
+    k = req.generated + ahead
+    return f" tok{k}" if req.index == 0 else f" tok{k}.{req.index}"
 
 
 def _logprobs(req: _Request) -> tuple[dict[str, Any], ...]:
@@ -390,6 +413,5 @@ def _logprobs(req: _Request) -> tuple[dict[str, Any], ...]:
     (log probability 0), every other one never (the floor)."""
     if req.logprobs is None:
         return ()
-    n = req.generated
-    top = [(f" tok{n + j}", 0.0 if j == 0 else LOGPROB_FLOOR) for j in range(req.logprobs)]
-    return (logprob_entry(f" tok{n}", 0.0, top),)
+    top = [(_token(req, j), 0.0 if j == 0 else LOGPROB_FLOOR) for j in range(req.logprobs)]
+    return (logprob_entry(_token(req), 0.0, top),)

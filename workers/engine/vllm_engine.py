@@ -165,6 +165,7 @@ class VllmEngine:
                 structured_outputs=structured_outputs(params.get("response_format")),
                 logit_bias={int(t): b for t, b in (params.get("logit_bias") or {}).items()} or None,
                 logprobs=params.get("logprobs"),
+                n=int(params.get("n", 1)),
                 output_kind=RequestOutputKind.DELTA,
             )
             request: Any
@@ -189,18 +190,21 @@ class VllmEngine:
             async for out in self._llm.generate(request, sampling, request_id, priority=priority):
                 if out.prompt_token_ids is not None:
                     prompt_tokens = len(out.prompt_token_ids) - len(resume)
-                completion = out.outputs[0]
-                yield Chunk(
-                    text=completion.text,
-                    new_tokens=len(completion.token_ids),
-                    prompt_tokens=prompt_tokens,
-                    finish_reason=completion.finish_reason if out.finished else None,
-                    token_ids=tuple(completion.token_ids),
-                    cached_tokens=getattr(out, "num_cached_tokens", None) or 0,
-                    logprobs=self._logprobs(
-                        completion.token_ids, completion.logprobs, params.get("logprobs")
-                    ),
-                )
+                # One output per choice that moved (with n > 1 each choice is a request
+                # of its own inside vLLM, finishing on its own).
+                for completion in out.outputs:
+                    yield Chunk(
+                        text=completion.text,
+                        new_tokens=len(completion.token_ids),
+                        prompt_tokens=prompt_tokens,
+                        finish_reason=completion.finish_reason,
+                        token_ids=tuple(completion.token_ids),
+                        cached_tokens=getattr(out, "num_cached_tokens", None) or 0,
+                        logprobs=self._logprobs(
+                            completion.token_ids, completion.logprobs, params.get("logprobs")
+                        ),
+                        index=completion.index,
+                    )
         except Exception as exc:
             translated = translate_error(exc)
             if translated is exc:
