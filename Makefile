@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierq-installed
 
-.PHONY: run test install lint browser prometheus fleet-tools test-fleet test-vllm-cuda \
+.PHONY: run test install lint docs browser prometheus fleet-tools test-fleet test-vllm-cuda \
 	gpu-constraints gpu-check bench-overhead clean
 
 # Install (or refresh, when pyproject.toml changed) the project with the CPU engine and
@@ -25,12 +25,17 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tierq run
 
-# ruff, mypy, and the layers: import-linter's contracts in pyproject.toml (README, Layout).
+# ruff, mypy, and the layers: import-linter's contracts in pyproject.toml (docs/design/layout.md).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+# The documentation site (docs/, mkdocs.yml) into .tierq/site. Strict: a broken link, a
+# page left out of the navigation or a missing anchor fails the build (and `make test`).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Debian's Chromium and its driver, for the browser tests (tests/integration/test_console_browser.py).
 browser:
@@ -85,7 +90,7 @@ gpu-constraints: $(STAMP)
 gpu-check:
 	PYTHON=$(BIN)/python deploy/gpu/check.sh
 
-test: lint browser prometheus fleet-tools test-vllm-cuda
+test: lint docs browser prometheus fleet-tools test-vllm-cuda
 	$(BIN)/tierq prepare-model
 	$(BIN)/pytest
 

@@ -42,7 +42,7 @@ clients and memory bounded by settings, not by the noisy tenant's volume. `ttft_
 (noise over alone) is reported as the issue defines it; `targets_met` holds the noise to
 1.25x the NEIGHBOUR phase (`ttft_ratio_vs_neighbour`), because the neighbour phase alone
 already passes 1.25x alone on one shared engine (`ttft_ratio_neighbour`): that part is
-the engine being shared, which no isolation can remove (README, Benchmark). The default
+the engine being shared, which no isolation can remove (docs/benchmarks.md). The default
 engine is the SIMULATED one (a cost model, not a model) and the figures say so; `--engine
 vllm` runs the real engine with the bundled model. Logs go to stderr; one JSON line is
 printed last on stdout.

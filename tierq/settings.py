@@ -165,7 +165,7 @@ class Settings(BaseSettings):
     enforce_eager: bool | None = None
     # vLLM's per-step token budget. On a compute-bound CPU every step lasts as long as its
     # token count: a small budget (128) keeps interactive first tokens from waiting behind
-    # other jobs' prefill, at a cost in throughput (README, Benchmarks).
+    # other jobs' prefill, at a cost in throughput (docs/benchmarks.md, `bench steps`).
     max_num_batched_tokens: int | None = None
     # tierq's scheduler inside vLLM (workers/engine/vllm_scheduler.py): each step's token budget in
     # priority order, lower-tier prefill chunks deferred while better work waits for a
@@ -226,7 +226,7 @@ class Settings(BaseSettings):
     # (up to this long between tries) rather than exit, keeping its generations running.
     outage_retry_max_s: float = 2.0
 
-    # --- dispatcher and its policy (README.md documents each) ----------------------------
+    # --- dispatcher and its policy (docs/reference/settings.md documents each) ------------
     dispatch_policy: Literal["tierq", "fcfs", "engine-priority"] = "tierq"
     dispatch_read_ahead: int = 32  # entries held per tenant shard of a tier
     dispatch_idle_wait_s: float = 0.2

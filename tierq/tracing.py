@@ -15,8 +15,8 @@ unreachable never holds a job up, and a failure inside tracing is logged, never 
 The trace context travels as a W3C `traceparent`: in the stream entry (`JobMessage.trace`,
 stamped by `enqueue` from the span current there), so the dispatcher's and the worker's
 spans join the trace the API's request started; and for a job's SSE followers and a
-batch's lines, in a Redis key (`RedisNames.trace_context`). The spans (README, Traces and
-logs):
+batch's lines, in a Redis key (`RedisNames.trace_context`). The spans (as
+docs/operators/traces-and-logs.md lists them):
 
     HTTP <method> <route>          the API's request (SERVER; the root of a job's trace)
       tierq.admission              the job admitted (database), before it is enqueued

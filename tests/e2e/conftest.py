@@ -128,7 +128,7 @@ def pg_live(tmp: Path, env_extra: dict[str, str] | None = None) -> Iterator[Live
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     migrations.upgrade(url)
     # On shared services `tierq run` makes no tenant: the operator's first one, as the
-    # README says (`tierq create-tenant`), where start_platform reads its key.
+    # docs say (docs/operators/running.md, `tierq create-tenant`), where start_platform reads its key.
     state = tmp / "state"
     state.mkdir(parents=True, exist_ok=True)
     made = subprocess.run(
