@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierq-installed
 
-.PHONY: run test install lint docs browser prometheus fleet-tools test-fleet test-vllm-cuda \
+.PHONY: run test install lint docs reference browser prometheus fleet-tools test-fleet test-vllm-cuda \
 	gpu-constraints gpu-check bench-overhead clean
 
 # Install (or refresh, when pyproject.toml changed) the project with the CPU engine and
@@ -36,6 +36,11 @@ lint: $(STAMP)
 # page left out of the navigation or a missing anchor fails the build (and `make test`).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# docs/reference/settings.md, rendered anew from tierq/settings.py (a test fails when the
+# committed page is not what this writes).
+reference: $(STAMP)
+	$(BIN)/tierq reference settings --write
 
 # Debian's Chromium and its driver, for the browser tests (tests/integration/test_console_browser.py).
 browser:

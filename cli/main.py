@@ -270,6 +270,23 @@ def create_tenant(
 
 
 @app.command()
+def reference(
+    page: str = typer.Argument("settings", help="The page to render: settings."),
+    write: bool = typer.Option(False, help="Write it to docs/ instead of printing it."),
+) -> None:
+    """Render a reference page of the docs from the code (the settings' descriptions)."""
+    from cli import reference as rendering
+
+    if page != "settings":
+        raise typer.BadParameter("the one page rendered from the code is 'settings'")
+    text = rendering.render()
+    if write:
+        rendering.PAGE.write_text(text)
+    else:
+        print(text, end="")
+
+
+@app.command()
 def calibrate() -> None:
     """Fit the simulated engine's cost model to the real engine here (its calibration.json)."""
     from benchmarks.calibrate import calibrate as run_calibration

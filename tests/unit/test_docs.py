@@ -45,3 +45,12 @@ def test_every_docs_page_is_in_the_navigation_and_every_readme_link_resolves() -
     readme = (ROOT / "README.md").read_text()
     for target in re.findall(r"\]\(([^)#]+)\)", readme):
         assert (ROOT / target).exists(), target
+
+
+def test_the_settings_reference_is_rendered_from_the_settings() -> None:
+    """Each setting says what it is for in its field's description, and the reference page
+    is exactly what `make reference` renders from them (no hand edits that drift)."""
+    from cli import reference
+
+    assert reference.undocumented() == []
+    assert (ROOT / reference.PAGE).read_text() == reference.render(), "run `make reference`"
