@@ -188,8 +188,10 @@ class JobRecord:
             prefix=prefix_key(self.messages, self.prompt, scope=self.tenant_id),
         )
 
-    def to_api(self) -> dict[str, Any]:
-        """The job object of the native API (its shape is pinned by the spine issue)."""
+    def to_api(self, *, logprobs: bool = True) -> dict[str, Any]:
+        """The job object of the native API. `logprobs=False` leaves the log probabilities
+        out (a job's final event: they can be megabytes; its deltas carried them, and the
+        job itself has them)."""
         usage = None
         if self.prompt_tokens is not None and self.completion_tokens is not None:
             usage = {
@@ -200,10 +202,13 @@ class JobRecord:
         result: dict[str, Any] | None = None
         if self.result_text is not None:
             result = {"text": self.result_text, "finish_reason": self.finish_reason}
-            if self.result_logprobs is not None:
+            if self.result_logprobs is not None and logprobs:
                 result["logprobs"] = self.result_logprobs
             if self.result_choices is not None:
-                result["choices"] = self.choices()
+                result["choices"] = [
+                    c if logprobs else {k: v for k, v in c.items() if k != "logprobs"}
+                    for c in self.choices()
+                ]
         error = None
         if self.error_code is not None:
             error = {"code": self.error_code, "message": self.error_message}

@@ -375,6 +375,7 @@ class WebhookDelivery(Base):
             "endpoint_id", "event_type", "object_id", name="uq_webhook_deliveries_event"
         ),
         Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_status_created", "status", "created_at"),
         Index("ix_webhook_deliveries_tenant_created", "tenant_id", "created_at"),
     )
 
@@ -386,6 +387,9 @@ class WebhookDelivery(Base):
     payload: Mapped[str] = mapped_column(Text)  # the body sent, byte for byte
     status: Mapped[str] = mapped_column(String(20))  # pending, delivered, failed
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Attempts made before the operator last sent it again: it gets WEBHOOK_MAX_ATTEMPTS
+    # more from there, and attempt numbers never repeat (an outcome is kept by number).
+    attempts_before: Mapped[int] = mapped_column(Integer, default=0)
     next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     last_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     last_status_code: Mapped[int | None] = mapped_column(Integer)

@@ -121,6 +121,7 @@ class DeliveryRecord:
     payload: str
     status: str
     attempts: int
+    attempts_before: int
     next_attempt_at: datetime | None
     last_attempt_at: datetime | None
     last_status_code: int | None
@@ -139,6 +140,7 @@ class DeliveryRecord:
             payload=row.payload,
             status=row.status,
             attempts=row.attempts,
+            attempts_before=row.attempts_before or 0,
             next_attempt_at=as_utc(row.next_attempt_at),
             last_attempt_at=as_utc(row.last_attempt_at),
             last_status_code=row.last_status_code,
@@ -336,6 +338,7 @@ async def record_batch_event(s: AsyncSession, batch: BatchRecord) -> int:
                 payload=event_body(event_id, event_type, batch.id, unix(at or now) or 0),
                 status=PENDING,
                 attempts=0,
+                attempts_before=0,
                 next_attempt_at=now,
                 created_at=now,
             )
@@ -449,7 +452,8 @@ async def list_deliveries(
 
 
 async def redeliver(s: AsyncSession, delivery_id: str) -> DeliveryRecord | None:
-    """Send a failed delivery again, with its attempts anew (its endpoint must be live)."""
+    """Send a failed delivery again, with WEBHOOK_MAX_ATTEMPTS more attempts (its endpoint
+    must be live); attempt numbers go on from where they were."""
     live = select(WebhookEndpoint.id).where(_live())
     stmt = (
         update(WebhookDelivery)
@@ -458,7 +462,12 @@ async def redeliver(s: AsyncSession, delivery_id: str) -> DeliveryRecord | None:
             WebhookDelivery.status == FAILED,
             WebhookDelivery.endpoint_id.in_(live),
         )
-        .values(status=PENDING, attempts=0, next_attempt_at=utcnow())
+        .values(
+            status=PENDING,
+            attempts_before=WebhookDelivery.attempts,
+            next_attempt_at=utcnow(),
+            last_error=None,
+        )
         .returning(WebhookDelivery)
         .execution_options(synchronize_session=False)
     )
@@ -467,19 +476,28 @@ async def redeliver(s: AsyncSession, delivery_id: str) -> DeliveryRecord | None:
 
 
 async def undelivered(s: AsyncSession, limit: int) -> list[DeliveryRecord]:
-    """The latest deliveries not (yet) taken: failed ones and ones still being tried."""
+    """The latest deliveries not (yet) taken: failed ones and ones still being tried (each
+    status read down its index, newest first)."""
+    found: list[DeliveryRecord] = []
+    for status in (PENDING, FAILED):
+        stmt = (
+            select(WebhookDelivery)
+            .where(WebhookDelivery.status == status)
+            .order_by(WebhookDelivery.created_at.desc(), WebhookDelivery.id.desc())
+            .limit(limit)
+        )
+        found += [DeliveryRecord.from_row(r) for r in (await s.execute(stmt)).scalars()]
+    found.sort(key=lambda d: (d.created_at, d.id), reverse=True)
+    return found[:limit]
+
+
+async def delivery_counts(s: AsyncSession, since: datetime) -> dict[str, int]:
+    """Deliveries made since `since`, by status, every tenant's (the console's summary)."""
     stmt = (
-        select(WebhookDelivery)
-        .where(WebhookDelivery.status != DELIVERED)
-        .order_by(WebhookDelivery.created_at.desc(), WebhookDelivery.id.desc())
-        .limit(limit)
+        select(WebhookDelivery.status, func.count())
+        .where(WebhookDelivery.created_at >= since)
+        .group_by(WebhookDelivery.status)
     )
-    return [DeliveryRecord.from_row(r) for r in (await s.execute(stmt)).scalars()]
-
-
-async def delivery_counts(s: AsyncSession) -> dict[str, int]:
-    """Deliveries by status, every tenant's (the console's summary)."""
-    stmt = select(WebhookDelivery.status, func.count()).group_by(WebhookDelivery.status)
     counts = {status: 0 for status in STATUSES}
     for status, n in (await s.execute(stmt)).all():
         counts[str(status)] = int(n)

@@ -41,6 +41,7 @@ BATCHES_FINISHED_WITHIN = timedelta(hours=1)
 FAILURES_SHOWN = 20
 FAILURES_ADMITTED_WITHIN = timedelta(days=1)
 DELIVERIES_SHOWN = 20
+DELIVERIES_COUNTED_WITHIN = timedelta(days=1)
 PERCENTILES = (50, 95, 99)
 
 
@@ -186,7 +187,7 @@ async def gather(
         tenants, tenant_total = await repo.tenants(s, now, TENANTS_SHOWN)
         batches = await repo.batches(s, now, BATCHES_SHOWN, BATCHES_FINISHED_WITHIN)
         failures, by_code = await repo.failures(s, now, FAILURES_SHOWN, FAILURES_ADMITTED_WITHIN)
-        deliveries = await webhook_repo.delivery_counts(s)
+        deliveries = await webhook_repo.delivery_counts(s, now - DELIVERIES_COUNTED_WITHIN)
         undelivered = await webhook_repo.undelivered(s, DELIVERIES_SHOWN)
     saved = await r.get(names.dispatch_state)
     served, shares = served_shares(
@@ -242,7 +243,8 @@ async def gather(
                 for f in failures
             ],
         },
-        # Webhook deliveries by status, and the latest not taken (failed, or being retried).
+        # Webhook deliveries of the last day by status, and the latest not taken (failed, or
+        # being retried).
         "webhooks": {
             "by_status": deliveries,
             "undelivered": [d.to_api() for d in undelivered],

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import hmac
 import ipaddress
 import secrets
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -31,6 +33,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from tierq.aio import raise_if_cancelled
 from tierq.settings import Settings
 
 # The events tierq sends: OpenAI's batch events. The other event types OpenAI defines
@@ -103,12 +106,14 @@ class UnsafeURL(ValueError):
 
 
 def check_url(url: str, settings: Settings) -> tuple[str, str, int]:
-    """(scheme, host, port) of a URL a webhook may be sent to, else UnsafeURL. Its host's
-    addresses are checked separately (`resolve`), when it is registered and on every send."""
+    """(scheme, host, port) of a URL a webhook may be sent to, else UnsafeURL; the host as
+    it goes on the wire (an international name in its IDNA form). Its addresses are checked
+    separately (`resolve`), when it is registered and on every send."""
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError as exc:
+        wire = httpx.URL(url)  # IDNA 2008, as the request will spell the host
+    except (ValueError, httpx.InvalidURL) as exc:
         raise UnsafeURL(f"The URL is not valid: {exc}.") from None
     schemes = ("https", "http") if settings.webhook_allow_http else ("https",)
     if parts.scheme not in schemes:
@@ -121,7 +126,26 @@ def check_url(url: str, settings: Settings) -> tuple[str, str, int]:
         raise UnsafeURL("The URL may not carry a fragment.")
     if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url):
         raise UnsafeURL("The URL may not contain whitespace or control characters.")
-    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
+    host = wire.raw_host.decode("ascii").strip("[]")
+    return parts.scheme, host, port or (443 if parts.scheme == "https" else 80)
+
+
+# IPv6 prefixes whose addresses carry an IPv4 address a network may route to (NAT64, 6to4,
+# Teredo, the IPv4-compatible and -translated forms) or that are private in all but name
+# (site-local): an AAAA record in one of them could reach 10.0.0.5 through a gateway, so
+# none is taken for public.
+_EMBEDS_IPV4 = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "::/96",
+        "::ffff:0:0:0/96",
+        "64:ff9b::/96",
+        "64:ff9b:1::/48",
+        "2002::/16",
+        "2001::/32",
+        "fec0::/10",
+    )
+)
 
 
 def address_allowed(address: str, settings: Settings) -> bool:
@@ -131,15 +155,29 @@ def address_allowed(address: str, settings: Settings) -> bool:
         ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
     if ip.is_unspecified or ip.is_multicast:
         return False  # 0.0.0.0 reaches this host itself
-    return settings.webhook_allow_private or ip.is_global
+    if settings.webhook_allow_private:
+        return True
+    if isinstance(ip, ipaddress.IPv6Address) and any(ip in net for net in _EMBEDS_IPV4):
+        return False
+    return ip.is_global
+
+
+# Lookups run in a few threads of their own: a tenant naming hosts whose DNS never answers
+# ties up these, not the default executor that file uploads and schema checks share.
+_RESOLVER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="webhook-dns")
 
 
 async def resolve(host: str, port: int, settings: Settings) -> list[str]:
-    """The host's addresses, every one of them allowed, else UnsafeURL."""
+    """The host's addresses, every one of them allowed, else UnsafeURL (in at most
+    WEBHOOK_TIMEOUT_S)."""
+    lookup = functools.partial(
+        socket.getaddrinfo, host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+    )
     try:
-        found = await asyncio.get_running_loop().getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-        )
+        async with asyncio.timeout(settings.webhook_timeout_s):
+            found = await asyncio.get_running_loop().run_in_executor(_RESOLVER, lookup)
+    except TimeoutError:
+        raise UnsafeURL(f"The URL's host {host!r} did not resolve in time.") from None
     except (socket.gaierror, UnicodeError) as exc:
         raise UnsafeURL(f"The URL's host {host!r} does not resolve: {exc}.") from None
     addresses = list(dict.fromkeys(str(info[4][0]) for info in found))
@@ -206,7 +244,8 @@ class Attempt:
 
 
 async def send(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> Attempt:
-    """POST the body to the URL, under the rules this module's docstring states."""
+    """POST the body to the URL, under the rules this module's docstring states. Whatever
+    goes wrong is the attempt's outcome (never raised): each attempt is recorded."""
     try:
         async with asyncio.timeout(settings.webhook_timeout_s):
             return await _send(url, body, headers, settings)
@@ -214,18 +253,24 @@ async def send(url: str, body: bytes, headers: dict[str, str], settings: Setting
         return Attempt(None, str(exc))
     except TimeoutError:
         return Attempt(None, f"no answer within {settings.webhook_timeout_s:g} s")
-    except httpx.HTTPError as exc:
+    except Exception as exc:
+        raise_if_cancelled(exc)
         return Attempt(None, f"{type(exc).__name__}: {exc}"[:500])
 
 
 async def _send(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> Attempt:
     scheme, host, port = check_url(url, settings)
     addresses = await resolve(host, port, settings)
-    async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=None) as client:
+    # Each address gets its share of the attempt to connect: one that drops packets leaves
+    # time for the next.
+    timeout = httpx.Timeout(None, connect=settings.webhook_timeout_s / (len(addresses) + 1))
+    async with httpx.AsyncClient(
+        follow_redirects=False, trust_env=False, timeout=timeout
+    ) as client:
         for n, address in enumerate(addresses):  # the checked addresses, in order
             try:
                 return await _post(client, url, address, scheme, host, body, headers)
-            except httpx.ConnectError:
+            except (httpx.ConnectError, httpx.ConnectTimeout):
                 if n == len(addresses) - 1:
                     raise
     raise AssertionError("resolve returns at least one address")
@@ -241,8 +286,9 @@ async def _post(
     headers: dict[str, str],
 ) -> Attempt:
     """POST to this address, the URL's host kept in `Host` and in TLS's SNI and check."""
-    target = httpx.URL(url).copy_with(host=address)
-    netloc = urlsplit(url).netloc.rsplit("@", 1)[-1]
+    wire = httpx.URL(url)
+    target = wire.copy_with(host=address)
+    netloc = wire.netloc.decode("ascii")  # the name in its IDNA form, with a given port
     extensions = {"sni_hostname": host} if scheme == "https" else {}
     async with client.stream(
         "POST", target, content=body, headers={**headers, "host": netloc}, extensions=extensions

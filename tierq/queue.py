@@ -11,6 +11,7 @@ import contextvars
 import functools
 import hashlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -322,6 +323,8 @@ def truncated(event: JobEvent) -> str:
     had (a re-run of the job skips that much of its text, as it skips what was kept)."""
     chars = len(event.data.get("text", ""))
     kept: dict[str, Any] = {"text": "", "replay_truncated": True, "chars": chars}
+    if event.data.get("logprobs"):
+        kept["scored"] = len(event.data["logprobs"])  # the tokens' log probabilities it had
     if event.data.get("index"):
         kept["index"] = event.data["index"]  # the choice it continued (n > 1)
     return JobEvent("delta", kept).encode()
@@ -332,14 +335,25 @@ def delta_chars(event: JobEvent) -> int:
     return int(event.data.get("chars", len(event.data.get("text", ""))))
 
 
-def streamed_chars(events: list[JobEvent]) -> dict[int, int]:
-    """Characters of text the deltas carried, per choice (0 unless the job has n > 1)."""
+@dataclass(frozen=True)
+class Streamed:
+    """What a job's deltas carried, per choice (0 unless the job has n > 1): characters of
+    text, and tokens whose log probabilities went with them."""
+
+    chars: dict[int, int]
+    scored: dict[int, int]
+
+
+def streamed_so_far(events: list[JobEvent]) -> Streamed:
     chars: dict[int, int] = {}
+    scored: dict[int, int] = {}
     for event in events:
         if event.kind == "delta":
             index = int(event.data.get("index", 0))
             chars[index] = chars.get(index, 0) + delta_chars(event)
-    return chars
+            tokens = int(event.data.get("scored", len(event.data.get("logprobs", ()))))
+            scored[index] = scored.get(index, 0) + tokens
+    return Streamed(chars, scored)
 
 
 class EventLog:

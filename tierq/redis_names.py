@@ -138,6 +138,11 @@ class RedisNames:
         """Set while an advance of the batch is requested and not yet started (debounce)."""
         return f"{self.prefix}:batch:{batch_id}:poke"
 
+    @property
+    def webhook_lock(self) -> str:
+        """Held by the Celery process sending webhook deliveries (one pass at a time)."""
+        return f"{self.prefix}:webhooks:lock"
+
     def batch_lock(self, batch_id: str) -> str:
         """Held by the Celery worker advancing the batch."""
         return f"{self.prefix}:batch:{batch_id}:lock"

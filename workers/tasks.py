@@ -106,7 +106,7 @@ def batch_advance(batch_id: str) -> None:
 @app.task(name="tierq.webhooks.deliver")
 def webhooks_deliver() -> int:
     """Send the webhook deliveries that are due (beat's tick, and each batch's end)."""
-    return _run("webhooks.deliver", lambda rt: deliver_due(settings, rt.db)) or 0
+    return _run("webhooks.deliver", lambda rt: deliver_due(settings, rt.db, rt.r)) or 0
 
 
 @app.task(name="tierq.billing.rollup")

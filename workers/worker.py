@@ -52,10 +52,11 @@ from tierq.ids import new_id
 from tierq.messages import FAULT_UNIT, Heartbeat, JobEvent, JobMessage, Served, fault_share
 from tierq.queue import (
     EventLog,
+    Streamed,
     enqueue,
     push_latency_samples,
     read_group,
-    streamed_chars,
+    streamed_so_far,
     wake_dispatcher,
     write_heartbeat,
 )
@@ -126,6 +127,14 @@ def unavailable(exc: BaseException) -> bool:
     return db_mod.is_unavailable(exc) or redis_unavailable(exc)
 
 
+def unsent(entries: list[dict[str, Any]], skip: int) -> tuple[list[dict[str, Any]], int]:
+    """Of a text's tokens' log probabilities, those followers lack: past the `skip` an
+    earlier delivery streamed (by count of tokens, not of characters). Returns them and
+    what is left to skip."""
+    dropped = min(skip, len(entries))
+    return entries[dropped:], skip - dropped
+
+
 @dataclass
 class Choice:
     """One of the choices after the first of a job with n > 1, as its run generates it
@@ -134,6 +143,7 @@ class Choice:
     index: int
     emitted: int  # characters of it that followers have (an earlier delivery streamed)
     logprobs: list[dict[str, Any]] | None  # None: not asked for
+    skip: int = 0  # tokens whose log probabilities followers have (ditto)
     parts: list[str] = dataclasses.field(default_factory=list)
     produced: int = 0
     finish_reason: str | None = None
@@ -151,7 +161,8 @@ class Choice:
         text = chunk.text.replace("\x00", "\ufffd")  # as the first choice's (NUL)
         self.parts.append(text)
         start, self.produced = self.produced, self.produced + len(text)
-        pending, self.pending = self.pending, []
+        pending, self.skip = unsent(self.pending, self.skip)
+        self.pending = []
         if self.produced <= self.emitted:
             return None
         fresh = text[max(0, self.emitted - start) :]
@@ -772,7 +783,7 @@ class Worker:
         observe.count_start(self.settings, job)
         return await self._generate(job, msg, already)
 
-    async def _claim(self, msg: JobMessage) -> tuple[JobRecord, dict[int, int]] | str:
+    async def _claim(self, msg: JobMessage) -> tuple[JobRecord, Streamed] | str:
         """This run's claim on the job (the database's, then the event stream's delivery
         fence) and how many characters earlier deliveries streamed of each choice; or why
         it does not run (superseded, skipped)."""
@@ -791,12 +802,13 @@ class Worker:
             else []
         )
         self.publisher.fence(job.id, job.deliveries, [event for _, event in earlier])
-        return job, streamed_chars([e for _, e in earlier])
+        return job, streamed_so_far([e for _, e in earlier])
 
-    async def _generate(self, job: JobRecord, msg: JobMessage, streamed: dict[int, int]) -> Outcome:
-        """Run the job in the engine, streaming of each choice what goes beyond the
-        characters followers have (`streamed`); the outcome says how it ended."""
-        already = streamed.get(0, 0)
+    async def _generate(self, job: JobRecord, msg: JobMessage, streamed: Streamed) -> Outcome:
+        """Run the job in the engine, streaming of each choice what goes beyond the text
+        and log probabilities followers have (`streamed`); the outcome says how it ended."""
+        already = streamed.chars.get(0, 0)
+        skip = streamed.scored.get(0, 0)
         params: dict[str, Any] = dict(job.params)
         if params.get("seed") is None:
             params["seed"] = replay_seed(job.id)
@@ -881,8 +893,9 @@ class Worker:
                         if other is None:
                             other = others[chunk.index] = Choice(
                                 chunk.index,
-                                streamed.get(chunk.index, 0),
+                                streamed.chars.get(chunk.index, 0),
                                 None if out.logprobs is None else [],
+                                streamed.scored.get(chunk.index, 0),
                             )
                         fresh = other.take(chunk)
                         if fresh is not None and job.batch_id is None:
@@ -909,16 +922,16 @@ class Worker:
                         first = False
                     text_parts.append(chunk.text)
                     start, produced = produced, produced + len(chunk.text)
+                    scores, skip = unsent(pending, skip)
                     if produced > emitted:  # beyond what a previous delivery streamed
                         # A batch's lines are read from its output file, not followed live: no
                         # deltas (the final event carries the whole result), so 50,000 lines
                         # leave next to nothing in Redis.
                         if job.batch_id is None:
                             self.publisher.delta(
-                                job.id, chunk.text[max(0, emitted - start) :], pending
+                                job.id, chunk.text[max(0, emitted - start) :], scores
                             )
                         emitted = produced
-                    # (Text an earlier delivery streamed went with its log probabilities.)
                     pending = []
         except EngineRequestError as exc:
             return dataclasses.replace(out, kind="failed", code=exc.code, message=str(exc))
@@ -1183,7 +1196,9 @@ def _planned_stop(hb: Heartbeat) -> bool:
 
 
 def _final_event(job: JobRecord) -> JobEvent:
-    return JobEvent("error" if job.status == JobStatus.FAILED else "done", job.to_api())
+    return JobEvent(
+        "error" if job.status == JobStatus.FAILED else "done", job.to_api(logprobs=False)
+    )
 
 
 CANCELLED_WAIT_S = 5.0  # how long a stopping worker waits for its cancelled side tasks

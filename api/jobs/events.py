@@ -55,7 +55,7 @@ def _sse(seq: int, event: JobEvent) -> dict[str, Any]:
 
 
 def _final_event(job: JobRecord) -> JobEvent:
-    return JobEvent("error" if job.status.value == "failed" else "done", job.to_api())
+    return JobEvent("error" if job.status.value == "failed" else "done", job.to_api(logprobs=False))
 
 
 async def job_event_stream(

@@ -64,6 +64,7 @@ def upgrade() -> None:
         sa.Column("payload", sa.Text(), nullable=False),
         sa.Column("status", sa.String(20), nullable=False),
         sa.Column("attempts", sa.Integer(), nullable=False),
+        sa.Column("attempts_before", sa.Integer(), nullable=False),
         sa.Column("next_attempt_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("last_attempt_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("last_status_code", sa.Integer(), nullable=True),
@@ -76,6 +77,9 @@ def upgrade() -> None:
     )
     op.create_index(
         "ix_webhook_deliveries_due", "webhook_deliveries", ["status", "next_attempt_at"]
+    )
+    op.create_index(
+        "ix_webhook_deliveries_status_created", "webhook_deliveries", ["status", "created_at"]
     )
     op.create_index(
         "ix_webhook_deliveries_tenant_created", "webhook_deliveries", ["tenant_id", "created_at"]

@@ -841,11 +841,15 @@ async def test_n_choices_on_the_real_engine_plain_streamed_and_in_a_batch(
     model = "SmolLM2-135M-Instruct"
     question = [{"role": "user", "content": "Write one word about the sea."}]
     chat = await sdk.chat.completions.create(
-        model=model, messages=question, max_tokens=16, temperature=1.0, n=3
+        model=model, messages=question, max_tokens=16, temperature=1.0, n=3, logprobs=True
     )
     assert [c.index for c in chat.choices] == [0, 1, 2]
     assert all(c.message.content and c.finish_reason in ("stop", "length") for c in chat.choices)
-    assert chat.usage is not None and chat.usage.completion_tokens >= 3
+    # Every choice's tokens are counted (each has its entry), and they were sampled apart.
+    tokens = [len(c.logprobs.content or []) for c in chat.choices]  # type: ignore[union-attr]
+    assert chat.usage is not None and chat.usage.completion_tokens == sum(tokens)
+    assert min(tokens) > 0
+    assert len({c.message.content for c in chat.choices}) > 1
     stream = await sdk.chat.completions.create(
         model=model,
         messages=question,

@@ -245,6 +245,7 @@ async def test_a_job_of_n_choices_reserves_and_holds_max_tokens_for_each(
     async with client(platform.url, key) as c:
         too_many = await c.post("/v1/jobs", json={**chat, "max_tokens": 30, "n": 4})
         assert too_many.status_code == 429, too_many.text  # 120 > 100 on its own
+        assert too_many.json()["error"]["code"] == "budget_exceeded", too_many.text
         held = await c.post("/v1/jobs", json={**chat, "max_tokens": 30, "n": 3})
         assert held.status_code in (200, 201, 202), held.text
         fits = await c.post("/v1/jobs", json={**chat, "max_tokens": 5})

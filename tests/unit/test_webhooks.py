@@ -5,6 +5,7 @@ them, and the retry schedule."""
 from __future__ import annotations
 
 import json
+import socket
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -63,6 +64,14 @@ def test_a_good_url_gives_its_host_and_port() -> None:
         "fd00::1",
         "::ffff:127.0.0.1",  # IPv4-mapped loopback
         "::ffff:10.0.0.1",
+        "64:ff9b::7f00:1",  # NAT64 of 127.0.0.1
+        "64:ff9b::a9fe:a9fe",  # NAT64 of 169.254.169.254
+        "64:ff9b:1::a00:1",  # local-use NAT64
+        "2002:7f00:1::",  # 6to4 of 127.0.0.1
+        "2001:0:4136:e378:8000:63bf:3fff:fdd2",  # Teredo
+        "::7f00:1",  # IPv4-compatible
+        "::ffff:0:7f00:1",  # IPv4-translated
+        "fec0::1",  # site-local
     ],
 )
 def test_non_global_addresses_are_refused_unless_allowed(address: str) -> None:
@@ -89,22 +98,64 @@ async def test_names_are_resolved_and_every_address_checked() -> None:
     await webhooks.check_reachable("http://localhost:9/hook", OPEN)
 
 
+async def test_one_private_address_among_public_ones_refuses_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name that resolves to a public and a private address (a rebinding trick) is
+    refused whole: the request could not be kept to the public one."""
+
+    def lookup(host: str, port: int, **_: object) -> list[tuple[object, ...]]:
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("8.8.8.8", port)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", port)),
+        ]
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    with pytest.raises(webhooks.UnsafeURL, match=r"10\.0\.0\.1"):
+        await webhooks.check_reachable("https://mixed.example/hook", STRICT)
+
+
+def test_an_international_name_goes_on_the_wire_in_its_idna_form() -> None:
+    assert webhooks.check_url("https://bücher.example/in", STRICT)[1] == "xn--bcher-kva.example"
+    with pytest.raises(webhooks.UnsafeURL):
+        webhooks.check_url("https://☃.example/", STRICT)  # not a valid IDNA 2008 name
+
+
+async def test_a_url_the_sender_cannot_build_is_a_failed_attempt_not_an_error() -> None:
+    attempt = await webhooks.send("https://☃.example/", b"{}", {}, OPEN)
+    assert attempt.status_code is None and attempt.error
+
+
+async def test_the_request_goes_to_the_checked_address_with_host_and_sni_kept() -> None:
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(204)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        got = await webhooks._post(
+            client,
+            "https://bücher.example:8443/in?x=1",
+            "93.184.215.14",
+            "https",
+            "xn--bcher-kva.example",
+            b"{}",
+            {"webhook-id": "evt_1"},
+        )
+    assert got.delivered
+    [request] = seen
+    assert request.url.host == "93.184.215.14" and request.url.port == 8443
+    assert request.url.raw_path == b"/in?x=1"
+    assert request.headers["host"] == "xn--bcher-kva.example:8443"
+    assert request.extensions["sni_hostname"] == "xn--bcher-kva.example"
+    assert request.headers["webhook-id"] == "evt_1"
+
+
 async def test_a_refused_address_is_an_attempt_that_failed_without_a_request() -> None:
     attempt = await webhooks.send("https://127.0.0.1:9/hook", b"{}", {}, STRICT)
     assert attempt.status_code is None and not attempt.delivered
     assert attempt.error is not None and "127.0.0.1" in attempt.error
-
-
-def test_the_request_goes_to_the_checked_address_with_the_host_kept() -> None:
-    """What _send builds: the URL with the address in place of the host (IPv6 bracketed)."""
-    for address, netloc in (("93.184.215.14", "93.184.215.14:8443"), ("2001:db8::1", None)):
-        target = httpx.URL("https://hooks.example.com:8443/in?x=1").copy_with(host=address)
-        assert target.host == address and target.port == 8443
-        assert target.raw_path == b"/in?x=1"
-        if netloc:
-            assert target.netloc.decode() == netloc
-        else:
-            assert target.netloc.decode() == "[2001:db8::1]:8443"
 
 
 def test_signatures_verify_with_the_openai_sdk() -> None:

@@ -269,7 +269,7 @@
 
   function renderWebhooks(o) {
     const counts = o.webhooks.by_status;
-    $("webhook-counts").textContent = "· " + Object.entries(counts).map(([s, n]) => s + ": " + n).join(", ");
+    $("webhook-counts").textContent = "· last day: " + Object.entries(counts).map(([s, n]) => s + ": " + n).join(", ");
     fill("webhooks", o.webhooks.undelivered.map((d) => {
       const answer = d.last_error || (d.last_status_code === null ? "–" : String(d.last_status_code));
       const status = d.status === "pending" && d.next_attempt_at
