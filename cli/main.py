@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -29,6 +30,36 @@ batch_app = typer.Typer(no_args_is_help=True, help="OpenAI-style batches of JSON
 app.add_typer(batch_app, name="batch")
 app.add_typer(admin_app, name="admin")
 app.command()(top)
+
+# Where a bench keeps its result (`tierq bench --save ...`; None: printed only), and which
+# bench runs.
+_KEEP: dict[str, Any] = {"to": None, "bench": "bench"}
+
+
+@bench_app.callback()
+def _bench_options(
+    ctx: typer.Context,
+    save: bool = typer.Option(
+        False,
+        "--save",
+        help="Keep each run's JSON line as a file under --results (<bench>/<date>-<commit>.json)"
+        ", with the commit, the machine, the date and the engine build beside it.",
+    ),
+    results: Path = typer.Option(Path("benchmarks/results"), help="Where --save keeps results."),
+) -> None:
+    _KEEP["to"] = results if save else None
+    _KEEP["bench"] = ctx.invoked_subcommand or "bench"
+
+
+def _emit(result: dict[str, Any]) -> None:
+    """A bench's JSON line, last on stdout; with --save also kept as a file."""
+    folder = _KEEP["to"]
+    if folder is not None:
+        from benchmarks.results import record
+
+        kept = record(_KEEP["bench"], result, sys.argv[1:], folder)
+        typer.echo(f"kept as {kept}", err=True)
+    typer.echo(json.dumps(result, separators=(",", ":")))
 
 
 @app.callback()
@@ -316,7 +347,7 @@ def bench_overhead(
     settings = get_settings()
     key = (key_file or settings.dev_key_file).read_text().strip()
     result = run_overhead(settings, platform_url(url), key, n, max_tokens, tier, rounds, mixed)
-    typer.echo(json.dumps(result))
+    _emit(result)
 
 
 @bench_app.command("serve")
@@ -369,7 +400,7 @@ def bench_serve(
     except KeyboardInterrupt:
         typer.echo("interrupted: every process it started is stopped", err=True)
         raise typer.Exit(130) from None
-    typer.echo(json.dumps(result, separators=(",", ":")))
+    _emit(result)
 
 
 @bench_app.command("qos")
@@ -395,7 +426,7 @@ def bench_qos(
         raise typer.BadParameter(f"policies are among {', '.join(POLICIES)}; not {unknown}")
     setup_logging("WARNING")
     result = asyncio.run(run_qos(get_settings(), engine, speedup, seed, duration, chosen))
-    typer.echo(json.dumps(result, separators=(",", ":")))
+    _emit(result)
 
 
 @bench_app.command("scale")
@@ -444,7 +475,7 @@ def bench_steps(
 
     setup_logging("WARNING")
     result = asyncio.run(run_steps(get_settings(), slots, interactive, prompt_repeat))
-    typer.echo(json.dumps(result, separators=(",", ":")))
+    _emit(result)
 
 
 @bench_app.command("chaos")
@@ -599,7 +630,7 @@ def _run_platform_bench(run: Coroutine[Any, Any, dict[str, Any]]) -> None:
     except (KeyboardInterrupt, asyncio.CancelledError):
         typer.echo("interrupted: every process it started is stopped", err=True)
         raise typer.Exit(130) from None
-    typer.echo(json.dumps(result, separators=(",", ":")))
+    _emit(result)
 
 
 @batch_app.command("submit")
@@ -699,6 +730,24 @@ def batch_download(
         client.close()
 
 
+@bench_app.command("report")
+def bench_report(
+    results: Path = typer.Option(Path("benchmarks/results"), help="The kept results."),
+    page: Path = typer.Option(Path("docs/benchmarks.md"), help="The page whose table it writes."),
+    write: bool = typer.Option(False, help="Write the page's table instead of printing it."),
+) -> None:
+    """The latest kept result of each bench as the docs' table (between the page's
+    results markers)."""
+    from benchmarks import results as kept
+
+    records = kept.load(results)
+    if write:
+        kept.write_report(page, records)
+        typer.echo(f"{page}: {len(kept.latest(records))} benches", err=True)
+    else:
+        typer.echo(kept.render(records), nl=False)
+
+
 @bench_app.command("batch")
 def bench_batch(
     url: str | None = URL_OPTION,
@@ -715,7 +764,7 @@ def bench_batch(
     result = run_bench(
         get_settings(), platform_url(url), resolve_key(key, get_settings()), n, max_tokens, rounds
     )
-    typer.echo(json.dumps(result))
+    _emit(result)
 
 
 def main() -> None:
