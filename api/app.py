@@ -72,8 +72,8 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         if freeze_gc:
             # What startup made lives as long as the process: out of the collector's
             # sight, so that its full collections stay short (they set the admission's
-            # p99: 101 ms with them, 37 ms without, `tierq bench admission`). Only where
-            # the app is the process (`serve_app`): tests build many apps in one process.
+            # p99, as `tierq bench admission` shows). Only where the app is the process
+            # (`serve_app`): tests build many apps in one process.
             gc.collect()
             gc.freeze()
         try:

@@ -110,10 +110,9 @@ async def engine_speed(engine: Engine, cost: CostModel) -> float:
     """How fast the real engine decodes now, as a fraction of the calibration's speed.
 
     The workload's rates are fractions of the engine's capacity, which calibration.json
-    measured on one day; this machine's speed drifts by more than 2x between hours
-    (a full batch's decode step took 0.24 s when calibrated, and some 0.6 s on
-    2026-12-01 at 23:40 UTC), and at half speed the same arrivals would overload it
-    twice as much as the workload means to. So a full batch of requests (every slot)
+    measured once; a shared machine's speed can drift by more than 2x between hours, and
+    at half speed the same arrivals would overload it twice as much as the workload means
+    to. So a full batch of requests (every slot)
     generates SHORT and then LONG tokens, as `tierq calibrate` does: the difference is
     LONG - SHORT decode steps at that batch, prefill and start cancelling out."""
     short, long = SPEED_PROBE_TOKENS
