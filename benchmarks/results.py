@@ -187,12 +187,90 @@ def render(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PLOTS = "benchmarks"  # the plots' folder, beside the page
+
+
+def plots(records: list[dict[str, Any]], folder: Path) -> list[tuple[str, str]]:
+    """Draw the plots the kept results allow into `folder` (PNG); returns (file name,
+    caption) of each drawn, in the page's order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    newest = latest(records)
+    drawn: list[tuple[str, str]] = []
+
+    def save(fig: Any, name: str, caption: str) -> None:
+        fig.tight_layout()
+        # No date in the file: the same results draw the same bytes.
+        fig.savefig(folder / name, dpi=96, metadata={"Software": None})
+        plt.close(fig)
+        drawn.append((name, caption))
+
+    qos = newest.get("qos", {}).get("result")
+    if qos:
+        policies = [p for p in ("tierq", "fcfs", "engine-priority") if p in qos]
+        ttft = [qos[p].get("interactive_ttft_p95_s") or 0.0 for p in policies]
+        idle = qos[policies[0]].get("interactive_ttft_p95_idle_s") if policies else None
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.bar(policies, ttft, color=["#2b6cb0", "#a0aec0", "#718096"][: len(policies)])
+        if idle:
+            ax.axhline(idle, color="#2f855a", linestyle="--", label=f"idle {idle:.2f} s")
+            ax.legend()
+        ax.set_yscale("log")
+        ax.set_ylabel("interactive TTFT p95 (s)")
+        save(fig, "qos-ttft.png", "Interactive time to first token (p95) by policy, `bench qos`")
+        tokens = [qos[p].get("throughput_tokens_per_s") or 0.0 for p in policies]
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.bar(policies, tokens, color="#2b6cb0")
+        ax.set_ylabel("tokens per second")
+        save(fig, "qos-throughput.png", "Throughput by policy, `bench qos`")
+        shares = qos.get("tierq", {}).get("tier_share", {})
+        if shares:
+            fig, ax = plt.subplots(figsize=(6, 3))
+            tiers = list(shares)
+            ax.bar(tiers, [shares[t] for t in tiers], color="#2b6cb0", label="served share")
+            minimum = qos["tierq"].get("tier_min_share", {})
+            ax.scatter(
+                [t for t in tiers if t in minimum],
+                [minimum[t] for t in tiers if t in minimum],
+                color="#c53030",
+                marker="_",
+                s=800,
+                label="minimum",
+            )
+            ax.set_ylabel("share of served tokens")
+            ax.legend()
+            save(fig, "qos-shares.png", "Served-token shares by tier under tierq, `bench qos`")
+    # Admission latency by concurrency: the newest kept run of each client count.
+    by_clients: dict[int, dict[str, Any]] = {}
+    for body in records:
+        if body["bench"] == "admission" and not body["result"].get("quota"):
+            by_clients[int(body["result"].get("clients", 0))] = body["result"]
+    if by_clients:
+        clients = sorted(by_clients)
+        fig, ax = plt.subplots(figsize=(6, 3))
+        for key, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
+            values = [float(by_clients[c].get(key) or 0.0) for c in clients]
+            ax.plot(clients, values, marker="o", label=label)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("admission latency (ms)")
+        ax.legend()
+        save(fig, "admission-latency.png", "Admission latency by concurrency, `bench admission`")
+    return drawn
+
+
 def write_report(page: Path, records: list[dict[str, Any]]) -> str:
-    """Put the table between the page's markers; returns the page's new text."""
+    """Put the table and the plots between the page's markers (the plots in a folder
+    beside the page); returns the page's new text."""
     text = page.read_text()
     pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
     if not pattern.search(text):
         raise ValueError(f"{page} has no {START} ... {END} markers")
-    new = pattern.sub(lambda _: f"{START}\n{render(records)}{END}", text)
+    drawn = plots(records, page.parent / PLOTS)
+    figures = "".join(f"\n![{caption}]({PLOTS}/{name})\n" for name, caption in drawn)
+    new = pattern.sub(lambda _: f"{START}\n{render(records)}{figures}{END}", text)
     page.write_text(new)
     return new

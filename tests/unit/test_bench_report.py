@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -59,4 +60,43 @@ def test_the_docs_table_is_the_report_of_the_kept_results() -> None:
     keeping one)."""
     page = (ROOT / "docs/benchmarks.md").read_text()
     shown = page.split(results.START + "\n", 1)[1].split(results.END, 1)[0]
-    assert shown == results.render(results.load(ROOT / results.RESULTS))
+    assert shown.startswith(results.render(results.load(ROOT / results.RESULTS)))
+    for image in re.findall(r"\]\(([^)]+\.png)\)", shown):
+        assert (ROOT / "docs" / image).is_file(), image
+
+
+def test_the_report_draws_the_plots_the_results_allow(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    for clients, p99 in ((8, 12.0), (32, 27.4), (64, 48.0)):
+        keep(folder, "admission", 3, {"clients": clients, "p50_ms": p99 / 2, "p99_ms": p99})
+    policy = {
+        "interactive_ttft_p95_s": 0.8,
+        "interactive_ttft_p95_idle_s": 0.5,
+        "throughput_tokens_per_s": 300.0,
+        "tier_share": {"interactive": 0.2, "standard": 0.6, "batch": 0.2},
+        "tier_min_share": {"standard": 0.2, "batch": 0.1},
+    }
+    keep(folder, "qos", 4, {"tierq": policy, "fcfs": {**policy, "interactive_ttft_p95_s": 200.0}})
+    page = tmp_path / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text(f"# B\n\n{results.START}\n{results.END}\n")
+    text = results.write_report(page, results.load(folder))
+    drawn = sorted(p.name for p in (page.parent / results.PLOTS).iterdir())
+    assert drawn == [
+        "admission-latency.png",
+        "qos-shares.png",
+        "qos-throughput.png",
+        "qos-ttft.png",
+    ]
+    for name in drawn:
+        png = (page.parent / results.PLOTS / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 2000
+        assert f"]({results.PLOTS}/{name})" in text
+    # Nothing kept: no plot, and the table says so.
+    empty = tmp_path / "empty" / "page.md"
+    empty.parent.mkdir()
+    empty.write_text(f"{results.START}\n{results.END}\n")
+    assert "No result is kept yet" in results.write_report(empty, [])
+    assert not (empty.parent / results.PLOTS).exists() or not any(
+        (empty.parent / results.PLOTS).iterdir()
+    )
