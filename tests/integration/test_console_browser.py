@@ -108,8 +108,12 @@ async def _console_scenario(platform: Platform, driver: WebDriver, tmp_path: Pat
             await asyncio.sleep(0.2)
     [delivery] = found
     assert delivery["status"] == "failed" and delivery["data"]["id"] == batch.id
-    await off_loop(until, driver, lambda d: batch.id in text_of(d, "#webhooks tbody"))
-    assert "failed: 1" in await off_loop(text_of, driver, "#webhook-counts")
+    # (The page shows it at its next poll: until then it may still show it pending.)
+    await off_loop(until, driver, lambda d: "failed: 1" in text_of(d, "#webhook-counts"))
+    await off_loop(
+        until, driver, lambda d: d.find_elements(By.ID, f"redeliver-{delivery['id']}") or None
+    )
+    assert batch.id in await off_loop(text_of, driver, "#webhooks tbody")
     await off_loop(click_twice, driver, f"redeliver-{delivery['id']}")
     async with admin(platform) as a:
         for _ in range(50):
