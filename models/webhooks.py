@@ -242,8 +242,6 @@ async def update_endpoint(
     if current is None:
         return None
     changed = {k: v for k, v in values.items() if v is not None and getattr(current, k) != v}
-    if "event_types" in changed and tuple(changed["event_types"]) == current.event_types:
-        del changed["event_types"]
     if not changed:
         return current
     stmt = (

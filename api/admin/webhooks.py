@@ -11,8 +11,12 @@ from fastapi import APIRouter, Query
 from api.admin.tenants import tenant_or_404
 from api.deps import DbDep, SettingsDep
 from api.errors import APIError, documented, not_found
-from api.pages import list_page
-from api.webhooks.router import create_endpoint, delete_endpoint, deliveries_page
+from api.webhooks.router import (
+    create_endpoint,
+    delete_endpoint,
+    deliveries_page,
+    endpoints_page,
+)
 from models import webhooks as repo
 from services.webhooks import WebhookEndpointCreate
 
@@ -38,11 +42,7 @@ async def list_endpoints(
     limit: Annotated[int, Query(ge=1)] = 20,
 ) -> dict[str, Any]:
     await tenant_or_404(db, tenant_id)
-    async with db.session() as s:
-        page, more = await repo.list_endpoints(
-            s, tenant_id, after=after, limit=min(limit, settings.list_page_max)
-        )
-    return list_page([{**e.to_api(), "created_by": e.created_by} for e in page], more)
+    return await endpoints_page(db, settings, tenant_id, after, limit, creator=True)
 
 
 @router.delete("/tenants/{tenant_id}/webhook_endpoints/{endpoint_id}", responses=documented(404))

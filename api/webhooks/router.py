@@ -91,6 +91,25 @@ async def delete_endpoint(db: Database, tenant_id: str, endpoint_id: str) -> dic
     return {"id": endpoint_id, "object": "webhook_endpoint.deleted", "deleted": True}
 
 
+async def endpoints_page(
+    db: Database,
+    settings: Settings,
+    tenant_id: str,
+    after: str | None,
+    limit: int,
+    *,
+    creator: bool = False,
+) -> dict[str, Any]:
+    """One page of the tenant's endpoints (`creator`: with who registered each, for the
+    operator)."""
+    async with db.session() as s:
+        page, more = await repo.list_endpoints(
+            s, tenant_id, after=after, limit=min(limit, settings.list_page_max)
+        )
+    extra = (lambda e: {"created_by": e.created_by}) if creator else (lambda e: {})
+    return list_page([{**e.to_api(), **extra(e)} for e in page], more)
+
+
 async def deliveries_page(
     db: Database,
     settings: Settings,
@@ -162,11 +181,7 @@ async def list_endpoints(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1)] = 20,
 ) -> dict[str, Any]:
-    async with db.session() as s:
-        page, more = await repo.list_endpoints(
-            s, tenant.id, after=after, limit=min(limit, settings.list_page_max)
-        )
-    return list_page([e.to_api() for e in page], more)
+    return await endpoints_page(db, settings, tenant.id, after, limit)
 
 
 @router.get("/webhook_endpoints/{endpoint_id}", responses=documented(404))
