@@ -93,6 +93,7 @@ def metrics(run: Recorded, shape: Shape, cost: CostModel, speedup: float) -> dic
         },
         "tenant_gap": round(gap, 2),
         "tenant_gap_backlogged_s": win.sim(gap_s),
+        "batch_tenant_shares": tenant_shares(run, win),
         "batch_max_wait_s": win.sim(max(batch_waits) if batch_waits else 0.0),
         "idle_with_backlog": _idle_with_backlog(run, win, cost.slots),
         "throughput_tokens_per_s": round(total / span, 2),
@@ -166,6 +167,29 @@ def tenant_gap(run: Recorded, win: Window) -> tuple[float, float]:
             served[tenant_of[rid]] += n
             gap = max(gap, max(served.values()) - min(served.values()))
     return gap / largest_job, until - win.w0
+
+
+SHARE_BUCKETS = 12
+
+
+def tenant_shares(run: Recorded, win: Window, buckets: int = SHARE_BUCKETS) -> dict[str, Any]:
+    """Each batch tenant's share of the batch tier's tokens served in each of `buckets`
+    equal spans of the window (the plot of fairness over time): `t_s` is each span's end in
+    simulated seconds from the window's start; a span that served no batch tokens has no
+    shares (None)."""
+    tenant_of = {j: a.tenant for j, (a, _) in run.jobs.items() if a.tier == Tier.BATCH}
+    tenants = sorted(set(tenant_of.values()))
+    width = (win.w1 - win.w0) / buckets
+    served = [dict.fromkeys(tenants, 0.0) for _ in range(buckets)]
+    for t, rid, n in run.trace.tokens:
+        if win.w0 <= t <= win.w1 and rid in tenant_of:
+            served[min(buckets - 1, int((t - win.w0) / width))][tenant_of[rid]] += n
+    shares: dict[str, list[float | None]] = {tenant: [] for tenant in tenants}
+    for bucket in served:
+        total = sum(bucket.values())
+        for tenant in tenants:
+            shares[tenant].append(round(bucket[tenant] / total, 4) if total else None)
+    return {"t_s": [win.sim(width * (i + 1)) for i in range(buckets)], "shares": shares}
 
 
 def _backlog_ends(run: Recorded, ids: list[str], start: float) -> float:

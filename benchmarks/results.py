@@ -14,11 +14,15 @@ import os
 import platform
 import re
 import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path("benchmarks/results")
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+README = Path("README.md")
+HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
 SHOWN = 8  # figures of a result shown in the table (its top-level numbers, in order)
 
 
@@ -139,8 +143,22 @@ def _admission(result: dict[str, Any]) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in pairs if v is not None]
 
 
+def _peers(result: dict[str, Any]) -> list[tuple[str, Any]]:
+    """`bench peers`: tierq against `vllm serve --scheduling-policy priority`, per load."""
+    pairs: list[tuple[str, Any]] = []
+    for load, body in (result.get("loads") or {}).items():
+        vs = body.get("vs_vllm_priority") or {}
+        pairs += [
+            (f"{load}x_ttft_p95_ratio", vs.get("ttft_p95_ratio")),
+            (f"{load}x_slo_points", vs.get("slo_points")),
+            (f"{load}x_throughput_ratio", vs.get("throughput_ratio")),
+            (f"{load}x_batch_tokens_ratio", vs.get("batch_tokens_ratio")),
+        ]
+    return [(k, v) for k, v in pairs if v is not None]
+
+
 # Benches whose JSON nests its figures or leads with its parameters: what the table shows.
-_HEADLINES = {"qos": _qos, "admission": _admission}
+_HEADLINES = {"qos": _qos, "admission": _admission, "peers": _peers}
 
 
 def figures(bench: str, result: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -186,6 +204,177 @@ def render(records: list[dict[str, Any]]) -> str:
         )
     return "\n".join(lines) + "\n"
 
+
+# --- the README's headline table ----------------------------------------------------------
+
+Shown = tuple[str, bool | None]  # the figure as the table shows it, and whether its target is met
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _ratio_row(key: str, target: float) -> Callable[[dict[str, Any]], Shown | None]:
+    def shown(r: dict[str, Any]) -> Shown | None:
+        value = _num(r.get(key))
+        return None if value is None else (f"{value:.3f}", value >= target)
+
+    return shown
+
+
+def _admission_row(r: dict[str, Any]) -> Shown | None:
+    jobs, p99 = _num(r.get("jobs_per_s")), _num(r.get("p99_ms"))
+    if jobs is None or p99 is None:
+        return None
+    return f"{jobs:,.0f} jobs/s, p99 {p99:.1f} ms", jobs >= 1000 and p99 <= 50
+
+
+def _serve_row(r: dict[str, Any]) -> Shown | None:
+    tpot = _num(r.get("tpot_ratio"))
+    burst = (r.get("servers", {}).get("tierq") or {}).get("burst") or {}
+    if tpot is None or not burst:
+        return None
+    complete = bool(r.get("burst_all_complete"))
+    return (
+        f"{tpot:.2f}x; {burst.get('completed', 0)} of {burst.get('requests', 0)} burst streams "
+        "complete",
+        tpot <= 1.05 and complete,
+    )
+
+
+def _qos_row(r: dict[str, Any]) -> Shown | None:
+    got = dict(_qos(r))
+    thr, ttft = _num(got.get("throughput_vs_fcfs")), _num(got.get("ttft_p95_vs_idle"))
+    if thr is None or ttft is None:
+        return None
+    return f"{thr:.4f}x; {ttft:.2f}x", thr >= 0.95 and ttft <= 2 and bool(got.get("min_shares_met"))
+
+
+def _peers_row(r: dict[str, Any]) -> Shown | None:
+    parts, met = [], []
+    for load, body in (r.get("loads") or {}).items():
+        vs = body.get("vs_vllm_priority")
+        if not vs:
+            continue
+        parts.append(
+            f"at {load}x: {vs['ttft_p95_ratio']}x; {vs['slo_points']:+} points; "
+            f"{vs['throughput_ratio']}x; {vs['batch_tokens_ratio']}x"
+        )
+        met.append(bool(vs.get("targets_met")))
+    return ("<br>".join(parts), all(met)) if parts else None
+
+
+def _soak_row(r: dict[str, Any]) -> Shown | None:
+    failed, accepted = r.get("failed_by_platform"), r.get("accepted")
+    billed, served = _num(r.get("billed_tokens")), _num(r.get("served_tokens"))
+    if failed is None or not accepted or billed is None or not served:
+        return None
+    ok = failed == 0 and billed == served and not r.get("lost") and not r.get("double_billed")
+    return f"{failed} of {accepted:,}; {billed / served:.3f}", ok
+
+
+def _isolation_row(r: dict[str, Any]) -> Shown | None:
+    ratio = _num(r.get("ttft_ratio_vs_neighbour"))
+    return None if ratio is None else (f"{ratio:.2f}", ratio <= 1.25)
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One row of the README's table: which bench, what it measures, its target, and
+    how a kept result shows (`pick`: which of its kept runs the row reads)."""
+
+    bench: str
+    what: str
+    target: str
+    shown: Callable[[dict[str, Any]], Shown | None]
+    pick: Callable[[dict[str, Any]], bool] = lambda r: True
+
+
+HEADLINES = (
+    Headline(
+        "overhead",
+        "tokens/s through the platform ÷ raw vLLM `LLM.chat`",
+        "≥ 0.95",
+        _ratio_row("ratio", 0.95),
+    ),
+    Headline(
+        "admission",
+        "jobs admitted per second, one API process, 32 clients",
+        "≥ 1,000, p99 ≤ 50 ms",
+        _admission_row,
+        lambda r: r.get("clients") == 32 and not r.get("quota"),
+    ),
+    Headline(
+        "serve",
+        "TPOT against `vllm serve`, vLLM's own client; the burst",
+        "≤ 1.05x; all complete",
+        _serve_row,
+    ),
+    Headline(
+        "batch", "tokens/s ÷ vLLM's `run_batch`, the same file", "≥ 0.95", _ratio_row("ratio", 0.95)
+    ),
+    Headline(
+        "peers",
+        "against `vllm serve --scheduling-policy priority`, the same trace: interactive TTFT "
+        "p95; SLO attainment; total and batch tokens/s",
+        "≤ 0.8x; ≥ +20 points; ≥ 0.95x; ≥ 0.9x",
+        _peers_row,
+    ),
+    Headline(
+        "qos",
+        "simulated engine: throughput ÷ fcfs; interactive TTFT p95 ÷ idle",
+        "≥ 0.95x; ≤ 2x",
+        _qos_row,
+    ),
+    Headline(
+        "soak",
+        "faults every 10 s (workers killed, pub/sub dropped, Redis restarted empty): jobs "
+        "failed by the platform; tokens billed ÷ served",
+        "0; 1",
+        _soak_row,
+    ),
+    Headline(
+        "isolation",
+        "a quiet tenant's TTFT p95 beside a noisy one ÷ beside a good one",
+        "≤ 1.25",
+        _isolation_row,
+    ),
+)
+
+
+def render_headline(records: list[dict[str, Any]]) -> str:
+    """The README's table: the newest qualifying kept run of each headline bench."""
+    lines = ["| benchmark | figure | target | met |", "|---|---|---|---|"]
+    for row in HEADLINES:
+        runs = [b for b in records if b["bench"] == row.bench and row.pick(b["result"])]
+        shown = row.shown(runs[-1]["result"]) if runs else None
+        if shown is None:
+            continue
+        figure, met = shown
+        verdict = "—" if met is None else ("yes" if met else "**no**")
+        lines.append(f"| `bench {row.bench}`: {row.what} | {figure} | {row.target} | {verdict} |")
+    if len(lines) == 2:
+        return "No result is kept yet: run a bench with `--save`.\n"
+    return "\n".join(lines) + "\n"
+
+
+def _between(text: str, start: str, end: str, body: str, where: Path) -> str:
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{where} has no {start} ... {end} markers")
+    return pattern.sub(lambda _: f"{start}\n{body}{end}", text)
+
+
+def write_headline(readme: Path, records: list[dict[str, Any]]) -> str:
+    """Put the headline table between the README's markers; returns its new text."""
+    new = _between(
+        readme.read_text(), HEADLINE_START, HEADLINE_END, render_headline(records), readme
+    )
+    readme.write_text(new)
+    return new
+
+
+# --- the docs' plots ----------------------------------------------------------------------
 
 PLOTS = "benchmarks"  # the plots' folder, beside the page
 
@@ -244,6 +433,45 @@ def plots(records: list[dict[str, Any]], folder: Path) -> list[tuple[str, str]]:
             ax.set_ylabel("share of served tokens")
             ax.legend()
             save(fig, "qos-shares.png", "Served-token shares by tier under tierq, `bench qos`")
+        tenant = qos.get("tierq", {}).get("batch_tenant_shares")
+        if tenant and tenant.get("shares"):
+            fig, ax = plt.subplots(figsize=(6, 3))
+            for policy, style in (("tierq", "-"), ("fcfs", ":")):
+                series = (qos.get(policy) or {}).get("batch_tenant_shares") or {}
+                for name, values in sorted((series.get("shares") or {}).items()):
+                    ax.plot(series["t_s"], values, style, marker="o", label=f"{name} ({policy})")
+            ax.set_ylim(0, 1)
+            ax.set_xlabel("simulated seconds into the measured window")
+            ax.set_ylabel("share of batch tokens")
+            ax.legend(fontsize="small")
+            save(
+                fig,
+                "qos-tenant-shares.png",
+                "Two batch tenants' shares of the batch tier over time (one has ten times the "
+                "other's jobs), tierq against fcfs, `bench qos`",
+            )
+    peers = newest.get("peers", {}).get("result")
+    if peers and peers.get("loads"):
+        _peers_plots(peers["loads"], plt, save)
+    ratios = _baseline_ratios(newest)
+    if ratios:
+        fig, ax = plt.subplots(figsize=(6, 0.45 * len(ratios) + 1))
+        labels = [label for label, _, _ in ratios]
+        ax.barh(labels, [v for _, v, _ in ratios], color="#2b6cb0")
+        ax.scatter(
+            [t for _, _, t in ratios],
+            labels,
+            color="#c53030",
+            marker="|",
+            s=300,
+            label="target",
+            zorder=3,
+        )
+        ax.axvline(1.0, color="#718096", linewidth=0.8)
+        ax.invert_yaxis()
+        ax.set_xlabel("tierq ÷ its baseline (higher is better)")
+        ax.legend(fontsize="small", loc="lower right")
+        save(fig, "baseline-ratios.png", "Each bench's throughput against its baseline")
     # Admission latency by concurrency: the newest kept run of each client count.
     by_clients: dict[int, dict[str, Any]] = {}
     for body in records:
@@ -262,15 +490,70 @@ def plots(records: list[dict[str, Any]], folder: Path) -> list[tuple[str, str]]:
     return drawn
 
 
+def _baseline_ratios(newest: dict[str, dict[str, Any]]) -> list[tuple[str, float, float]]:
+    """(label, tierq ÷ baseline, target) of each throughput the kept results compare with a
+    baseline run beside it."""
+    out: list[tuple[str, float, float]] = []
+
+    def add(label: str, value: Any, target: float) -> None:
+        if _num(value) is not None:
+            out.append((label, float(value), target))
+
+    add("overhead vs LLM.chat", newest.get("overhead", {}).get("result", {}).get("ratio"), 0.95)
+    add("batch vs run_batch", newest.get("batch", {}).get("result", {}).get("ratio"), 0.95)
+    serve = newest.get("serve", {}).get("result", {})
+    for scenario, r in (serve.get("ratios") or {}).items():
+        add(f"serve {scenario} tokens/s", r.get("output_tokens_per_s"), 0.95)
+    qos = dict(_qos(newest.get("qos", {}).get("result", {})))
+    add("qos vs fcfs (simulated)", qos.get("throughput_vs_fcfs"), 0.95)
+    for load, body in (newest.get("peers", {}).get("result", {}).get("loads") or {}).items():
+        vs = body.get("vs_vllm_priority") or {}
+        add(f"peers {load}x vs vLLM priority", vs.get("throughput_ratio"), 0.95)
+    return out
+
+
+def _peers_plots(loads: dict[str, Any], plt: Any, save: Callable[[Any, str, str], None]) -> None:
+    """`bench peers`: interactive TTFT p95 and tokens/s of each server at each load."""
+    names = list(next(iter(loads.values()))["servers"])
+    width = 0.8 / len(names)
+    colors = {"tierq": "#2b6cb0", "vllm-priority": "#718096", "vllm-fcfs": "#a0aec0"}
+    for key, ylabel, name, caption in (
+        (
+            ("interactive", "ttft_p95_ms"),
+            "interactive TTFT p95 (ms)",
+            "peers-ttft.png",
+            "Interactive time to first token (p95) by server and load, `bench peers`",
+        ),
+        (
+            ("total_tokens_per_s",),
+            "output tokens per second",
+            "peers-throughput.png",
+            "Total output tokens per second by server and load, `bench peers`",
+        ),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 3))
+        for i, server in enumerate(names):
+            values = []
+            for body in loads.values():
+                v: Any = body["servers"].get(server, {})
+                for part in key:
+                    v = (v or {}).get(part)
+                values.append(_num(v) or 0.0)
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(loads))]
+            ax.bar(xs, values, width, label=server, color=colors.get(server))
+        ax.set_xticks(range(len(loads)), [f"overload {load}x" for load in loads])
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize="small")
+        save(fig, name, caption)
+
+
 def write_report(page: Path, records: list[dict[str, Any]]) -> str:
     """Put the table and the plots between the page's markers (the plots in a folder
     beside the page); returns the page's new text."""
     text = page.read_text()
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{page} has no {START} ... {END} markers")
+    _between(text, START, END, "", page)  # the markers first, before anything is drawn
     drawn = plots(records, page.parent / PLOTS)
     figures = "".join(f"\n![{caption}]({PLOTS}/{name})\n" for name, caption in drawn)
-    new = pattern.sub(lambda _: f"{START}\n{render(records)}{figures}{END}", text)
+    new = _between(text, START, END, render(records) + figures, page)
     page.write_text(new)
     return new

@@ -297,11 +297,13 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def start_vllm(cfg: ServeConfig) -> Server:
+def start_vllm(cfg: ServeConfig, policy: str = "priority") -> Server:
+    """`vllm serve` with the worker's engine settings and `cfg.vllm_scheduler`; `policy` is
+    its scheduling policy (priority, as the worker's engine runs, or fcfs)."""
     port = free_port()
     argv = [sys.executable, "-m", "benchmarks.serve", "serve", "127.0.0.1", str(port)]
-    argv.append(cfg.vllm_scheduler)
-    server = Server("vllm serve", argv, _base_env(), f"http://127.0.0.1:{port}")
+    argv += [cfg.vllm_scheduler, policy]
+    server = Server(f"vllm serve ({policy})", argv, _base_env(), f"http://127.0.0.1:{port}")
     _ready_or_stop(server, "/health")
     return server
 
@@ -411,9 +413,10 @@ def run_serve(settings: Settings, cfg: ServeConfig) -> dict[str, Any]:
 # --- the children -------------------------------------------------------------------
 
 
-def _serve_child(host: str, port: int, scheduler: str) -> None:
+def _serve_child(host: str, port: int, scheduler: str, policy: str) -> None:
     """`vllm serve` with the worker's engine args: vLLM's own parser for the server's
-    options, then every AsyncEngineArgs field from workers.engine.vllm_args.worker_engine_args."""
+    options, then every AsyncEngineArgs field from workers.engine.vllm_args.worker_engine_args,
+    with `policy` as its scheduling policy (`--scheduling-policy`: priority or fcfs)."""
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -432,6 +435,7 @@ def _serve_child(host: str, port: int, scheduler: str) -> None:
     args = parser.parse_args([*server_argv, "--disable-uvicorn-access-log"])
     for field in dataclasses.fields(engine):
         setattr(args, field.name, getattr(engine, field.name))
+    args.scheduling_policy = policy
     validate_parsed_serve_args(args)
     uvloop.run(run_server(args))
 
@@ -458,7 +462,7 @@ def _client_child(argv: list[str]) -> None:
 
 def _child(argv: list[str], out: IO[str]) -> None:
     if argv[0] == "serve":
-        _serve_child(argv[1], int(argv[2]), argv[3])
+        _serve_child(argv[1], int(argv[2]), argv[3], argv[4])
     elif argv[0] == "client":
         _client_child(argv[1:])
     else:

@@ -391,16 +391,62 @@ def bench_serve(
         keep_dir=keep_dir,
     )
 
-    def on_term(_sig: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
+    _interrupt_on_sigterm()
     try:
         result = run_serve(get_settings(), cfg)
     except KeyboardInterrupt:
         typer.echo("interrupted: every process it started is stopped", err=True)
         raise typer.Exit(130) from None
     _emit(result)
+
+
+@bench_app.command("peers")
+def bench_peers(
+    duration: float = typer.Option(90.0, min=5.0, help="Seconds of arrivals per run."),
+    overload: str = typer.Option(
+        "1.5,3", help="Batch backlogs, comma-separated: each x the engine's capacity x duration."
+    ),
+    interactive_rate: float = typer.Option(1.0, min=0.0, help="Interactive chats per second."),
+    standard_rate: float = typer.Option(0.2, min=0.0, help="Standard requests per second."),
+    ttft_slo: float | None = typer.Option(
+        None, help="Interactive TTFT SLO, ms (default: twice the idle TTFT measured first)."
+    ),
+    capacity: float | None = typer.Option(
+        None, help="The engine's output tokens/s (default: measured first on `vllm serve`)."
+    ),
+    servers: str = typer.Option(
+        "vllm-fcfs,vllm-priority,tierq", help="The servers, in the order they run."
+    ),
+    seed: int = typer.Option(0, help="Seeds the trace: the same requests at the same times."),
+) -> None:
+    """tierq against `vllm serve` (FCFS) and `vllm serve --scheduling-policy priority` on
+    one trace: interactive chats arriving while a batch backlog fills the engine; prints
+    one JSON line last."""
+    from benchmarks.peers import SERVERS, PeersConfig, run_peers
+
+    setup_logging("WARNING")
+    try:
+        overloads = tuple(float(x) for x in overload.split(","))
+    except ValueError:
+        raise typer.BadParameter("numbers, comma-separated", param_hint="--overload") from None
+    if not overloads or any(x <= 0 for x in overloads):
+        raise typer.BadParameter("positive numbers", param_hint="--overload")
+    chosen = tuple(name.strip() for name in servers.split(","))
+    if not chosen or any(name not in SERVERS for name in chosen):
+        raise typer.BadParameter(", ".join(SERVERS), param_hint="--servers")
+    cfg = PeersConfig(
+        duration_s=duration,
+        overloads=overloads,
+        interactive_rate=interactive_rate,
+        standard_rate=standard_rate,
+        ttft_slo_ms=ttft_slo,
+        capacity_tokens_per_s=capacity,
+        servers=chosen,
+        seed=seed,
+    )
+
+    _interrupt_on_sigterm()
+    _run_platform_bench(run_peers(get_settings(), cfg))
 
 
 @bench_app.command("qos")
@@ -622,6 +668,16 @@ def bench_admission(
     _run_platform_bench(run_admission(get_settings(), cfg))
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM as Ctrl-C, for a bench that runs in this thread: either stops every process
+    it started."""
+
+    def on_term(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def _run_platform_bench(run: Coroutine[Any, Any, dict[str, Any]]) -> None:
     """A benchmark that starts the platform's processes: its JSON line last on stdout;
     Ctrl-C or SIGTERM stops every process it started (exit 130)."""
@@ -734,18 +790,24 @@ def batch_download(
 def bench_report(
     results: Path = typer.Option(Path("benchmarks/results"), help="The kept results."),
     page: Path = typer.Option(Path("docs/benchmarks.md"), help="The page whose table it writes."),
-    write: bool = typer.Option(False, help="Write the page's table instead of printing it."),
+    readme: Path = typer.Option(Path("README.md"), help="The README whose headline it writes."),
+    write: bool = typer.Option(
+        False, help="Write the page's table and plots and the README's headline table."
+    ),
 ) -> None:
-    """The latest kept result of each bench as the docs' table (between the page's
-    results markers)."""
+    """The latest kept result of each bench as the docs' table and plots (between the
+    page's results markers) and the README's headline table (between its headline
+    markers); without --write, both tables are printed."""
     from benchmarks import results as kept
 
     records = kept.load(results)
     if write:
         kept.write_report(page, records)
-        typer.echo(f"{page}: {len(kept.latest(records))} benches", err=True)
+        kept.write_headline(readme, records)
+        typer.echo(f"{page}, {readme}: {len(kept.latest(records))} benches", err=True)
     else:
-        typer.echo(kept.render(records), nl=False)
+        typer.echo(kept.render(records))
+        typer.echo(kept.render_headline(records), nl=False)
 
 
 @bench_app.command("batch")

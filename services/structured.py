@@ -31,8 +31,9 @@ from __future__ import annotations
 import functools
 import json
 import re
-from re import _constants as sre_constants  # type: ignore[attr-defined]
-from re import _parser as sre_parse  # type: ignore[attr-defined]
+# typeshed declares these private modules in some releases and not in others.
+from re import _constants as sre_constants  # type: ignore[attr-defined, unused-ignore]
+from re import _parser as sre_parse  # type: ignore[attr-defined, unused-ignore]
 from typing import Annotated, Any, Literal
 
 import llguidance

@@ -418,11 +418,11 @@ class Settings(BaseSettings):
     batch_discount: Decimal = Field(
         default=Decimal("0.5"),
         description="off the standard price, for a batch tier without a price of its own",
-    )  # off the standard price, for the batch tier
+    )
     invoice_interval_s: float = Field(
         default=3600.0,
         description="how often beat rolls this and last month's ledger into invoices",
-    )  # beat rolls up this and last month's invoices
+    )
 
     # --- engine -------------------------------------------------------------------------
     engine: Literal["vllm", "simulated"] = Field(
@@ -452,31 +452,31 @@ class Settings(BaseSettings):
     )
     max_model_len: int = Field(
         default=2048,
-        description="context length; jobs one engine runs at once (its slots)",
+        description="context length: the most tokens one request may hold, prompt and output",
     )
     max_num_seqs: int = Field(
         default=64,
-        description="context length; jobs one engine runs at once (its slots)",
-    )  # the most requests one engine runs at once (its batch slots)
+        description="requests one engine runs at once (its batch slots)",
+    )
     tensor_parallel_size: int = Field(
         default=1,
         description="GPUs per engine (vLLM's tensor parallelism)",
-    )  # GPUs per engine (vLLM's tensor parallelism)
+    )
     gpu_memory_utilization: float = Field(
         default=0.9,
         description=("the share of each GPU's memory vLLM takes (weights, activations, KV cache)"),
-    )  # the share of each GPU's memory vLLM may take
+    )
     kv_cache_dtype: str = Field(
         default="auto",
         description=(
             "vLLM's KV cache dtype; `fp8` halves the cache's memory on GPUs that support it"
         ),
-    )  # vLLM's KV cache dtype ("fp8" halves its memory on GPUs)
+    )
     quantization: str | None = Field(
         default=None,
         description="vLLM's quantization method (`fp8`, `awq`, `gptq`, ...)",
         json_schema_extra={"shown_default": "unset (the model's own)"},
-    )  # vLLM's quantization method; None: the model's own
+    )
     cpu_kvcache_space_gib: int = Field(
         default=2,
         description="KV cache of the CPU engine",
@@ -641,10 +641,10 @@ class Settings(BaseSettings):
                 " host>-gpu<indices>` per engine)"
             )
         },
-    )  # default: "<hostname>-<pid>"; set it to keep one inbox
+    )
     heartbeat_interval_s: float = Field(
         default=1.0,
-        description="a worker silent for longer is dead; its inbox is reclaimed",
+        description="how often a worker reports itself alive (its heartbeat key and slots)",
     )
     worker_dead_after_s: float = Field(
         default=10.0,
@@ -715,7 +715,7 @@ class Settings(BaseSettings):
     dispatch_read_ahead: int = Field(
         default=32,
         description="entries per tenant shard of a tier the dispatcher holds to choose from",
-    )  # entries held per tenant shard of a tier
+    )
     dispatch_idle_wait_s: float = Field(
         default=0.2,
         description=(
@@ -759,11 +759,11 @@ class Settings(BaseSettings):
     )
     min_share_standard: float = Field(
         default=0.20,
-        description="minimum share of served tokens of a backlogged tier",
-    )  # of tokens served over the window, while backlogged
+        description="the standard tier's minimum share of served tokens while it is backlogged",
+    )
     min_share_batch: float = Field(
         default=0.10,
-        description="minimum share of served tokens of a backlogged tier",
+        description="the batch tier's minimum share of served tokens while it is backlogged",
     )
     share_window_s: float = Field(
         default=60.0,
@@ -771,15 +771,15 @@ class Settings(BaseSettings):
     )
     slo_interactive_s: float = Field(
         default=5.0,
-        description="deadlines from admission",
-    )  # deadlines, from admission; urgency acts before them
+        description="an interactive job's deadline from admission (urgency acts before it)",
+    )
     slo_standard_s: float = Field(
         default=300.0,
-        description="deadlines from admission",
+        description="a standard job's deadline from admission (urgency acts before it)",
     )
     slo_batch_s: float = Field(
         default=86_400.0,
-        description="deadlines from admission",
+        description="a batch job's deadline from admission (urgency acts before it)",
     )
     urgency_fraction: float = Field(
         default=0.8,
@@ -792,7 +792,7 @@ class Settings(BaseSettings):
             "(default 1)"
         ),
         json_schema_extra={"shown_default": "`{}`"},
-    )  # tenant id -> weight
+    )
     # Slots per worker that standard and batch work leave free (capped at half the slots).
     # 0: an engine that preempts for priority (ENGINE_PREEMPTION) needs none; reserved slots
     # idle while work waits.
@@ -862,7 +862,7 @@ class Settings(BaseSettings):
             "a stream slot's lease in Redis, renewed by the API process holding it: the slots of a"
             " process that dies are free again after this"
         ),
-    )  # a stream an API process stops renewing is let go after
+    )
     # Connections each process's Redis client may open; more callers wait for one (for
     # redis_pool_timeout_s) instead of failing. SSE followers share one pub/sub connection
     # per API process, so this does not grow with the number of streams.
@@ -886,12 +886,12 @@ class Settings(BaseSettings):
     # --- batches (OpenAI's Files and Batches) --------------------------------------------
     batch_max_requests: int = Field(
         default=50_000,
-        description="the most lines and bytes one batch input file may have",
-    )  # lines per input file
+        description="the most lines (requests) one batch input file may have",
+    )
     batch_max_bytes: int = Field(
         default=200 * 1024 * 1024,
-        description="the most lines and bytes one batch input file may have",
-    )  # bytes per input file
+        description="the most bytes one batch input file may have",
+    )
     # Jobs of one batch queued or running at once: the expansion tops up to this, so a
     # 50,000-line file never floods Redis; enough to keep every worker's slots busy.
     batch_max_outstanding: int = Field(
@@ -901,11 +901,11 @@ class Settings(BaseSettings):
     batch_window_s: float = Field(
         default=86_400.0,
         description='what `completion_window: "24h"` means',
-    )  # what completion_window "24h" means
+    )
     batch_tick_s: float = Field(
         default=2.0,
         description="how often Celery beat re-drives every active batch",
-    )  # Celery beat re-drives every active batch this often
+    )
     # The lease a Celery worker holds on a batch it advances (renewed every third of it):
     # a worker killed mid-step holds its batch up this long at most.
     batch_lease_s: float = Field(
@@ -920,7 +920,7 @@ class Settings(BaseSettings):
     batch_error_limit: int = Field(
         default=1000,
         description="validation errors reported per batch, at most",
-    )  # validation errors reported per batch, at most
+    )
     # Batches a tenant may have unfinished at once (validating, in progress, finalizing or
     # cancelling); one more is refused with 429 too_many_batches.
     max_batches_per_tenant: int = Field(
@@ -945,7 +945,7 @@ class Settings(BaseSettings):
         default=10,
         ge=0,
         description="webhook endpoints per tenant",
-    )  # per tenant
+    )
     # Outbound requests go to public addresses only: a URL whose host is (or resolves to)
     # a private, loopback, link-local or otherwise non-global address is refused, unless
     # the operator allows them (receivers inside the deployment's own network).
@@ -959,12 +959,12 @@ class Settings(BaseSettings):
     webhook_allow_http: bool = Field(
         default=False,
         description="take plain `http://` webhook URLs (`https://` only otherwise)",
-    )  # plain http:// URLs (https only otherwise)
+    )
     webhook_timeout_s: float = Field(
         default=10.0,
         gt=0,
         description=("one delivery attempt, from resolving the host to the answer's status line"),
-    )  # one attempt, connect to answer
+    )
     # A delivery is retried with exponential backoff from base to max (plus jitter) until
     # it succeeds or this many attempts failed (about 21 hours at the defaults).
     webhook_max_attempts: int = Field(
@@ -998,7 +998,7 @@ class Settings(BaseSettings):
         default=5.0,
         gt=0,
         description="how often Celery beat sends the deliveries that are due",
-    )  # beat sends what is due this often
+    )
 
     # --- Celery -------------------------------------------------------------------------
     # One Celery beat of the deployment sends the periodic tasks, holding a lease in Redis

@@ -46,21 +46,32 @@ def test_the_report_shows_the_latest_run_of_each_bench(tmp_path: Path) -> None:
 
     page = tmp_path / "page.md"
     page.write_text(f"# B\n\nbefore\n\n{results.START}\nold\n{results.END}\n\nafter\n")
-    out = CliRunner().invoke(
-        app, ["bench", "report", "--results", str(tmp_path), "--page", str(page), "--write"]
-    )
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# R\n\n{results.HEADLINE_START}\nold\n{results.HEADLINE_END}\n\nend\n")
+    argv = ["--results", str(tmp_path), "--page", str(page), "--readme", str(readme)]
+    out = CliRunner().invoke(app, ["bench", "report", *argv, "--write"])
     assert out.exit_code == 0, out.output
     text = page.read_text()
     assert text.startswith("# B\n\nbefore\n") and text.endswith("\nafter\n")
     assert table in text and "old" not in text
+    head = readme.read_text()
+    assert head.startswith("# R\n") and head.endswith("\nend\n") and "old" not in head
+    assert "| `bench overhead`: tokens/s through the platform" in head
+    assert "| 1.009 | ≥ 0.95 | yes |" in head
+    # admission's row reads a run of 32 clients: these kept runs name none
+    assert "bench admission" not in head
 
 
-def test_the_docs_table_is_the_report_of_the_kept_results() -> None:
-    """The page shows what the kept results say (run `tierq bench report --write` after
-    keeping one)."""
+def test_the_docs_and_readme_tables_are_the_report_of_the_kept_results() -> None:
+    """The page and the README show what the kept results say (run `tierq bench report
+    --write` after keeping one)."""
+    kept = results.load(ROOT / results.RESULTS)
     page = (ROOT / "docs/benchmarks.md").read_text()
     shown = page.split(results.START + "\n", 1)[1].split(results.END, 1)[0]
-    assert shown.startswith(results.render(results.load(ROOT / results.RESULTS)))
+    assert shown.startswith(results.render(kept))
+    readme = (ROOT / "README.md").read_text()
+    head = readme.split(results.HEADLINE_START + "\n", 1)[1].split(results.HEADLINE_END, 1)[0]
+    assert head == results.render_headline(kept)
     for image in re.findall(r"\]\(([^)]+\.png)\)", shown):
         assert (ROOT / "docs" / image).is_file(), image
 
@@ -100,3 +111,52 @@ def test_the_report_draws_the_plots_the_results_allow(tmp_path: Path) -> None:
     assert not (empty.parent / results.PLOTS).exists() or not any(
         (empty.parent / results.PLOTS).iterdir()
     )
+
+
+def test_the_headline_rows_and_their_verdicts(tmp_path: Path) -> None:
+    keep(tmp_path, "admission", 2, {"clients": 32, "jobs_per_s": 1889.2, "p99_ms": 27.4})
+    keep(tmp_path, "admission", 3, {"clients": 64, "jobs_per_s": 2063.0, "p99_ms": 46.4})
+    keep(tmp_path, "batch", 3, {"ratio": 0.894})
+    vs = {
+        "ttft_p95_ratio": 0.5,
+        "slo_points": 31.8,
+        "throughput_ratio": 0.97,
+        "batch_tokens_ratio": 0.93,
+        "targets_met": True,
+    }
+    loads = {"1.5": {"vs_vllm_priority": vs}, "3": {"vs_vllm_priority": {**vs, "targets_met": 0}}}
+    keep(tmp_path, "peers", 3, {"loads": loads})
+    keep(
+        tmp_path,
+        "soak",
+        3,
+        {
+            "failed_by_platform": 0,
+            "accepted": 4399,
+            "billed_tokens": 9,
+            "served_tokens": 9,
+            "lost": 0,
+            "double_billed": 0,
+        },
+    )
+    keep(tmp_path, "isolation", 3, {"ttft_ratio_vs_neighbour": 1.31})
+    rows = {
+        line.split("`")[1]: line
+        for line in results.render_headline(results.load(tmp_path)).splitlines()
+        if line.startswith("| `bench")
+    }
+    assert list(rows) == [
+        "bench admission",
+        "bench batch",
+        "bench peers",
+        "bench soak",
+        "bench isolation",
+    ]
+    # the 32-client run, not the newer 64-client one
+    assert "| 1,889 jobs/s, p99 27.4 ms | ≥ 1,000, p99 ≤ 50 ms | yes |" in rows["bench admission"]
+    assert rows["bench batch"].endswith("| 0.894 | ≥ 0.95 | **no** |")
+    assert "at 1.5x: 0.5x; +31.8 points; 0.97x; 0.93x<br>at 3x:" in rows["bench peers"]
+    assert rows["bench peers"].endswith("| **no** |")  # one load fell short
+    assert "| 0 of 4,399; 1.000 | 0; 1 | yes |" in rows["bench soak"]
+    assert rows["bench isolation"].endswith("| 1.31 | ≤ 1.25 | **no** |")
+    assert "No result is kept yet" in results.render_headline([])

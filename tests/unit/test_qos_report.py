@@ -1,10 +1,11 @@
-"""The tenant gap of `tierq bench qos`: counted only while every batch tenant is backlogged."""
+"""`tierq bench qos`'s fairness figures: the tenant gap, counted only while every batch tenant
+is backlogged, and the batch tenants' shares over time."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.qos_report import Recorded, Trace, Window, tenant_gap
+from benchmarks.qos_report import Recorded, Trace, Window, tenant_gap, tenant_shares
 from benchmarks.qos_workload import Arrival
 from tierq.settings import Settings
 from tierq.tiers import Tier
@@ -72,3 +73,19 @@ def test_a_tenant_drained_before_the_window_leaves_nothing_to_compare() -> None:
 def test_one_batch_tenant_has_no_gap() -> None:
     run = recorded({"a": [1.0, None]}, [(3.0, "a-0", 400)])
     assert tenant_gap(run, Window(1.0, 10.0, 1.0)) == (0.0, 9.0)
+
+
+def test_tenant_shares_over_time_split_each_span_of_the_window() -> None:
+    run = recorded(
+        {"small": [1.0], "big": [1.0, 2.0]},
+        [
+            (1.5, "small-0", 30),
+            (2.0, "big-0", 90),  # span 1 (1-4): small 30 of 120
+            (5.0, "big-1", 50),  # span 2 (4-7): big alone
+            (9.0, "chat", 500),  # span 3 (7-10): no batch tokens, so no shares
+            (11.0, "small-0", 500),  # after the window
+        ],
+    )
+    shares = tenant_shares(run, Window(1.0, 10.0, 2.0), buckets=3)
+    assert shares["t_s"] == [6.0, 12.0, 18.0]  # each span's end, simulated seconds
+    assert shares["shares"] == {"big": [0.75, 1.0, None], "small": [0.25, 0.0, None]}
