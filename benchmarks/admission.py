@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.harness import ScratchPlatform
+from benchmarks.harness import ScratchPlatform, Supervisor
 from launch.supervisor import Child
 from tierq.settings import Settings
 
@@ -130,7 +130,7 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-async def _phase(
+async def phase(
     name: str,
     host: str,
     port: int,
@@ -204,7 +204,7 @@ async def _phase(
     }
 
 
-async def _tenants(url: str, admin_key: str, cfg: AdmissionConfig) -> list[str]:
+async def make_tenants(url: str, admin_key: str, cfg: AdmissionConfig) -> list[str]:
     """`cfg.tenants` tenants with a key each (and a quota each with `--quota`)."""
     keys = []
     admin = {"Authorization": f"Bearer {admin_key}"}
@@ -231,24 +231,16 @@ async def run_admission(base: Settings, cfg: AdmissionConfig) -> dict[str, Any]:
     async with ScratchPlatform(
         base, "admission", "simulated", REDIS_PREFIX, tag, cfg.keep_logs
     ) as p:
-        env = {
-            **_env(p),
-            # The jobs stay queued (no dispatcher): no per-tenant bound on them here.
-            "DEFAULT_MAX_QUEUED": "0",
-        }
-        argv = [sys.executable, "-m", "cli.main", "api", "--workers", str(cfg.api_workers)]
-        api = Child("api", argv, p.logs / "api.log", p.state / "api.pid")
-        sup = p.start([api], {"api": env})
-        await _wait_api(p.url, p.logs)
-        keys = await _tenants(p.url, p.admin_key, cfg)
+        api, sup = await start_api(p, cfg.api_workers)
+        keys = await make_tenants(p.url, p.admin_key, cfg)
         assert api.proc is not None
         pids = [api.proc.pid]
         host, port = p.settings.api_host, p.settings.api_port
         log.info("admission: %d clients, %d tenants, %d requests", cfg.clients, cfg.tenants, cfg.n)
         model = p.settings.served_model_name
-        jobs = await _phase("jobs", host, port, keys, cfg, pids, model)
+        jobs = await phase("jobs", host, port, keys, cfg, pids, model)
         log.info("jobs: %s", jobs)
-        chat = await _phase("chat", host, port, keys, cfg, pids, model)
+        chat = await phase("chat", host, port, keys, cfg, pids, model)
         log.info("chat: %s", chat)
         sup.stop_all()
         p.completed = True
@@ -265,7 +257,18 @@ async def run_admission(base: Settings, cfg: AdmissionConfig) -> dict[str, Any]:
     }
 
 
-async def _wait_api(url: str, logs: Path, timeout_s: float = 120.0) -> None:
+async def start_api(p: ScratchPlatform, workers: int = 1) -> tuple[Child, Supervisor]:
+    """The API process alone (`workers` of them behind one port) on the scratch services,
+    ready; no dispatcher, so the jobs stay queued (and no per-tenant bound on them here)."""
+    env = {**_env(p), "DEFAULT_MAX_QUEUED": "0"}
+    argv = [sys.executable, "-m", "cli.main", "api", "--workers", str(workers)]
+    api = Child("api", argv, p.logs / "api.log", p.state / "api.pid")
+    sup = p.start([api], {"api": env})
+    await wait_api(p.url, p.logs)
+    return api, sup
+
+
+async def wait_api(url: str, logs: Path, timeout_s: float = 120.0) -> None:
     """Up once /readyz finds the database and Redis (no worker here)."""
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(base_url=url, timeout=2) as client:

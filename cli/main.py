@@ -449,6 +449,57 @@ def bench_peers(
     _run_platform_bench(run_peers(get_settings(), cfg))
 
 
+def _sizes(value: str, hint: str) -> tuple[int, ...]:
+    """Comma-separated positive sizes, in increasing order (`1e5` is 100000)."""
+    try:
+        sizes = tuple(int(float(x)) for x in value.split(","))
+    except ValueError:
+        raise typer.BadParameter("numbers, comma-separated", param_hint=hint) from None
+    if not sizes or any(x < 1 for x in sizes) or list(sizes) != sorted(set(sizes)):
+        raise typer.BadParameter("positive and increasing", param_hint=hint)
+    return sizes
+
+
+@bench_app.command("curves")
+def bench_curves(
+    parts: str = typer.Option("ledger,dispatch,streams", help="Which curves, comma-separated."),
+    ledger_sizes: str = typer.Option(
+        "1e3,1e4,1e5,1e6,1e7", help="Usage records in the tenant's ledger."
+    ),
+    jobs_cap: int = typer.Option(1_000_000, min=0, help="The jobs table grows up to this."),
+    admission_n: int = typer.Option(1000, min=10, help="Admissions measured at each size."),
+    tenant_counts: str = typer.Option(
+        "10,100,1000,1e4,1e5", help="Tenants with queued work (dispatch)."
+    ),
+    tenants_queue: int = typer.Option(100_000, min=1, help="Queued jobs at every tenant count."),
+    queue_lengths: str = typer.Option("1e3,1e4,1e5,1e6", help="Queued jobs (dispatch)."),
+    streams: int = typer.Option(200, min=10, max=256, help="SSE streams held open at once."),
+    keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the processes' logs."),
+) -> None:
+    """How tierq's costs grow with its work: admission and usage reports against the
+    ledger's size, the dispatcher against tenants and queue length, memory per open
+    stream; each as a curve with its fitted growth; prints one JSON line last."""
+    from benchmarks.curves import PARTS, CurvesConfig, run_curves
+
+    setup_logging("INFO")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    chosen = tuple(name.strip() for name in parts.split(","))
+    if not chosen or any(name not in PARTS for name in chosen):
+        raise typer.BadParameter(", ".join(PARTS), param_hint="--parts")
+    cfg = CurvesConfig(
+        ledger_sizes=_sizes(ledger_sizes, "--ledger-sizes"),
+        jobs_cap=jobs_cap,
+        admission_n=admission_n,
+        tenant_counts=_sizes(tenant_counts, "--tenant-counts"),
+        tenants_queue=tenants_queue,
+        queue_lengths=_sizes(queue_lengths, "--queue-lengths"),
+        streams=streams,
+        parts=chosen,
+        keep_logs=keep_logs,
+    )
+    _run_platform_bench(run_curves(get_settings(), cfg))
+
+
 @bench_app.command("qos")
 def bench_qos(
     engine: str = typer.Option("simulated", help="simulated (calibrated) or vllm (scaled down)."),

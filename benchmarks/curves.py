@@ -1,0 +1,486 @@
+"""`tierq bench curves`: how tierq's costs grow with its work — each figure at several
+sizes, printed as a curve (size -> cost) with its fitted growth.
+
+Three parts, each on real servers of the bench's own (a redis-server and a scratch
+PostgreSQL database, benchmarks.harness.ScratchPlatform); no engine runs, since none of
+these costs is the engine's:
+
+- `ledger`: one tenant's ledger grows through `ledger_sizes` usage records (spread over
+  the last 30 days, written by PostgreSQL itself and summed into the day rows as an import
+  is, `rebuild_days`), its jobs table beside it up to `jobs_cap` rows. At each size, the real
+  API process (no dispatcher, so admitted jobs stay queued) is measured for: admission
+  latency p50/p99 and its CPU per job (`POST /v1/jobs` from `clients` clients, the tenant
+  under a quota: the exact path, under its row lock); `GET /v1/usage` over the whole
+  ledger (by day) and over a span that starts and ends mid-day (by tier and model: the
+  edge days read records); and the admin usage report (by model).
+- `dispatch`: the real dispatcher (dispatcher.loop.Dispatcher) against batch-tier queues
+  filled through the API's own enqueuer (tierq.queue.Enqueuer): at each number of tenants
+  with queued work (`tenant_counts`, `tenants_queue` jobs among them) and each queue length
+  (`queue_lengths` jobs, `queue_tenants` tenants), one read round (every shard's read-ahead
+  topped up by XREADGROUP; the first, which also creates the consumer groups, is reported
+  apart) and one decision (the policy's `assign` over what was read, p99) — and Redis's
+  memory per queued job.
+- `streams`: `streams` SSE followers of queued jobs held open on one API process: the API's
+  resident memory and Redis's memory per open stream.
+
+Growth: the exponent k of a least-squares fit of log(cost) on log(size) (cost ~ size^k):
+below 0.05 flat, below 0.25 logarithmic or slower, 1 linear; a logarithmic cost shows a
+small k that shrinks as sizes grow, so the last two points' ratio is printed too. Logs go
+to stderr; one JSON line is printed last on stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import psutil
+import redis.asyncio as aioredis
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from benchmarks.admission import AdmissionConfig, make_tenants, phase, start_api
+from benchmarks.harness import ScratchPlatform
+from dispatcher.loop import Dispatcher
+from dispatcher.policy import WorkerSlots
+from models import billing
+from tierq.messages import JobMessage
+from tierq.queue import Enqueuer
+from tierq.redis_names import RedisNames
+from tierq.settings import Settings
+from tierq.tiers import Tier
+
+log = logging.getLogger("tierq.bench")
+
+REDIS_PREFIX = "tqcrv"
+PARTS = ("ledger", "dispatch", "streams")
+ENQUEUE_AT_ONCE = 2048  # enqueues in flight while a queue is filled (the Enqueuer batches them)
+DECISIONS = 50  # assign() calls timed per point
+
+
+@dataclass(frozen=True)
+class CurvesConfig:
+    ledger_sizes: tuple[int, ...] = (10**3, 10**4, 10**5, 10**6, 10**7)
+    jobs_cap: int = 10**6  # the jobs table grows with the ledger up to this many rows
+    admission_n: int = 1000  # measured admissions per size
+    clients: int = 8
+    usage_calls: int = 5  # each usage report's calls per size (the median is reported)
+    tenant_counts: tuple[int, ...] = (10, 100, 1000, 10**4, 10**5)
+    tenants_queue: int = 10**5  # queued jobs at every tenant count
+    queue_lengths: tuple[int, ...] = (10**3, 10**4, 10**5, 10**6)
+    queue_tenants: int = 100
+    streams: int = 200
+    parts: tuple[str, ...] = PARTS
+    keep_logs: bool = False
+
+
+# --- growth ---------------------------------------------------------------------------
+
+
+def growth(points: list[tuple[float, float]]) -> dict[str, Any]:
+    """The fitted exponent of cost ~ size^k over the points with a positive cost, and the
+    cost's ratio between the last two sizes beside their sizes' ratio."""
+    pts = [(x, y) for x, y in points if x > 0 and y > 0]
+    if len(pts) < 2:
+        return {"exponent": None, "last_step": None, "verdict": "too few points"}
+    lx = [math.log(x) for x, _ in pts]
+    ly = [math.log(y) for _, y in pts]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    sxx = sum((a - mx) ** 2 for a in lx)
+    k = sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sxx if sxx else 0.0
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    # ln(size) over 10^3..10^7 fits k = 0.09, over 10..10^5 k = 0.17.
+    if k < 0.05:
+        verdict = "flat"
+    elif k < 0.25:
+        verdict = "logarithmic or slower"
+    elif k < 0.8:
+        verdict = f"grows as size^{k:.2f}"
+    else:
+        verdict = "linear or worse"
+    return {
+        "exponent": round(k, 3),
+        "last_step": {"size_x": round(x1 / x0, 2), "cost_x": round(y1 / y0, 3)},
+        "verdict": verdict,
+    }
+
+
+def curve(rows: list[dict[str, Any]], size: str, cost: str) -> dict[str, Any]:
+    """One figure's curve from the rows of a part: its points and its growth."""
+    points = [(float(r[size]), float(r[cost])) for r in rows if r.get(cost) is not None]
+    return {"points": [[x, y] for x, y in points], **growth(points)}
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
+# --- the ledger -------------------------------------------------------------------------
+
+# Records of one tenant, rows `lo` to `hi` - 1 of the fill, over the 30 days before
+# `until` (3 tiers, 2 models, varied costs); foreign keys unchecked, as a restore loads.
+_FILL_LEDGER = """
+INSERT INTO usage_records (job_id, tenant_id, tier, model, prompt_tokens, completion_tokens,
+    input_price, output_price, cost, created_at)
+SELECT 'job_curve_' || g, :tenant, (ARRAY['batch', 'standard', 'interactive'])[1 + g % 3],
+    'model-' || (g % 2), 10 + g % 7, 20 + g % 11, '3', '7',
+    ((10 + g % 7) * 3 + (20 + g % 11) * 7) * 0.0000001,
+    CAST(:until AS timestamptz) - ((g % 30) + 1) * interval '1 day'
+        + ((g * 7919) % 86400) * interval '1 second'
+FROM generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint) - 1) AS g
+"""
+
+
+async def _columns(s: Any, table: str) -> list[str]:
+    got = await s.execute(
+        text(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = :t "
+            "ORDER BY ordinal_position"
+        ),
+        {"t": table},
+    )
+    return [row[0] for row in got]
+
+
+async def _fill(
+    p: ScratchPlatform,
+    tenant_id: str,
+    template_job: str,
+    lo: int,
+    hi: int,
+    jobs_lo: int,
+    jobs_hi: int,
+    until: datetime,
+) -> None:
+    db = p.database()
+    async with db.transaction() as s:
+        await s.execute(text("SET LOCAL session_replication_role = replica"))
+        await s.execute(
+            text(_FILL_LEDGER), {"tenant": tenant_id, "lo": lo, "hi": hi, "until": until}
+        )
+        if jobs_hi > jobs_lo:
+            # Finished copies of one admitted job: the table's rows as the API writes them.
+            cols = await _columns(s, "jobs")
+            picked = ", ".join(
+                "'job_curve_' || g"
+                if c == "id"
+                else "'succeeded'"
+                if c == "status"
+                else "NULL"
+                if c == "idempotency_key"
+                else f"t.{c}"
+                for c in cols
+            )
+            await s.execute(
+                text(
+                    f"INSERT INTO jobs ({', '.join(cols)}) SELECT {picked} "
+                    "FROM jobs t, generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint) - 1)"
+                    " AS g WHERE t.id = :template"
+                ),
+                {"lo": jobs_lo, "hi": jobs_hi, "template": template_job},
+            )
+    async with db.transaction() as s:
+        await billing.rebuild_days(s, tenant_id)
+    # As autovacuum leaves a loaded table: its visibility map and statistics current.
+    assert p.db_url is not None
+    engine = create_async_engine(p.db_url, isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as conn:
+            for table in ("usage_records", "usage_days", "jobs"):
+                await conn.execute(text(f"VACUUM ANALYZE {table}"))
+    finally:
+        await engine.dispose()
+
+
+async def _relation_mb(p: ScratchPlatform, table: str) -> float:
+    async with p.database().session() as s:
+        got = await s.execute(text("SELECT pg_total_relation_size(:t)"), {"t": table})
+        return round(int(got.scalar_one()) / 2**20, 1)
+
+
+async def _timed(calls: int, call: Callable[[], Awaitable[httpx.Response]]) -> dict[str, Any]:
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        resp = await call()
+        times.append(time.perf_counter() - started)
+        resp.raise_for_status()
+    return {"median_ms": _ms(statistics.median(times)), "max_ms": _ms(max(times))}
+
+
+async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
+    tag = f"curves_{uuid.uuid4().hex[:8]}"
+    rows: list[dict[str, Any]] = []
+    async with ScratchPlatform(base, "curves", "simulated", REDIS_PREFIX, tag, cfg.keep_logs) as p:
+        api, sup = await start_api(p)
+        adm = AdmissionConfig(clients=cfg.clients, n=cfg.admission_n, tenants=1, quota=True)
+        (key,) = await make_tenants(p.url, p.admin_key, adm)
+        assert api.proc is not None
+        pids = [api.proc.pid]
+        host, port, model = p.settings.api_host, p.settings.api_port, p.settings.served_model_name
+        async with httpx.AsyncClient(base_url=p.url, timeout=120) as client:
+            me = await client.get("/v1/usage", headers={"Authorization": f"Bearer {key}"})
+            me.raise_for_status()
+            tenant_id = me.json()["tenant_id"]
+            first = await client.post(
+                "/v1/jobs",
+                json={"prompt": "a template job", "max_tokens": 16},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            first.raise_for_status()
+            template = first.json()["id"]
+            until = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+            # A span from mid-day to mid-day: whole days from their sums, the edges' records.
+            span = {
+                "from": int((until - timedelta(days=20, hours=12)).timestamp()),
+                "to": int((until - timedelta(days=5, hours=12)).timestamp()),
+                "group_by": "tier,model",
+            }
+            filled, jobs_filled = 0, 0
+            tenant_auth = {"Authorization": f"Bearer {key}"}
+            admin_auth = {"Authorization": f"Bearer {p.admin_key}"}
+            for size in cfg.ledger_sizes:
+                jobs_to = min(size, cfg.jobs_cap)
+                started = time.monotonic()
+                await _fill(p, tenant_id, template, filled, size, jobs_filled, jobs_to, until)
+                log.info(
+                    "ledger %d records, jobs %d: filled in %.0f s",
+                    size,
+                    jobs_to,
+                    time.monotonic() - started,
+                )
+                filled, jobs_filled = size, max(jobs_filled, jobs_to)
+                admitted = await phase("jobs", host, port, [key], adm, pids, model)
+
+                def own(params: dict[str, Any] | None = None) -> Awaitable[httpx.Response]:
+                    return client.get("/v1/usage", params=params, headers=tenant_auth)
+
+                whole = await _timed(cfg.usage_calls, own)
+                part = await _timed(cfg.usage_calls, lambda: own(span))
+                report = await _timed(
+                    cfg.usage_calls,
+                    lambda: client.get(
+                        f"/admin/tenants/{tenant_id}/usage",
+                        params={"group_by": "model"},
+                        headers=admin_auth,
+                    ),
+                )
+                row = {
+                    "ledger_records": size,
+                    "jobs_rows": jobs_filled,
+                    "admission_p50_ms": admitted["p50_ms"],
+                    "admission_p99_ms": admitted["p99_ms"],
+                    "admission_errors": admitted["errors"],
+                    "api_cpu_ms_per_job": admitted["api_cpu_ms_per_job"],
+                    "usage_whole_ms": whole["median_ms"],
+                    "usage_span_ms": part["median_ms"],
+                    "admin_report_ms": report["median_ms"],
+                    "usage_max_ms": max(whole["max_ms"], part["max_ms"], report["max_ms"]),
+                    "usage_records_mb": await _relation_mb(p, "usage_records"),
+                    "jobs_mb": await _relation_mb(p, "jobs"),
+                }
+                log.info("ledger: %s", row)
+                rows.append(row)
+        sup.stop_all()
+        p.completed = True
+    x = "ledger_records"
+    largest = rows[-1] if rows else {}
+    return {
+        "rows": rows,
+        "curves": {
+            name: curve(rows, x, name)
+            for name in (
+                "admission_p99_ms",
+                "api_cpu_ms_per_job",
+                "usage_whole_ms",
+                "usage_span_ms",
+                "admin_report_ms",
+            )
+        },
+        "usage_within_1s_at_largest": bool(largest) and largest["usage_max_ms"] <= 1000,
+    }
+
+
+# --- the dispatcher -----------------------------------------------------------------------
+
+
+async def _used_memory(r: aioredis.Redis) -> int:
+    return int((await r.info("memory"))["used_memory"])
+
+
+async def _fill_queue(r: aioredis.Redis, names: RedisNames, jobs: int, tenants: int) -> None:
+    """`jobs` batch-tier jobs round-robin over `tenants` tenants, through the API's enqueuer."""
+    enqueuer = Enqueuer(r, names)
+    now = time.time()
+    for lo in range(0, jobs, ENQUEUE_AT_ONCE):
+        await asyncio.gather(
+            *(
+                enqueuer.enqueue(
+                    JobMessage(f"job_q{n}", f"tenant_{n % tenants}", Tier.BATCH, now, 80)
+                )
+                for n in range(lo, min(jobs, lo + ENQUEUE_AT_ONCE))
+            )
+        )
+    await enqueuer.aclose()
+
+
+async def _dispatch_point(
+    settings: Settings, r: aioredis.Redis, jobs: int, tenants: int
+) -> dict[str, Any]:
+    await r.flushdb()
+    names = RedisNames(settings.redis_prefix)
+    before = await _used_memory(r)
+    started = time.monotonic()
+    await _fill_queue(r, names, jobs, tenants)
+    filled_s = time.monotonic() - started
+    per_job = (await _used_memory(r) - before) / jobs
+    d = Dispatcher(settings, r)
+    if not await d.leadership.acquire():
+        raise RuntimeError("the bench's dispatcher could not take the lease")
+    started = time.perf_counter()
+    await d._read()  # creates every consumer group, then reads
+    first = time.perf_counter() - started
+    reads = []
+    for _ in range(3):
+        started = time.perf_counter()
+        await d._read()
+        reads.append(time.perf_counter() - started)
+    queues = d._queues()
+    buffered = sum(len(v) for tiers in queues.values() for v in tiers.values())
+    slots = [WorkerSlots(f"w{i}", 8, 8) for i in range(4)]
+    times = []
+    for call in range(DECISIONS):
+        started = time.perf_counter()
+        d.policy.assign(queues, slots, time.time() + call)
+        times.append(time.perf_counter() - started)
+    times.sort()
+    await d.leadership.release()
+    row = {
+        "queued_jobs": jobs,
+        "tenants": tenants,
+        "buffered": buffered,
+        "redis_bytes_per_job": round(per_job, 1),
+        "first_read_ms": _ms(first),
+        "read_round_ms": _ms(statistics.median(reads)),
+        "decision_p99_ms": round(times[int(0.99 * (len(times) - 1))] * 1000, 3),
+        "fill_s": round(filled_s, 1),
+    }
+    log.info("dispatch: %s", row)
+    return row
+
+
+async def _dispatch(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
+    tag = f"curves_{uuid.uuid4().hex[:8]}"
+    async with ScratchPlatform(base, "curves", "simulated", REDIS_PREFIX, tag, cfg.keep_logs) as p:
+        r = aioredis.Redis.from_url(p.settings.redis_url or "", decode_responses=True)
+        # A lease that outlasts the longest read (every consumer group created first).
+        settings = p.settings.model_copy(update={"dispatch_lease_s": 3600.0})
+        try:
+            by_tenants = [
+                await _dispatch_point(settings, r, max(cfg.tenants_queue, n), n)
+                for n in cfg.tenant_counts
+            ]
+            by_length = [
+                await _dispatch_point(settings, r, n, cfg.queue_tenants) for n in cfg.queue_lengths
+            ]
+        finally:
+            await r.aclose()
+        p.completed = True
+    figures = ("read_round_ms", "decision_p99_ms", "redis_bytes_per_job", "first_read_ms")
+    return {
+        "by_tenants": {
+            "rows": by_tenants,
+            "curves": {name: curve(by_tenants, "tenants", name) for name in figures},
+        },
+        "by_queue_length": {
+            "rows": by_length,
+            "curves": {name: curve(by_length, "queued_jobs", name) for name in figures},
+        },
+    }
+
+
+# --- open streams -------------------------------------------------------------------------
+
+
+async def _follow(
+    client: httpx.AsyncClient, job_id: str, opened: asyncio.Event, count: list[int], want: int
+) -> None:
+    async with client.stream("GET", f"/v1/jobs/{job_id}/events") as resp:
+        resp.raise_for_status()
+        count[0] += 1
+        if count[0] >= want:
+            opened.set()
+        async for _ in resp.aiter_bytes():
+            pass
+
+
+async def _streams(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
+    tag = f"curves_{uuid.uuid4().hex[:8]}"
+    async with ScratchPlatform(base, "curves", "simulated", REDIS_PREFIX, tag, cfg.keep_logs) as p:
+        api, sup = await start_api(p)
+        (key,) = await make_tenants(p.url, p.admin_key, AdmissionConfig(tenants=1))
+        assert api.proc is not None
+        proc = psutil.Process(api.proc.pid)
+        r = aioredis.Redis.from_url(p.settings.redis_url or "", decode_responses=True)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(
+            base_url=p.url, headers=headers, timeout=60, limits=limits
+        ) as client:
+            ids = []
+            for i in range(cfg.streams):
+                resp = await client.post(
+                    "/v1/jobs", json={"prompt": f"queued {i}", "max_tokens": 8}
+                )
+                resp.raise_for_status()
+                ids.append(resp.json()["id"])
+            # One stream opened and closed first: what the first follower sets up once.
+            opened, count = asyncio.Event(), [0]
+            warm = asyncio.create_task(_follow(client, ids[0], opened, count, 1))
+            await asyncio.wait_for(opened.wait(), 30)
+            warm.cancel()
+            await asyncio.gather(warm, return_exceptions=True)
+            await asyncio.sleep(1.0)
+            rss0, mem0 = proc.memory_info().rss, await _used_memory(r)
+            opened, count = asyncio.Event(), [0]
+            tasks = [
+                asyncio.create_task(_follow(client, j, opened, count, cfg.streams)) for j in ids
+            ]
+            await asyncio.wait_for(opened.wait(), 120)
+            await asyncio.sleep(2.0)
+            rss1, mem1 = proc.memory_info().rss, await _used_memory(r)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await r.aclose()
+        sup.stop_all()
+        p.completed = True
+    return {
+        "streams": cfg.streams,
+        "api_bytes_per_stream": round((rss1 - rss0) / cfg.streams),
+        "redis_bytes_per_stream": round((mem1 - mem0) / cfg.streams),
+    }
+
+
+async def run_curves(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    parts: dict[str, Callable[[Settings, CurvesConfig], Awaitable[dict[str, Any]]]] = {
+        "ledger": _ledger,
+        "dispatch": _dispatch,
+        "streams": _streams,
+    }
+    for name in cfg.parts:
+        log.info("curves: %s", name)
+        out[name] = await parts[name](base, cfg)
+    out["config"] = dataclasses.asdict(cfg)
+    return out
