@@ -157,8 +157,33 @@ def _peers(result: dict[str, Any]) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in pairs if v is not None]
 
 
+def _curves(result: dict[str, Any]) -> list[tuple[str, Any]]:
+    """`bench curves`: each curve's fitted exponent (cost ~ size^k)."""
+    pairs: list[tuple[str, Any]] = []
+    for part, body in _curve_sets(result):
+        for name, fitted in body.items():
+            pairs.append((f"{part}.{name}_k", fitted.get("exponent")))
+    return [(k, v) for k, v in pairs if v is not None]
+
+
+_CURVE_SIZES = {
+    "ledger": "usage records in one tenant's ledger",
+    "by_tenants": "tenants with queued work",
+    "by_queue_length": "queued jobs",
+}
+
+
+def _curve_sets(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, {figure: curve}) of each set of curves a `bench curves` result holds."""
+    sets = [("ledger", (result.get("ledger") or {}).get("curves") or {})]
+    dispatch = result.get("dispatch") or {}
+    for by in ("by_tenants", "by_queue_length"):
+        sets.append((by, (dispatch.get(by) or {}).get("curves") or {}))
+    return [(label, body) for label, body in sets if body]
+
+
 # Benches whose JSON nests its figures or leads with its parameters: what the table shows.
-_HEADLINES = {"qos": _qos, "admission": _admission, "peers": _peers}
+_HEADLINES = {"qos": _qos, "admission": _admission, "peers": _peers, "curves": _curves}
 
 
 def figures(bench: str, result: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -453,6 +478,31 @@ def plots(records: list[dict[str, Any]], folder: Path) -> list[tuple[str, str]]:
     peers = newest.get("peers", {}).get("result")
     if peers and peers.get("loads"):
         _peers_plots(peers["loads"], plt, save)
+    curves = newest.get("curves", {}).get("result")
+    if curves:
+        for label, body in _curve_sets(curves):
+            fig, ax = plt.subplots(figsize=(6, 3.2))
+            for name, fitted in body.items():
+                points = [(x, y) for x, y in fitted.get("points") or [] if x > 0 and y > 0]
+                if len(points) < 2:
+                    continue
+                first = points[0][1]
+                ax.plot(
+                    [x for x, _ in points],
+                    [y / first for _, y in points],
+                    marker="o",
+                    label=f"{name} (k={fitted.get('exponent')})",
+                )
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel(_CURVE_SIZES[label])
+            ax.set_ylabel("cost ÷ cost at the smallest size")
+            ax.legend(fontsize="x-small")
+            save(
+                fig,
+                f"curves-{label.replace('_', '-')}.png",
+                f"Costs against {_CURVE_SIZES[label]}, `bench curves`",
+            )
     ratios = _baseline_ratios(newest)
     if ratios:
         fig, ax = plt.subplots(figsize=(6, 0.45 * len(ratios) + 1))

@@ -284,7 +284,7 @@ class RawPool:
         if self._slots.locked():  # all in use: wait, but not forever
             try:
                 # A deadline, not wait_for: no task made for each wait (under a burst every
-                # admission waits here, and wait_for's task was 3 % of the API's CPU).
+                # admission waits here, and a task per wait is a visible share of the CPU).
                 async with asyncio.timeout(self.timeout_s):
                     await self._slots.acquire()
             except TimeoutError:

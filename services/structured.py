@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+
 # typeshed declares these private modules in some releases and not in others.
 from re import _constants as sre_constants  # type: ignore[attr-defined, unused-ignore]
 from re import _parser as sre_parse  # type: ignore[attr-defined, unused-ignore]

@@ -563,9 +563,8 @@ class Settings(BaseSettings):
             "while the small step budget is on: an interactive request that arrived in the first "
             "half of the step that just ended is prefilled in a step of interactive work alone, "
             "the other tiers' decodes sitting that one step out (at most once a request, and in at"
-            " most 5 steps of any 20; on the real engine it took 0.03 to 0.18 s off the "
-            "interactive TTFT p95 in four side-by-side pairs, at about 1 % of the throughput "
-            "simulated: Benchmark). `false`: it shares its first step with every decode"
+            " most 5 steps of any 20: the interactive TTFT falls for a small share of the "
+            "throughput). `false`: it shares its first step with every decode"
         ),
     )
     # vLLM's engine-core process waits for its model worker's result of each step by

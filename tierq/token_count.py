@@ -101,7 +101,7 @@ class PromptCounter:
 
     def _tokens_many(self, texts: list[str]) -> list[int]:
         # encode_batch lets go of the GIL: run in a thread, a long prompt does not stall
-        # the event loop (encode holds it: 0.2-0.9 s for 200,000 characters).
+        # the event loop (encode holds it for the whole prompt, long for the longest).
         found = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         return [len(e.ids) for e in found]
 

@@ -87,7 +87,27 @@ def test_the_report_draws_the_plots_the_results_allow(tmp_path: Path) -> None:
         "tier_share": {"interactive": 0.2, "standard": 0.6, "batch": 0.2},
         "tier_min_share": {"standard": 0.2, "batch": 0.1},
     }
-    keep(folder, "qos", 4, {"tierq": policy, "fcfs": {**policy, "interactive_ttft_p95_s": 200.0}})
+    shares = {"t_s": [10.0, 20.0], "shares": {"big": [0.5, 0.52], "small": [0.5, 0.48]}}
+    tierq = {**policy, "batch_tenant_shares": shares}
+    keep(folder, "qos", 4, {"tierq": tierq, "fcfs": {**policy, "interactive_ttft_p95_s": 200.0}})
+    keep(folder, "overhead", 4, {"ratio": 1.009})
+    run = {"interactive": {"ttft_p95_ms": 900.0}, "total_tokens_per_s": 150.0}
+    servers = {"vllm-fcfs": run, "vllm-priority": run, "tierq": run}
+    loads = {
+        load: {"servers": servers, "vs_vllm_priority": {"throughput_ratio": 0.97}}
+        for load in ("1.5", "3")
+    }
+    keep(folder, "peers", 4, {"loads": loads})
+    fitted = {"points": [[1000, 2.0], [10000, 2.1], [100000, 2.2]], "exponent": 0.02}
+    keep(
+        folder,
+        "curves",
+        4,
+        {
+            "ledger": {"curves": {"usage_whole_ms": fitted, "admission_p99_ms": fitted}},
+            "dispatch": {"by_tenants": {"curves": {"read_round_ms": fitted}}},
+        },
+    )
     page = tmp_path / "docs" / "page.md"
     page.parent.mkdir()
     page.write_text(f"# B\n\n{results.START}\n{results.END}\n")
@@ -95,7 +115,13 @@ def test_the_report_draws_the_plots_the_results_allow(tmp_path: Path) -> None:
     drawn = sorted(p.name for p in (page.parent / results.PLOTS).iterdir())
     assert drawn == [
         "admission-latency.png",
+        "baseline-ratios.png",
+        "curves-by-tenants.png",
+        "curves-ledger.png",
+        "peers-throughput.png",
+        "peers-ttft.png",
         "qos-shares.png",
+        "qos-tenant-shares.png",
         "qos-throughput.png",
         "qos-ttft.png",
     ]

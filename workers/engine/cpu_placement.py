@@ -9,8 +9,8 @@ on any core. The kernel often wakes a thread on the core of the thread that woke
 when the model worker hands a step's result to the engine core, or the engine core an
 output to the front end, the woken thread lands beside the compute thread and takes turns
 with it — every step is slowed by what those processes do. Those two processes, and the
-embedded Redis (`launch/supervisor.py`), were seen on core 0 during `bench serve` runs
-whose time per output token was 23 to 96 % above `vllm serve`'s.
+embedded Redis (`launch/supervisor.py`), land on the compute core too, and the time per
+output token then trails `vllm serve`'s (`bench serve` shows it).
 
 So once the engine has started, `pin_off_compute()` binds every thread of this process
 and of each unbound process under it (the engine core) to the cores the model worker was

@@ -4,23 +4,22 @@ vLLM's multiprocess executor hands each step to its worker process and reads the
 back through a shared-memory ring (`shm_broadcast.MessageQueue`). A reader that read
 within the last second (`SpinCondition.busy_loop_s`, 1 s, not configurable) waits by
 calling `sched_yield()` in a loop, so while the engine is busy its engine-core process
-spins through every step the worker computes: py-spy found its main thread in that loop
-in 514 of some 600 samples of a 64-job burst, and the process took half a core. On a GPU
-host that buys a few microseconds a step with a core nobody else wants. On a CPU host the
-engine's compute threads are bound to their cores and the spinner, bound to none, lands
-either beside them (slowing every step) or on the core that the API, the dispatcher and
-the worker's own loop share (slowing admission: a 64-job burst took 1.2 to 4.3 s to be
-admitted on the embedded default). With the spin off, the reader blocks on the ring's
-notification socket, which the writer signals after every write — the path vLLM itself
-takes once the engine has been idle for a second.
+spins through every step the worker computes (py-spy finds its main thread in that loop
+most of the time under a burst, and the process takes half a core). On a GPU host that
+buys a few microseconds a step with a core nobody else wants. On a CPU host the engine's
+compute threads are bound to their cores and the spinner, bound to none, lands either
+beside them (slowing every step) or on the core that the API, the dispatcher and the
+worker's own loop share (slowing admission of a burst on the embedded default). With the
+spin off, the reader blocks on the ring's notification socket, which the writer signals
+after every write — the path vLLM itself takes once the engine has been idle for a second.
 
 That signal can be lost: the writer's socket keeps one message (`SNDHWM` 1) and drops the
 rest, and the reader keeps the last (`CONFLATE`). vLLM's reader then sleeps until its
-recheck (`SHM_READER_RECHECK_INTERVAL_MS`, 5 s): measured here, the first job after a
-64-job burst took 5.2 s instead of 0.15 s, every time, and rounds of the burst varied by
-seconds. So a quiet wait blocks for at most `RECHECK_MS` before it looks at the ring again:
-a lost signal costs at most that (a step here lasts 80 to 400 ms), and the rechecks cost a
-few hundred cheap wake-ups a second while the engine works, not a spinning core.
+recheck (`SHM_READER_RECHECK_INTERVAL_MS`, 5 s): the first job after a burst then waits
+seconds for a step that takes a fraction of one. So a quiet wait blocks for at most
+`RECHECK_MS` before it looks at the ring again: a lost signal costs at most that (a small
+part of one CPU step), and the rechecks cost a few hundred cheap wake-ups a second while
+the engine works, not a spinning core.
 
 `quiet_waits()` runs in the engine-core process (tierq's scheduler classes are built
 there; `vllm_scheduler.py`). It replaces `SpinCondition.wait` on the class, so it reaches

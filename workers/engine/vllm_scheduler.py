@@ -79,7 +79,8 @@ log = logging.getLogger("vllm.tierq.scheduler")
 
 # The key of tierq's part of vLLM's `additional_config`.
 CONFIG_KEY = "tierq"
-# On the CPU a step lasts as long as its token count: 128 tokens is ~0.4 s here.
+# On the CPU a step lasts about as long as its token count: a step of this many tokens
+# keeps interactive decode steps short while prefills still move.
 CPU_LATENCY_STEP_TOKENS = 128
 
 
