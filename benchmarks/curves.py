@@ -56,7 +56,7 @@ from dispatcher.policy import WorkerSlots
 from models import billing
 from tierq.messages import JobMessage
 from tierq.queue import Enqueuer
-from tierq.redis_names import RedisNames
+from tierq.redis_names import DISPATCH_GROUP, RedisNames
 from tierq.settings import Settings
 from tierq.tiers import Tier
 
@@ -65,7 +65,8 @@ log = logging.getLogger("tierq.bench")
 REDIS_PREFIX = "tqcrv"
 PARTS = ("ledger", "dispatch", "streams")
 ENQUEUE_AT_ONCE = 2048  # enqueues in flight while a queue is filled (the Enqueuer batches them)
-DECISIONS = 50  # assign() calls timed per point
+DECISIONS = 200  # assign() calls timed per point
+READ_ROUNDS = 3  # read rounds timed per point, each after a hand-out
 
 
 @dataclass(frozen=True)
@@ -171,23 +172,31 @@ async def _fill(
         if jobs_hi > jobs_lo:
             # Finished copies of one admitted job: the table's rows as the API writes them.
             cols = await _columns(s, "jobs")
-            picked = ", ".join(
-                "'job_curve_' || g"
-                if c == "id"
-                else "'succeeded'"
-                if c == "status"
-                else "NULL"
-                if c == "idempotency_key"
-                else f"t.{c}"
-                for c in cols
+            # Finished over the same 30 days as the ledger, with the tokens it bills.
+            ended = (
+                "CAST(:until AS timestamptz) - ((g % 30) + 1) * interval '1 day'"
+                " + ((g * 7919) % 86400) * interval '1 second'"
             )
+            shown = {
+                "id": "'job_curve_' || g",
+                "status": "'succeeded'",
+                "idempotency_key": "NULL",
+                "created_at": f"{ended} - interval '2 seconds'",
+                "started_at": f"{ended} - interval '1 second'",
+                "finished_at": ended,
+                "result_text": "'a finished answer'",
+                "finish_reason": "'length'",
+                "prompt_tokens": "10 + g % 7",
+                "completion_tokens": "20 + g % 11",
+            }
+            picked = ", ".join(shown.get(c, f"t.{c}") for c in cols)
             await s.execute(
                 text(
                     f"INSERT INTO jobs ({', '.join(cols)}) SELECT {picked} "
                     "FROM jobs t, generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint) - 1)"
                     " AS g WHERE t.id = :template"
                 ),
-                {"lo": jobs_lo, "hi": jobs_hi, "template": template_job},
+                {"lo": jobs_lo, "hi": jobs_hi, "template": template_job, "until": until},
             )
     async with db.transaction() as s:
         await billing.rebuild_days(s, tenant_id)
@@ -200,6 +209,21 @@ async def _fill(
                 await conn.execute(text(f"VACUUM ANALYZE {table}"))
     finally:
         await engine.dispose()
+
+
+async def _retire(p: ScratchPlatform, tenant_id: str) -> None:
+    """The jobs a size's admissions left queued (no dispatcher runs) end, an hour back: the
+    next size's admissions meet the same queue and the same last minute, and only the
+    ledger and the jobs table have grown."""
+    async with p.database().transaction() as s:
+        await s.execute(
+            text(
+                "UPDATE jobs SET status = 'cancelled', created_at = created_at - interval "
+                "'1 hour', finished_at = now() - interval '1 hour' "
+                "WHERE tenant_id = :t AND status = 'queued'"
+            ),
+            {"t": tenant_id},
+        )
 
 
 async def _relation_mb(p: ScratchPlatform, table: str) -> float:
@@ -261,6 +285,7 @@ async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
                 )
                 filled, jobs_filled = size, max(jobs_filled, jobs_to)
                 admitted = await phase("jobs", host, port, [key], adm, pids, model)
+                await _retire(p, tenant_id)
 
                 def own(params: dict[str, Any] | None = None) -> Awaitable[httpx.Response]:
                     return client.get("/v1/usage", params=params, headers=tenant_auth)
@@ -334,6 +359,21 @@ async def _fill_queue(r: aioredis.Redis, names: RedisNames, jobs: int, tenants: 
     await enqueuer.aclose()
 
 
+async def _hand_out(d: Dispatcher, r: aioredis.Redis) -> None:
+    """Take half the read-ahead and one more out of every shard, as hand-offs do (the entries
+    acknowledged and deleted), so that the next read round tops every shard up."""
+    take = d.settings.dispatch_read_ahead // 2 + 1
+    async with r.pipeline(transaction=False) as pipe:
+        for shards in d.buffers.values():
+            for entries in shards.values():
+                for entry_id in list(entries)[:take]:
+                    gone = entries.pop(entry_id)
+                    d._buffered[gone.stream] -= 1
+                    pipe.xack(gone.stream, DISPATCH_GROUP, entry_id)
+                    pipe.xdel(gone.stream, entry_id)
+        await pipe.execute()
+
+
 async def _dispatch_point(
     settings: Settings, r: aioredis.Redis, jobs: int, tenants: int
 ) -> dict[str, Any]:
@@ -350,11 +390,14 @@ async def _dispatch_point(
     started = time.perf_counter()
     await d._read()  # creates every consumer group, then reads
     first = time.perf_counter() - started
-    reads = []
-    for _ in range(3):
+    reads, topped_up = [], []
+    for _ in range(READ_ROUNDS):
+        await _hand_out(d, r)
+        held = sum(d._buffered.values())
         started = time.perf_counter()
         await d._read()
         reads.append(time.perf_counter() - started)
+        topped_up.append(sum(d._buffered.values()) - held)
     queues = d._queues()
     buffered = sum(len(v) for tiers in queues.values() for v in tiers.values())
     slots = [WorkerSlots(f"w{i}", 8, 8) for i in range(4)]
@@ -372,6 +415,7 @@ async def _dispatch_point(
         "redis_bytes_per_job": round(per_job, 1),
         "first_read_ms": _ms(first),
         "read_round_ms": _ms(statistics.median(reads)),
+        "read_round_entries": int(statistics.median(topped_up)),
         "decision_p99_ms": round(times[int(0.99 * (len(times) - 1))] * 1000, 3),
         "fill_s": round(filled_s, 1),
     }
@@ -415,8 +459,12 @@ async def _dispatch(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
 async def _follow(
     client: httpx.AsyncClient, job_id: str, opened: asyncio.Event, count: list[int], want: int
 ) -> None:
+    """Follow one job's events until cancelled; `opened` is set once `want` streams are
+    open, or at once when this one is refused (its status is then the bench's error)."""
     async with client.stream("GET", f"/v1/jobs/{job_id}/events") as resp:
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            opened.set()
+            raise RuntimeError(f"a stream was refused: {resp.status_code}")
         count[0] += 1
         if count[0] >= want:
             opened.set()
@@ -451,24 +499,37 @@ async def _streams(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
             warm.cancel()
             await asyncio.gather(warm, return_exceptions=True)
             await asyncio.sleep(1.0)
-            rss0, mem0 = proc.memory_info().rss, await _used_memory(r)
-            opened, count = asyncio.Event(), [0]
-            tasks = [
-                asyncio.create_task(_follow(client, j, opened, count, cfg.streams)) for j in ids
-            ]
-            await asyncio.wait_for(opened.wait(), 120)
-            await asyncio.sleep(2.0)
-            rss1, mem1 = proc.memory_info().rss, await _used_memory(r)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Memory at half the streams and at all of them: the difference is what the
+            # second half costs, past what the first streams set up or freed once.
+            half = cfg.streams // 2
+            tasks: list[asyncio.Task[None]] = []
+            marks = []
+            try:
+                for batch in (ids[:half], ids[half:]):
+                    opened, count = asyncio.Event(), [0]
+                    tasks += [
+                        asyncio.create_task(_follow(client, j, opened, count, len(batch)))
+                        for j in batch
+                    ]
+                    await asyncio.wait_for(opened.wait(), 120)
+                    for t in tasks:  # a refused stream ends its task with the reason
+                        if t.done() and not t.cancelled() and t.exception() is not None:
+                            raise RuntimeError(str(t.exception()))
+                    await asyncio.sleep(2.0)
+                    marks.append((proc.memory_info().rss, await _used_memory(r)))
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         await r.aclose()
         sup.stop_all()
         p.completed = True
+    (rss0, mem0), (rss1, mem1) = marks
+    added = cfg.streams - half
     return {
         "streams": cfg.streams,
-        "api_bytes_per_stream": round((rss1 - rss0) / cfg.streams),
-        "redis_bytes_per_stream": round((mem1 - mem0) / cfg.streams),
+        "api_bytes_per_stream": round((rss1 - rss0) / added),
+        "redis_bytes_per_stream": round((mem1 - mem0) / added),
     }
 
 

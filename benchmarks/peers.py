@@ -19,7 +19,9 @@ settings and the bundled model (only one engine runs at a time):
   `priority` 0 (interactive), 10 (standard) and 100 (batch);
 - `tierq`: `tierq run` on its embedded default; interactive chats with
   `service_tier: "priority"`, standard ones with `"flex"`, the batch backlog as native
-  batch-tier jobs (`POST /v1/jobs`, the tier a Batches file runs in).
+  batch-tier jobs (`POST /v1/jobs`, the tier a Batches file runs in). The tenant has no
+  bound on its queued jobs (`DEFAULT_MAX_QUEUED=0`): a backlog sent job by job would
+  otherwise meet the default one, which a Batches file's jobs do not count against.
 
 Calibration, once, on a `vllm serve` (FCFS) of its own before the runs: the idle TTFT
 (sequential interactive chats on an idle engine, the median) and the engine's capacity
@@ -29,9 +31,12 @@ Calibration, once, on a `vllm serve` (FCFS) of its own before the runs: the idle
 Each run lasts `duration_s` of arrivals (the window); interactive and standard requests
 then have `drain_s` to finish; batch requests still running are abandoned (counted as
 unfinished, not lost). Throughputs count the output tokens of requests that completed within
-the window. `lost` counts requests that failed or came back with the wrong number of tokens,
-and interactive or standard ones unfinished after the drain. Everything but the JSON line
-goes to stderr.
+the window: a client's receive time for `vllm serve`; for tierq's batch jobs the job's
+`finished_at`, whole seconds rounded down, taken as the end of that second (never earlier
+than it ended). `lost` counts requests that failed or came back with the wrong number of
+tokens, and interactive or standard ones unfinished after the drain; those count as missing
+the SLO, and TTFT percentiles that fall on them are reported as None. Everything but the
+JSON line goes to stderr.
 """
 
 from __future__ import annotations
@@ -62,7 +67,9 @@ VLLM_PRIORITY = {"interactive": 0, "standard": 10, "batch": 100}
 TIERQ_SERVICE_TIER = {"interactive": "priority", "standard": "flex"}
 REQUEST_TIMEOUT_S = 3600.0
 PROBE_REQUESTS = 8  # sequential interactive chats of an idle-TTFT probe
+TIERQ_SETTINGS = {"DEFAULT_MAX_QUEUED": "0"}
 COLLECT_CONCURRENCY = 16  # tierq's batch jobs read at once after a run
+LAST_INSTANT = 0.999  # a whole second's last instant, for timestamps rounded down
 
 # The words prompts are drawn from: plain text, which both servers take as it is.
 WORDS = [
@@ -166,24 +173,28 @@ def trace(cfg: PeersConfig, overload: float, capacity_tokens_per_s: float) -> li
     """The seeded trace of one load, in arrival order: the backlog at 0, standard requests
     every 1/standard_rate s, interactive chats with exponential gaps; nothing arrives at or
     after duration_s. The same arguments give the same trace."""
-    rng = random.Random(f"{cfg.seed}:{overload}")
+    # One stream of draws per kind: the chats and standard requests are the same whatever
+    # the backlog's size (a measured capacity moves only the backlog).
+    rng = {kind: random.Random(f"{cfg.seed}:{overload}:{kind}") for kind in VLLM_PRIORITY}
     out: list[Request] = []
+    for n in range(batch_backlog(cfg, overload, capacity_tokens_per_s)):
+        out.append(Request("batch", 0.0, _prompt(rng["batch"], cfg, n), cfg.batch_tokens))
     n = 0
-    for _ in range(batch_backlog(cfg, overload, capacity_tokens_per_s)):
-        out.append(Request("batch", 0.0, _prompt(rng, cfg, n), cfg.batch_tokens))
-        n += 1
     if cfg.standard_rate > 0:
         at = 0.5 / cfg.standard_rate
         while at < cfg.duration_s:
-            out.append(Request("standard", at, _prompt(rng, cfg, n), cfg.standard_tokens))
+            prompt = _prompt(rng["standard"], cfg, 1_000_000 + n)
+            out.append(Request("standard", at, prompt, cfg.standard_tokens))
             n += 1
             at += 1.0 / cfg.standard_rate
     if cfg.interactive_rate > 0:
-        at = rng.expovariate(cfg.interactive_rate)
+        draw = rng["interactive"]
+        at = draw.expovariate(cfg.interactive_rate)
         while at < cfg.duration_s:
-            out.append(Request("interactive", at, _prompt(rng, cfg, n), cfg.interactive_tokens))
+            prompt = _prompt(draw, cfg, 2_000_000 + n)
+            out.append(Request("interactive", at, prompt, cfg.interactive_tokens))
             n += 1
-            at += rng.expovariate(cfg.interactive_rate)
+            at += draw.expovariate(cfg.interactive_rate)
     out.sort(key=lambda r: r.at)
     return out
 
@@ -266,6 +277,7 @@ class Target:
     name: str
     base_url: str
     model: str
+    batch_submits = False  # a batch request ends once submitted (its job is read later)
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
@@ -311,6 +323,8 @@ class TierqTarget(Target):
     the batch backlog as native batch-tier jobs, read back once the run is over (their
     `finished_at` says whether they ended within the window)."""
 
+    batch_submits = True
+
     def __init__(self, client: httpx.AsyncClient, base_url: str, model: str) -> None:
         super().__init__(client)  # the client carries the tenant's key
         self.base_url, self.model = base_url, model
@@ -343,19 +357,23 @@ class TierqTarget(Target):
             job_id = self.job_ids.get(id(out))
             if job_id is None:
                 return
-            async with gate:
-                resp = await self.client.get(f"{self.base_url}/v1/jobs/{job_id}")
-            if resp.status_code != 200:
-                out.error = f"{resp.status_code}: {resp.text[:200]}"
-                return
-            job = resp.json()
-            if job["status"] == "succeeded":
-                # finished_at is whole seconds (floored): the window ends on a whole second.
-                out.done = float(job["finished_at"])
-                out.tokens = int(job["usage"]["completion_tokens"])
-            elif job["status"] in ("failed", "cancelled"):
-                out.error = f"{job['status']}: {job.get('error')}"
-                out.done = float(job["finished_at"] or window_end)
+            try:
+                async with gate:
+                    resp = await self.client.get(f"{self.base_url}/v1/jobs/{job_id}")
+                if resp.status_code != 200:
+                    out.error = f"{resp.status_code}: {resp.text[:200]}"
+                    return
+                job = resp.json()
+                if job["status"] == "succeeded":
+                    # finished_at is whole seconds, rounded down: the job ended within
+                    # that second, so it counts as ending at its last instant.
+                    out.done = float(job["finished_at"]) + LAST_INSTANT
+                    out.tokens = int(job["usage"]["completion_tokens"])
+                elif job["status"] in ("failed", "cancelled"):
+                    out.error = f"{job['status']}: {job.get('error')}"
+                    out.done = float(job["finished_at"] or window_end)
+            except Exception as exc:  # a reply not as expected is that request's failure
+                out.error = f"{type(exc).__name__}: {exc}"[:200]
 
         await asyncio.gather(*(read(o) for o in outcomes if o.kind == "batch"))
 
@@ -367,7 +385,7 @@ async def _send(target: Target, req: Request, out: Outcome) -> None:
     call: Callable[[Request, Outcome], Awaitable[None]] = getattr(target, req.kind)
     try:
         await call(req, out)
-    except httpx.HTTPError as exc:
+    except Exception as exc:  # a transport error or a reply not as expected: a failure
         out.error = f"{type(exc).__name__}: {exc}"[:200]
         out.done = time.time()
 
@@ -415,36 +433,39 @@ async def run_trace(
     await asyncio.sleep(start - now)
     outcomes: list[Outcome] = []
     tasks: dict[str, list[asyncio.Task[None]]] = {"interactive": [], "standard": [], "batch": []}
-    for req in requests:
-        delay = start + req.at - time.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        out = Outcome(req.kind, req.max_tokens, time.time())
-        outcomes.append(out)
-        tasks[req.kind].append(asyncio.create_task(_send(target, req, out)))
-    await asyncio.sleep(max(0.0, window_end - time.time()))
-    # Interactive and standard work must finish; the batch backlog need not.
-    urgent = tasks["interactive"] + tasks["standard"]
-    if urgent:
-        await asyncio.wait(urgent, timeout=cfg.drain_s)
-    for task in tasks["batch"]:
-        if isinstance(target, TierqTarget):
-            await task  # a submission: quick, and the job id is needed
-        else:
+    try:
+        for req in requests:
+            delay = start + req.at - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            out = Outcome(req.kind, req.max_tokens, time.time())
+            outcomes.append(out)
+            tasks[req.kind].append(asyncio.create_task(_send(target, req, out)))
+        await asyncio.sleep(max(0.0, window_end - time.time()))
+        # Interactive and standard work must finish; the batch backlog need not — but where
+        # a batch request is only its submission (tierq's jobs), the submission must.
+        wanted = tasks["interactive"] + tasks["standard"]
+        if target.batch_submits:
+            wanted += tasks["batch"]
+        if wanted:
+            await asyncio.wait(wanted, timeout=cfg.drain_s)
+    finally:
+        every = [task for group in tasks.values() for task in group]
+        for task in every:
             task.cancel()
-    for task in urgent + ([] if isinstance(target, TierqTarget) else tasks["batch"]):
-        task.cancel()
-    await asyncio.gather(*urgent, *tasks["batch"], return_exceptions=True)
+        await asyncio.gather(*every, return_exceptions=True)
     await target.settle_batch(outcomes, window_end)
     return outcomes, float(start), float(window_end)
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    """The q-th percentile (nearest rank), or None for no values."""
+    """The q-th percentile (nearest rank), or None for no values or where it falls on an
+    infinite one (a request never served)."""
     if not values:
         return None
     ranked = sorted(values)
-    return round(ranked[min(len(ranked) - 1, max(0, math.ceil(q / 100 * len(ranked)) - 1))], 1)
+    value = ranked[min(len(ranked) - 1, max(0, math.ceil(q / 100 * len(ranked)) - 1))]
+    return None if math.isinf(value) else round(value, 1)
 
 
 def figures(
@@ -454,7 +475,9 @@ def figures(
     window = window_end - start
     inter = [o for o in outcomes if o.kind == "interactive"]
     served = [o for o in inter if o.ok and o.first is not None]
-    ttfts = [(o.first - o.sent) * 1000 for o in served if o.first is not None]
+    # A chat never served (failed, unfinished) has an infinite TTFT: percentiles over the
+    # served alone would flatter a server that refuses.
+    ttfts = [(o.first - o.sent) * 1000 if o.ok and o.first is not None else math.inf for o in inter]
     tpots = [
         (o.done - o.first) * 1000 / (o.expected - 1)
         for o in served
@@ -550,11 +573,13 @@ async def _server(which: str, workdir: Path, settings: Settings) -> Any:
     policy = "priority" if which == "vllm-priority" else "fcfs"
     headers: dict[str, str] = {}
     server: Server
+    # Started in this thread (nothing else runs meanwhile): an interrupt while it starts
+    # reaches the start, which then stops what it began.
     if which == "tierq":
-        server, key = await asyncio.to_thread(start_tierq, workdir / f"state-{time.time_ns()}")
+        server, key = start_tierq(workdir / f"state-{time.time_ns()}", TIERQ_SETTINGS)
         headers["Authorization"] = f"Bearer {key}"
     else:
-        server = await asyncio.to_thread(start_vllm, ServeConfig(), policy)
+        server = start_vllm(ServeConfig(), policy)
     try:
         async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
             model = settings.served_model_name
@@ -566,7 +591,7 @@ async def _server(which: str, workdir: Path, settings: Settings) -> Any:
             target.name = which
             yield target
     finally:
-        await asyncio.to_thread(server.stop)
+        server.stop()
 
 
 @dataclass

@@ -275,15 +275,25 @@ def _qos_row(r: dict[str, Any]) -> Shown | None:
     return f"{thr:.4f}x; {ttft:.2f}x", thr >= 0.95 and ttft <= 2 and bool(got.get("min_shares_met"))
 
 
+def _peers_compared(r: dict[str, Any]) -> bool:
+    """A `bench peers` run that compared tierq with vLLM's priority scheduling."""
+    return any(body.get("vs_vllm_priority") for body in (r.get("loads") or {}).values())
+
+
 def _peers_row(r: dict[str, Any]) -> Shown | None:
+    def x(v: Any) -> str:
+        return "—" if _num(v) is None else f"{v}x"
+
     parts, met = [], []
     for load, body in (r.get("loads") or {}).items():
         vs = body.get("vs_vllm_priority")
         if not vs:
             continue
+        points = _num(vs.get("slo_points"))
         parts.append(
-            f"at {load}x: {vs['ttft_p95_ratio']}x; {vs['slo_points']:+} points; "
-            f"{vs['throughput_ratio']}x; {vs['batch_tokens_ratio']}x"
+            f"at {load}x: {x(vs.get('ttft_p95_ratio'))}; "
+            f"{'—' if points is None else f'{points:+}'} points; "
+            f"{x(vs.get('throughput_ratio'))}; {x(vs.get('batch_tokens_ratio'))}"
         )
         met.append(bool(vs.get("targets_met")))
     return ("<br>".join(parts), all(met)) if parts else None
@@ -344,6 +354,7 @@ HEADLINES = (
         "p95; SLO attainment; total and batch tokens/s",
         "≤ 0.8x; ≥ +20 points; ≥ 0.95x; ≥ 0.9x",
         _peers_row,
+        _peers_compared,
     ),
     Headline(
         "qos",
@@ -588,10 +599,20 @@ def _peers_plots(loads: dict[str, Any], plt: Any, save: Callable[[Any, str, str]
                 v: Any = body["servers"].get(server, {})
                 for part in key:
                     v = (v or {}).get(part)
-                values.append(_num(v) or 0.0)
+                values.append(_num(v))
             xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(loads))]
-            ax.bar(xs, values, width, label=server, color=colors.get(server))
+            # A figure the run lacks (no chat served) is left out, not drawn as 0.
+            shown = [(at, v) for at, v in zip(xs, values, strict=True) if v is not None]
+            ax.bar(
+                [at for at, _ in shown],
+                [v for _, v in shown],
+                width,
+                label=server,
+                color=colors.get(server),
+            )
         ax.set_xticks(range(len(loads)), [f"overload {load}x" for load in loads])
+        if key[0] == "interactive":  # FCFS's wait is orders of magnitude above the others
+            ax.set_yscale("log")
         ax.set_ylabel(ylabel)
         ax.legend(fontsize="small")
         save(fig, name, caption)

@@ -308,13 +308,15 @@ def start_vllm(cfg: ServeConfig, policy: str = "priority") -> Server:
     return server
 
 
-def start_tierq(state_dir: Path) -> tuple[Server, str]:
-    """`tierq run` on its embedded default in a scratch state folder; the dev tenant's key."""
+def start_tierq(state_dir: Path, settings: dict[str, str] | None = None) -> tuple[Server, str]:
+    """`tierq run` on its embedded default in a scratch state folder, with `settings` (as
+    environment variables) on top; the dev tenant's key."""
     port = free_port()
     env = _base_env()
     for name in ("DATABASE_URL", "REDIS_URL", "STATE_DIR", "API_PORT", "API_HOST"):
         env.pop(name, None)
     env.update({"STATE_DIR": str(state_dir), "API_HOST": "127.0.0.1", "API_PORT": str(port)})
+    env.update(settings or {})
     argv = [sys.executable, "-m", "cli.main", "run"]
     server = Server("tierq run", argv, env, f"http://127.0.0.1:{port}")
     _ready_or_stop(server, "/readyz?min_workers=1")

@@ -31,6 +31,10 @@ def test_the_trace_is_seeded_bounded_and_holds_the_backlog_it_names() -> None:
     assert [r.at for r in a] == sorted(r.at for r in a)
     assert len({r.prompt for r in a}) == len(a)  # no two share a prompt
     assert len(peers.trace(CFG, 1.5, 50.0)) < len(a)
+    # The chats and standard requests do not move with a measured capacity (the backlog).
+    slower = peers.trace(CFG, 3.0, 40.0)
+    assert len(slower) < len(a)
+    assert [r for r in slower if r.kind != "batch"] == [r for r in a if r.kind != "batch"]
 
 
 def _out(kind: str, sent: float, ttft: float | None, end: float | None, **kw: object) -> Outcome:
@@ -55,7 +59,7 @@ def test_figures_count_the_window_the_slo_and_what_was_lost() -> None:
     ]
     f = peers.figures(outcomes, start, end, slo_ms=500.0)
     assert f["interactive"]["requests"] == 4
-    assert f["interactive"]["ttft_p50_ms"] == 300.0 and f["interactive"]["ttft_p99_ms"] == 1000.0
+    assert f["interactive"]["ttft_p50_ms"] == 300.0 and f["interactive"]["ttft_p95_ms"] is None
     assert f["interactive"]["slo_attainment"] == 0.5  # two of four, the failed one a miss
     assert f["interactive"]["tpot_p50_ms"] == pytest.approx(113.3, abs=0.1)
     assert f["standard"]["e2e_p95_ms"] == 15000.0
@@ -73,6 +77,25 @@ def test_figures_count_the_window_the_slo_and_what_was_lost() -> None:
 def test_an_urgent_request_unfinished_after_the_drain_is_lost() -> None:
     f = peers.figures([_out("standard", 1001.0, None, None)], 1000.0, 1060.0, 500.0)
     assert f["lost"] == 1 and f["urgent_unfinished"] == 1 and f["failed"] == 0
+
+
+def test_a_percentile_that_falls_on_an_unserved_chat_is_none() -> None:
+    outcomes = [_out("interactive", 1001.0 + i, 0.2, 1003.0 + i) for i in range(19)]
+    outcomes.append(_out("interactive", 1030.0, None, None))  # never served
+    f = peers.figures(outcomes, 1000.0, 1060.0, 500.0)["interactive"]
+    assert f["ttft_p50_ms"] == 200.0 and f["ttft_p95_ms"] == 200.0  # 19 of 20 served
+    assert f["ttft_p99_ms"] is None and f["slo_attainment"] == 0.95
+
+
+def test_the_window_counts_what_ended_by_its_last_instant() -> None:
+    end = 1060.0
+    on_time = _out("batch", 1000.0, None, end)  # a client's receive time at the edge
+    late = _out("batch", 1000.0, None, end + 0.001)
+    # tierq's finished_at of 1059 (rounded down) is read as 1059.999: inside
+    tierq_1059 = _out("batch", 1000.0, None, 1059 + peers.LAST_INSTANT)
+    tierq_1060 = _out("batch", 1000.0, None, 1060 + peers.LAST_INSTANT)  # ended in [1060, 1061)
+    f = peers.figures([on_time, late, tierq_1059, tierq_1060], 1000.0, end, 500.0)
+    assert f["batch"]["completed_in_window"] == 2
 
 
 def _run(ttft_p95: float, slo: float, total: float, batch: float, lost: int = 0) -> dict:
@@ -109,10 +132,13 @@ def test_each_server_gets_the_tier_its_way() -> None:
     prio = peers.VllmTarget(client, "http://x", "m", priority=True).body(req, stream=False)
     assert "priority" not in fcfs and prio["priority"] == 100
     assert fcfs["ignore_eos"] and fcfs["temperature"] == 0 and fcfs["max_tokens"] == 64
-    chat = peers.TierqTarget(client, "http://x", "m").body(
-        Request("interactive", 0.0, "hi", 16), stream=True
-    )
+    std = Request("standard", 0.0, "hello", 64)
+    assert peers.VllmTarget(client, "http://x", "m", True).body(std, False)["priority"] == 10
+    tierq = peers.TierqTarget(client, "http://x", "m")
+    chat = tierq.body(Request("interactive", 0.0, "hi", 16), stream=True)
     assert chat["service_tier"] == "priority" and chat["stream_options"]["include_usage"]
+    assert tierq.body(std, stream=False)["service_tier"] == "flex"  # tierq's standard tier
+    assert tierq.batch_submits and not peers.VllmTarget.batch_submits
 
 
 @pytest.mark.parametrize(
