@@ -37,10 +37,11 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# docs/reference/settings.md, rendered anew from tierq/settings.py (a test fails when the
-# committed page is not what this writes).
+# docs/reference/settings.md and api.md, rendered anew from tierq/settings.py and the app's
+# OpenAPI document (a test fails when a committed page is not what this writes).
 reference: $(STAMP)
 	$(BIN)/tierq reference settings --write
+	$(BIN)/tierq reference api --write
 
 # Debian's Chromium and its driver, for the browser tests (tests/integration/test_console_browser.py).
 browser:

@@ -302,17 +302,23 @@ def create_tenant(
 
 @app.command()
 def reference(
-    page: str = typer.Argument("settings", help="The page to render: settings."),
+    page: str = typer.Argument("settings", help="The page to render: settings or api."),
     write: bool = typer.Option(False, help="Write it to docs/ instead of printing it."),
 ) -> None:
-    """Render a reference page of the docs from the code (the settings' descriptions)."""
+    """Render a reference page of the docs from the code: the settings (their descriptions)
+    or the HTTP API (its OpenAPI document)."""
     from cli import reference as rendering
 
-    if page != "settings":
-        raise typer.BadParameter("the one page rendered from the code is 'settings'")
-    text = rendering.render()
+    pages = {
+        "settings": (rendering.render, rendering.PAGE),
+        "api": (rendering.render_api, rendering.API_PAGE),
+    }
+    if page not in pages:
+        raise typer.BadParameter(" or ".join(pages), param_hint="PAGE")
+    render, target = pages[page]
+    text = render()
     if write:
-        rendering.PAGE.write_text(text)
+        target.write_text(text)
     else:
         print(text, end="")
 

@@ -116,3 +116,48 @@ def render() -> str:
 def undocumented() -> list[str]:
     """Settings fields without a description (each must say what it is for)."""
     return [name for name, info in Settings.model_fields.items() if not info.description]
+
+
+# --- the HTTP API -------------------------------------------------------------------------
+
+API_PAGE = Path("docs/reference/api.md")
+
+API_INTRO = """\
+# The HTTP API
+
+Every route the API serves, rendered from its OpenAPI document (`make reference`). A
+running API serves that document at `/openapi.json`, with Swagger UI over it at `/docs`
+and ReDoc at `/redoc` (their scripts are served by the API itself: nothing is fetched from
+a CDN), where each route's request schema, parameters and errors can be read and tried.
+Tenant routes take a tenant's key (`Authorization: Bearer sk-...`), `/admin` routes the
+operator's `ADMIN_API_KEY`; every error has OpenAI's shape ([the errors](../tenants/errors.md)).
+"""
+
+
+def _first_sentence(text: str) -> str:
+    flat = " ".join(text.split())
+    cut = re.search(r"(?<=[.:])\s", flat)
+    return (flat[: cut.start()] if cut else flat).rstrip(":").replace("|", "\\|")
+
+
+def render_api(document: dict[str, Any] | None = None) -> str:
+    """The HTTP API page from the OpenAPI document (the app's own by default)."""
+    if document is None:
+        from api.app import build_app
+
+        document = build_app(Settings(_env_file=None, admin_api_key=None)).openapi()  # type: ignore[call-arg]
+    groups: dict[str, list[str]] = {}
+    for path, operations in document["paths"].items():
+        for method, op in operations.items():
+            tag = (op.get("tags") or ["other"])[0]
+            what = _first_sentence(op.get("description") or "") or op.get("summary", "")
+            errors = sorted(
+                code for code in op.get("responses", {}) if code.isdigit() and int(code) >= 400
+            )
+            shown = ", ".join(f"`{code}`" for code in errors if code != "422") or "—"
+            groups.setdefault(tag, []).append(f"| `{method.upper()} {path}` | {what} | {shown} |")
+    parts = [API_INTRO]
+    for tag, rows in groups.items():
+        parts.append(f"\n## {tag}\n\n| route | what it does | errors |\n|---|---|---|\n")
+        parts.append("\n".join(rows) + "\n")
+    return "".join(parts)

@@ -54,3 +54,17 @@ def test_the_settings_reference_is_rendered_from_the_settings() -> None:
 
     assert reference.undocumented() == []
     assert (ROOT / reference.PAGE).read_text() == reference.render(), "run `make reference`"
+
+
+def test_the_api_reference_is_rendered_from_the_openapi_document() -> None:
+    """Every route of the app is on the page, as `make reference` renders it."""
+    from api.app import build_app
+    from cli import reference
+    from tierq.settings import Settings
+
+    document = build_app(Settings(_env_file=None, admin_api_key=None)).openapi()  # type: ignore[call-arg]
+    page = (ROOT / reference.API_PAGE).read_text()
+    assert page == reference.render_api(document), "run `make reference`"
+    for path, operations in document["paths"].items():
+        for method in operations:
+            assert f"| `{method.upper()} {path}` |" in page
