@@ -259,12 +259,14 @@ def _serve_row(r: dict[str, Any]) -> Shown | None:
     burst = (r.get("servers", {}).get("tierq") or {}).get("burst") or {}
     if tpot is None or not burst:
         return None
-    complete = bool(r.get("burst_all_complete"))
-    return (
-        f"{tpot:.2f}x; {burst.get('completed', 0)} of {burst.get('requests', 0)} burst streams "
-        "complete",
-        tpot <= 1.05 and complete,
+    # A prompt tierq refuses by contract (vLLM's random dataset draws control characters,
+    # a NUL among them: a clear 400) is not a stream lost; any other shortfall is.
+    refused = int(burst.get("refused_unstorable") or 0)
+    shown = f"{tpot:.2f}x; {burst.get('completed', 0)} of {burst.get('requests', 0)} burst streams"
+    shown += " complete" + (
+        f", {refused} refused by contract (a character no prompt may carry)" if refused else ""
     )
+    return shown, tpot <= 1.05 and r.get("burst_lost") == 0
 
 
 def _qos_row(r: dict[str, Any]) -> Shown | None:
@@ -342,7 +344,7 @@ HEADLINES = (
     Headline(
         "serve",
         "TPOT against `vllm serve`, vLLM's own client; the burst",
-        "≤ 1.05x; all complete",
+        "≤ 1.05x; none lost",
         _serve_row,
     ),
     Headline(

@@ -166,6 +166,9 @@ def test_the_headline_rows_and_their_verdicts(tmp_path: Path) -> None:
         },
     )
     keep(tmp_path, "isolation", 3, {"ttft_ratio_vs_neighbour": 1.31})
+    burst = {"completed": 127, "requests": 128, "refused_unstorable": 1}
+    serve = {"tpot_ratio": 0.917, "servers": {"tierq": {"burst": burst}}, "burst_lost": 0}
+    keep(tmp_path, "serve", 3, {**serve, "burst_all_complete": False})
     rows = {
         line.split("`")[1]: line
         for line in results.render_headline(results.load(tmp_path)).splitlines()
@@ -173,11 +176,17 @@ def test_the_headline_rows_and_their_verdicts(tmp_path: Path) -> None:
     }
     assert list(rows) == [
         "bench admission",
+        "bench serve",
         "bench batch",
         "bench peers",
         "bench soak",
         "bench isolation",
     ]
+    # a prompt refused by contract is not a stream lost
+    assert (
+        "| 0.92x; 127 of 128 burst streams complete, 1 refused by contract" in rows["bench serve"]
+    )
+    assert rows["bench serve"].endswith("| yes |")
     # the 32-client run, not the newer 64-client one
     assert "| 1,889 jobs/s, p99 27.4 ms | ≥ 1,000, p99 ≤ 50 ms | yes |" in rows["bench admission"]
     assert rows["bench batch"].endswith("| 0.894 | ≥ 0.95 | **no** |")
