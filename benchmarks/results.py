@@ -56,7 +56,10 @@ def commit(root: Path = Path(".")) -> dict[str, Any]:
         ).stdout.strip()
 
     try:
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+        # Kept results are data, not code: a run kept before this one does not make the
+        # tree it measures a changed one.
+        changed = git("status", "--porcelain", "--", ".", f":(exclude){RESULTS}")
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
 
@@ -182,8 +185,29 @@ def _curve_sets(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(label, body) for label, body in sets if body]
 
 
+def _isolation(result: dict[str, Any]) -> list[tuple[str, Any]]:
+    """`bench isolation`: the quiet tenant's TTFT ratios and what the noise broke."""
+    keys = (
+        "engine",
+        "ttft_ratio_vs_neighbour",
+        "ttft_ratio",
+        "interactive_ttft_p95_alone_s",
+        "interactive_ttft_p95_neighbour_s",
+        "interactive_ttft_p95_noise_s",
+        "server_errors",
+        "unbilled_tokens",
+    )
+    return [(k, result[k]) for k in keys if result.get(k) is not None]
+
+
 # Benches whose JSON nests its figures or leads with its parameters: what the table shows.
-_HEADLINES = {"qos": _qos, "admission": _admission, "peers": _peers, "curves": _curves}
+_HEADLINES = {
+    "qos": _qos,
+    "admission": _admission,
+    "peers": _peers,
+    "curves": _curves,
+    "isolation": _isolation,
+}
 
 
 def figures(bench: str, result: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -312,7 +336,8 @@ def _soak_row(r: dict[str, Any]) -> Shown | None:
 
 def _isolation_row(r: dict[str, Any]) -> Shown | None:
     ratio = _num(r.get("ttft_ratio_vs_neighbour"))
-    return None if ratio is None else (f"{ratio:.2f}", ratio <= 1.25)
+    engine = "the real engine" if r.get("engine") == "vllm" else "the simulated engine"
+    return None if ratio is None else (f"{ratio:.2f} ({engine})", ratio <= 1.25)
 
 
 @dataclass(frozen=True)
@@ -531,9 +556,11 @@ def plots(records: list[dict[str, Any]], folder: Path) -> list[tuple[str, str]]:
             zorder=3,
         )
         ax.axvline(1.0, color="#718096", linewidth=0.8)
+        values = [v for _, v, _ in ratios] + [t for _, _, t in ratios]
+        ax.set_xlim(min(0.8, min(values) - 0.05), max(1.1, max(values) + 0.05))
         ax.invert_yaxis()
         ax.set_xlabel("tierq ÷ its baseline (higher is better)")
-        ax.legend(fontsize="small", loc="lower right")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
         save(fig, "baseline-ratios.png", "Each bench's throughput against its baseline")
     # Admission latency by concurrency: the newest kept run of each client count.
     by_clients: dict[int, dict[str, Any]] = {}

@@ -193,5 +193,22 @@ def test_the_headline_rows_and_their_verdicts(tmp_path: Path) -> None:
     assert "at 1.5x: 0.5x; +31.8 points; 0.97x; 0.93x<br>at 3x:" in rows["bench peers"]
     assert rows["bench peers"].endswith("| **no** |")  # one load fell short
     assert "| 0 of 4,399; 1.000 | 0; 1 | yes |" in rows["bench soak"]
-    assert rows["bench isolation"].endswith("| 1.31 | ≤ 1.25 | **no** |")
+    assert rows["bench isolation"].endswith("| 1.31 (the simulated engine) | ≤ 1.25 | **no** |")
     assert "No result is kept yet" in results.render_headline([])
+
+
+def test_kept_results_do_not_make_the_tree_a_changed_one(tmp_path: Path) -> None:
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    (tmp_path / results.RESULTS / "qos").mkdir(parents=True)
+    (tmp_path / results.RESULTS / "qos" / "run.json").write_text("{}")
+    assert results.commit(tmp_path)["dirty"] is False  # an earlier run's kept result
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert results.commit(tmp_path)["dirty"] is True
