@@ -69,6 +69,7 @@ REQUEST_TIMEOUT_S = 3600.0
 PROBE_REQUESTS = 8  # sequential interactive chats of an idle-TTFT probe
 TIERQ_SETTINGS = {"DEFAULT_MAX_QUEUED": "0"}
 COLLECT_CONCURRENCY = 16  # tierq's batch jobs read at once after a run
+LOOSER_SLOS = (2, 4)  # attainment is also reported at these multiples of the SLO
 LAST_INSTANT = 0.999  # a whole second's last instant, for timestamps rounded down
 
 # The words prompts are drawn from: plain text, which both servers take as it is.
@@ -508,6 +509,14 @@ def figures(
             "ttft_p99_ms": _pct(ttfts, 99),
             # Failed and unfinished chats miss the SLO too.
             "slo_attainment": round(met / len(inter), 4) if inter else None,
+            # The same at looser SLOs: where one step of a full batch is long (a CPU), the
+            # SLO's multiple of an idle TTFT can be beyond every server.
+            "slo_attainment_looser": {
+                f"{m}x": round(sum(1 for t in ttfts if t <= m * slo_ms) / len(inter), 4)
+                for m in LOOSER_SLOS
+            }
+            if inter
+            else None,
             "tpot_p50_ms": _pct(tpots, 50),
             "e2e_p50_ms": _pct([(o.done - o.sent) * 1000 for o in served if o.done], 50),
         },

@@ -61,6 +61,7 @@ def test_figures_count_the_window_the_slo_and_what_was_lost() -> None:
     assert f["interactive"]["requests"] == 4
     assert f["interactive"]["ttft_p50_ms"] == 300.0 and f["interactive"]["ttft_p95_ms"] is None
     assert f["interactive"]["slo_attainment"] == 0.5  # two of four, the failed one a miss
+    assert f["interactive"]["slo_attainment_looser"] == {"2x": 0.75, "4x": 0.75}  # 1000 ms in
     assert f["interactive"]["tpot_p50_ms"] == pytest.approx(113.3, abs=0.1)
     assert f["standard"]["e2e_p95_ms"] == 15000.0
     assert f["batch"] == {
