@@ -16,10 +16,11 @@ these costs is the engine's:
 - `dispatch`: the real dispatcher (dispatcher.loop.Dispatcher) against batch-tier queues
   filled through the API's own enqueuer (tierq.queue.Enqueuer): at each number of tenants
   with queued work (`tenant_counts`, `tenants_queue` jobs among them) and each queue length
-  (`queue_lengths` jobs, `queue_tenants` tenants), one read round (every shard's read-ahead
-  topped up by XREADGROUP; the first, which also creates the consumer groups, is reported
-  apart) and one decision (the policy's `assign` over what was read, p99) — and Redis's
-  memory per queued job.
+  (`queue_lengths` jobs, `queue_tenants` tenants): a read round (the read-ahead topped up
+  by XREADGROUP) after a round's hand-out of 256 jobs, taken shard after shard, and after
+  every shard gave up half its read-ahead (the most a round can have to read); the first
+  read, which also creates the consumer groups, apart; one decision (the policy's `assign`
+  over what was read, p99); and Redis's memory per queued job.
 - `streams`: `streams` SSE followers of queued jobs held open on one API process: the API's
   resident memory and Redis's memory per open stream.
 
@@ -66,7 +67,8 @@ REDIS_PREFIX = "tqcrv"
 PARTS = ("ledger", "dispatch", "streams")
 ENQUEUE_AT_ONCE = 2048  # enqueues in flight while a queue is filled (the Enqueuer batches them)
 DECISIONS = 200  # assign() calls timed per point
-READ_ROUNDS = 3  # read rounds timed per point, each after a hand-out
+READ_ROUNDS = 3  # read rounds timed per point and kind, each after a hand-out
+HANDED_PER_ROUND = 256  # jobs a dispatch round hands out before the timed read
 
 
 @dataclass(frozen=True)
@@ -359,18 +361,29 @@ async def _fill_queue(r: aioredis.Redis, names: RedisNames, jobs: int, tenants: 
     await enqueuer.aclose()
 
 
-async def _hand_out(d: Dispatcher, r: aioredis.Redis) -> None:
-    """Take half the read-ahead and one more out of every shard, as hand-offs do (the entries
-    acknowledged and deleted), so that the next read round tops every shard up."""
+async def _hand_out(d: Dispatcher, r: aioredis.Redis, jobs: int | None) -> None:
+    """Take entries out of the read-ahead as hand-offs do (acknowledged and deleted): `jobs`
+    of them, one shard after another as a fair policy takes them (a round's dispatch), or
+    with None half the read-ahead and one more of every shard (every shard then needs a
+    top-up: the most a read round can have to do)."""
     take = d.settings.dispatch_read_ahead // 2 + 1
+    left = jobs
     async with r.pipeline(transaction=False) as pipe:
-        for shards in d.buffers.values():
-            for entries in shards.values():
-                for entry_id in list(entries)[:take]:
-                    gone = entries.pop(entry_id)
-                    d._buffered[gone.stream] -= 1
-                    pipe.xack(gone.stream, DISPATCH_GROUP, entry_id)
-                    pipe.xdel(gone.stream, entry_id)
+        while left is None or left > 0:
+            took = 0
+            for shards in d.buffers.values():
+                for entries in shards.values():
+                    for entry_id in list(entries)[: 1 if jobs else take]:
+                        if left is not None and left <= 0:
+                            break
+                        gone = entries.pop(entry_id)
+                        d._buffered[gone.stream] -= 1
+                        pipe.xack(gone.stream, DISPATCH_GROUP, entry_id)
+                        pipe.xdel(gone.stream, entry_id)
+                        took += 1
+                        left = None if left is None else left - 1
+            if left is None or not took:
+                break
         await pipe.execute()
 
 
@@ -390,14 +403,7 @@ async def _dispatch_point(
     started = time.perf_counter()
     await d._read()  # creates every consumer group, then reads
     first = time.perf_counter() - started
-    reads, topped_up = [], []
-    for _ in range(READ_ROUNDS):
-        await _hand_out(d, r)
-        held = sum(d._buffered.values())
-        started = time.perf_counter()
-        await d._read()
-        reads.append(time.perf_counter() - started)
-        topped_up.append(sum(d._buffered.values()) - held)
+    # Decisions over the full read-ahead, before any hand-out empties it.
     queues = d._queues()
     buffered = sum(len(v) for tiers in queues.values() for v in tiers.values())
     slots = [WorkerSlots(f"w{i}", 8, 8) for i in range(4)]
@@ -407,6 +413,16 @@ async def _dispatch_point(
         d.policy.assign(queues, slots, time.time() + call)
         times.append(time.perf_counter() - started)
     times.sort()
+    rounds: dict[int | None, tuple[list[float], list[int]]] = {}
+    for handed in (HANDED_PER_ROUND, None):
+        reads, topped_up = rounds.setdefault(handed, ([], []))
+        for _ in range(READ_ROUNDS):
+            await _hand_out(d, r, handed)
+            held = sum(d._buffered.values())
+            started = time.perf_counter()
+            await d._read()
+            reads.append(time.perf_counter() - started)
+            topped_up.append(sum(d._buffered.values()) - held)
     await d.leadership.release()
     row = {
         "queued_jobs": jobs,
@@ -414,8 +430,12 @@ async def _dispatch_point(
         "buffered": buffered,
         "redis_bytes_per_job": round(per_job, 1),
         "first_read_ms": _ms(first),
-        "read_round_ms": _ms(statistics.median(reads)),
-        "read_round_entries": int(statistics.median(topped_up)),
+        # A round after HANDED_PER_ROUND jobs went out, and one after every shard needed a
+        # top-up; each with the entries it read.
+        "read_round_ms": _ms(statistics.median(rounds[HANDED_PER_ROUND][0])),
+        "read_round_entries": int(statistics.median(rounds[HANDED_PER_ROUND][1])),
+        "read_round_all_ms": _ms(statistics.median(rounds[None][0])),
+        "read_round_all_entries": int(statistics.median(rounds[None][1])),
         "decision_p99_ms": round(times[int(0.99 * (len(times) - 1))] * 1000, 3),
         "fill_s": round(filled_s, 1),
     }
@@ -440,7 +460,13 @@ async def _dispatch(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
         finally:
             await r.aclose()
         p.completed = True
-    figures = ("read_round_ms", "decision_p99_ms", "redis_bytes_per_job", "first_read_ms")
+    figures = (
+        "read_round_ms",
+        "read_round_all_ms",
+        "decision_p99_ms",
+        "redis_bytes_per_job",
+        "first_read_ms",
+    )
     return {
         "by_tenants": {
             "rows": by_tenants,
