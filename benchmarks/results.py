@@ -563,9 +563,12 @@ def plots(records: list[dict[str, Any]], folder: Path) -> list[tuple[str, str]]:
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
         save(fig, "baseline-ratios.png", "Each bench's throughput against its baseline")
     # Admission latency by concurrency: the newest kept run of each client count.
+    # Only runs on the newest run's machine: figures of two machines are not one curve.
+    runs = [b for b in records if b["bench"] == "admission" and not b["result"].get("quota")]
+    cpu = runs[-1].get("machine", {}).get("cpu") if runs else None
     by_clients: dict[int, dict[str, Any]] = {}
-    for body in records:
-        if body["bench"] == "admission" and not body["result"].get("quota"):
+    for body in runs:
+        if body.get("machine", {}).get("cpu") == cpu:
             by_clients[int(body["result"].get("clients", 0))] = body["result"]
     if by_clients:
         clients = sorted(by_clients)
@@ -576,7 +579,11 @@ def plots(records: list[dict[str, Any]], folder: Path) -> list[tuple[str, str]]:
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel("admission latency (ms)")
         ax.legend()
-        save(fig, "admission-latency.png", "Admission latency by concurrency, `bench admission`")
+        save(
+            fig,
+            "admission-latency.png",
+            f"Admission latency by concurrency, `bench admission` ({cpu})",
+        )
     return drawn
 
 
@@ -612,7 +619,8 @@ def _peers_plots(loads: dict[str, Any], plt: Any, save: Callable[[Any, str, str]
             ("interactive", "ttft_p95_ms"),
             "interactive TTFT p95 (ms)",
             "peers-ttft.png",
-            "Interactive time to first token (p95) by server and load, `bench peers`",
+            "Interactive time to first token (p95) by server and load, `bench peers` (no bar:"
+            " that server had not served its p95 chat by the end of the drain)",
         ),
         (
             ("total_tokens_per_s",),
