@@ -340,6 +340,28 @@ def _isolation_row(r: dict[str, Any]) -> Shown | None:
     return None if ratio is None else (f"{ratio:.2f} ({engine})", ratio <= 1.25)
 
 
+def _curves_row(r: dict[str, Any]) -> Shown | None:
+    fitted = [
+        (f"{part.replace('by_', '')}: {name}", body)
+        for part, curves in _curve_sets(r)
+        for name, body in curves.items()
+        if body.get("exponent") is not None
+    ]
+    if not fitted:
+        return None
+    slow = ("flat", "logarithmic or slower")
+    growing = [
+        f"{name} (k={body['exponent']})" for name, body in fitted if body["verdict"] not in slow
+    ]
+    within = (r.get("ledger") or {}).get("usage_within_1s_at_largest")
+    shown = f"{len(fitted) - len(growing)} of {len(fitted)} flat or logarithmic"
+    if growing:
+        shown += "; growing: " + ", ".join(growing)
+    if within is not None:
+        shown += f"; usage reports within 1 s at the largest ledger: {'yes' if within else 'no'}"
+    return shown, not growing and within is not False
+
+
 @dataclass(frozen=True)
 class Headline:
     """One row of the README's table: which bench, what it measures, its target, and
@@ -382,6 +404,13 @@ HEADLINES = (
         "≤ 0.8x; ≥ +20 points; ≥ 0.95x; ≥ 0.9x",
         _peers_row,
         _peers_compared,
+    ),
+    Headline(
+        "curves",
+        "costs against the ledger (10³ to 10⁷ records), tenants with queued work (10 to 10⁵) and "
+        "queued jobs (10³ to 10⁶): each curve's fitted growth",
+        "flat or logarithmic; usage reports ≤ 1 s at 10⁷",
+        _curves_row,
     ),
     Headline(
         "qos",

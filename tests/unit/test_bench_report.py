@@ -169,6 +169,11 @@ def test_the_headline_rows_and_their_verdicts(tmp_path: Path) -> None:
     burst = {"completed": 127, "requests": 128, "refused_unstorable": 1}
     serve = {"tpot_ratio": 0.917, "servers": {"tierq": {"burst": burst}}, "burst_lost": 0}
     keep(tmp_path, "serve", 3, {**serve, "burst_all_complete": False})
+    flat = {"exponent": 0.01, "verdict": "flat"}
+    linear = {"exponent": 0.97, "verdict": "linear or worse"}
+    ledger = {"curves": {"usage_whole_ms": flat}, "usage_within_1s_at_largest": True}
+    dispatch = {"by_tenants": {"curves": {"decision_p99_ms": linear}}}
+    keep(tmp_path, "curves", 3, {"ledger": ledger, "dispatch": dispatch})
     rows = {
         line.split("`")[1]: line
         for line in results.render_headline(results.load(tmp_path)).splitlines()
@@ -179,9 +184,15 @@ def test_the_headline_rows_and_their_verdicts(tmp_path: Path) -> None:
         "bench serve",
         "bench batch",
         "bench peers",
+        "bench curves",
         "bench soak",
         "bench isolation",
     ]
+    assert (
+        "| 1 of 2 flat or logarithmic; growing: tenants: decision_p99_ms (k=0.97); usage"
+        in (rows["bench curves"])
+    )
+    assert rows["bench curves"].endswith("| **no** |")
     # a prompt refused by contract is not a stream lost
     assert (
         "| 0.92x; 127 of 128 burst streams complete, 1 refused by contract" in rows["bench serve"]
