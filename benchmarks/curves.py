@@ -130,17 +130,23 @@ def _ms(seconds: float) -> float:
 
 # --- the ledger -------------------------------------------------------------------------
 
-# Records of one tenant, rows `lo` to `hi` - 1 of the fill, over the 30 days before
-# `until` (3 tiers, 2 models, varied costs); foreign keys unchecked, as a restore loads.
-_FILL_LEDGER = """
+# When row g of the fill ended: spread over the 30 days before `until`. The ledger's
+# records and the jobs table's rows share it, so each job ends when its record is written.
+_ENDED = (
+    "CAST(:until AS timestamptz) - ((g % 30) + 1) * interval '1 day'"
+    " + ((g * 7919) % 86400) * interval '1 second'"
+)
+_ROWS = "FROM generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint) - 1) AS g"
+
+# Records of one tenant, rows `lo` to `hi` - 1 of the fill (3 tiers, 2 models, varied
+# costs); foreign keys unchecked, as a restore loads.
+_FILL_LEDGER = f"""
 INSERT INTO usage_records (job_id, tenant_id, tier, model, prompt_tokens, completion_tokens,
     input_price, output_price, cost, created_at)
 SELECT 'job_curve_' || g, :tenant, (ARRAY['batch', 'standard', 'interactive'])[1 + g % 3],
     'model-' || (g % 2), 10 + g % 7, 20 + g % 11, '3', '7',
-    ((10 + g % 7) * 3 + (20 + g % 11) * 7) * 0.0000001,
-    CAST(:until AS timestamptz) - ((g % 30) + 1) * interval '1 day'
-        + ((g * 7919) % 86400) * interval '1 second'
-FROM generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint) - 1) AS g
+    ((10 + g % 7) * 3 + (20 + g % 11) * 7) * 0.0000001, {_ENDED}
+{_ROWS}
 """
 
 
@@ -174,18 +180,14 @@ async def _fill(
         if jobs_hi > jobs_lo:
             # Finished copies of one admitted job: the table's rows as the API writes them.
             cols = await _columns(s, "jobs")
-            # Finished over the same 30 days as the ledger, with the tokens it bills.
-            ended = (
-                "CAST(:until AS timestamptz) - ((g % 30) + 1) * interval '1 day'"
-                " + ((g * 7919) % 86400) * interval '1 second'"
-            )
+            # Finished as its ledger record was written, with the tokens it bills.
             shown = {
                 "id": "'job_curve_' || g",
                 "status": "'succeeded'",
                 "idempotency_key": "NULL",
-                "created_at": f"{ended} - interval '2 seconds'",
-                "started_at": f"{ended} - interval '1 second'",
-                "finished_at": ended,
+                "created_at": f"{_ENDED} - interval '2 seconds'",
+                "started_at": f"{_ENDED} - interval '1 second'",
+                "finished_at": _ENDED,
                 "result_text": "'a finished answer'",
                 "finish_reason": "'length'",
                 "prompt_tokens": "10 + g % 7",
@@ -195,8 +197,7 @@ async def _fill(
             await s.execute(
                 text(
                     f"INSERT INTO jobs ({', '.join(cols)}) SELECT {picked} "
-                    "FROM jobs t, generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint) - 1)"
-                    " AS g WHERE t.id = :template"
+                    f"{_ROWS}, jobs t WHERE t.id = :template"
                 ),
                 {"lo": jobs_lo, "hi": jobs_hi, "template": template_job, "until": until},
             )
@@ -254,14 +255,16 @@ async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
         assert api.proc is not None
         pids = [api.proc.pid]
         host, port, model = p.settings.api_host, p.settings.api_port, p.settings.served_model_name
+        tenant_auth = {"Authorization": f"Bearer {key}"}
+        admin_auth = {"Authorization": f"Bearer {p.admin_key}"}
         async with httpx.AsyncClient(base_url=p.url, timeout=120) as client:
-            me = await client.get("/v1/usage", headers={"Authorization": f"Bearer {key}"})
+            me = await client.get("/v1/usage", headers=tenant_auth)
             me.raise_for_status()
             tenant_id = me.json()["tenant_id"]
             first = await client.post(
                 "/v1/jobs",
                 json={"prompt": "a template job", "max_tokens": 16},
-                headers={"Authorization": f"Bearer {key}"},
+                headers=tenant_auth,
             )
             first.raise_for_status()
             template = first.json()["id"]
@@ -273,8 +276,6 @@ async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
                 "group_by": "tier,model",
             }
             filled, jobs_filled = 0, 0
-            tenant_auth = {"Authorization": f"Bearer {key}"}
-            admin_auth = {"Authorization": f"Bearer {p.admin_key}"}
             for size in cfg.ledger_sizes:
                 jobs_to = min(size, cfg.jobs_cap)
                 started = time.monotonic()

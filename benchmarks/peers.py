@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import random
@@ -273,15 +274,13 @@ async def _plain_chat(
 
 
 class Target:
-    """How the trace's requests reach one server."""
+    """How the trace's requests reach one server: chats through its chat completions,
+    interactive ones streamed, standard and batch ones plain."""
 
-    name: str
-    base_url: str
-    model: str
     batch_submits = False  # a batch request ends once submitted (its job is read later)
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self.client = client
+    def __init__(self, client: httpx.AsyncClient, name: str, base_url: str, model: str) -> None:
+        self.client, self.name, self.base_url, self.model = client, name, base_url, model
 
     async def interactive(self, req: Request, out: Outcome) -> None:
         await _stream_chat(
@@ -294,9 +293,7 @@ class Target:
         )
 
     async def batch(self, req: Request, out: Outcome) -> None:
-        await _plain_chat(
-            self.client, self.base_url + "/v1/chat/completions", self.body(req, stream=False), out
-        )
+        await self.standard(req, out)
 
     async def settle_batch(self, outcomes: list[Outcome], window_end: float) -> None:
         """After a run: what the batch requests' outcomes lack (tierq's are jobs)."""
@@ -307,10 +304,10 @@ class Target:
 
 class VllmTarget(Target):
     def __init__(
-        self, client: httpx.AsyncClient, base_url: str, model: str, priority: bool
+        self, client: httpx.AsyncClient, name: str, base_url: str, model: str, priority: bool
     ) -> None:
-        super().__init__(client)
-        self.base_url, self.model, self.priority = base_url, model, priority
+        super().__init__(client, name, base_url, model)
+        self.priority = priority
 
     def body(self, req: Request, stream: bool) -> dict[str, Any]:
         body = _chat_body(req, self.model, stream)
@@ -326,9 +323,8 @@ class TierqTarget(Target):
 
     batch_submits = True
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str) -> None:
-        super().__init__(client)  # the client carries the tenant's key
-        self.base_url, self.model = base_url, model
+    def __init__(self, client: httpx.AsyncClient, name: str, base_url: str, model: str) -> None:
+        super().__init__(client, name, base_url, model)  # the client carries the tenant's key
         self.job_ids: dict[int, str] = {}  # id(outcome) -> job id
 
     def body(self, req: Request, stream: bool) -> dict[str, Any]:
@@ -579,26 +575,25 @@ async def _server(which: str, workdir: Path, settings: Settings) -> Any:
     """A fresh server and the target that reaches it; stopped (its whole group) on exit."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
-    policy = "priority" if which == "vllm-priority" else "fcfs"
+    model = settings.served_model_name
     headers: dict[str, str] = {}
     server: Server
+    reach: Callable[[httpx.AsyncClient], Target]
     # Started in this thread (nothing else runs meanwhile): an interrupt while it starts
     # reaches the start, which then stops what it began.
     if which == "tierq":
         server, key = start_tierq(workdir / f"state-{time.time_ns()}", TIERQ_SETTINGS)
         headers["Authorization"] = f"Bearer {key}"
+        reach = functools.partial(TierqTarget, name=which, base_url=server.base_url, model=model)
     else:
-        server = start_vllm(ServeConfig(), policy)
+        priority = which == "vllm-priority"
+        server = start_vllm(ServeConfig(), "priority" if priority else "fcfs")
+        reach = functools.partial(
+            VllmTarget, name=which, base_url=server.base_url, model=model, priority=priority
+        )
     try:
         async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
-            model = settings.served_model_name
-            target: Target
-            if which == "tierq":
-                target = TierqTarget(client, server.base_url, model)
-            else:
-                target = VllmTarget(client, server.base_url, model, policy == "priority")
-            target.name = which
-            yield target
+            yield reach(client)
     finally:
         server.stop()
 

@@ -108,10 +108,13 @@ def latest(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return dict(sorted(newest.items()))
 
 
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
 def _ratio(a: Any, b: Any) -> float | None:
-    return (
-        round(a / b, 4) if isinstance(a, int | float) and isinstance(b, int | float) and b else None
-    )
+    x, y = _num(a), _num(b)
+    return round(x / y, 4) if x is not None and y else None
 
 
 def _qos(result: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -257,10 +260,6 @@ def render(records: list[dict[str, Any]]) -> str:
 # --- the README's headline table ----------------------------------------------------------
 
 Shown = tuple[str, bool | None]  # the figure as the table shows it, and whether its target is met
-
-
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
 def _ratio_row(key: str, target: float) -> Callable[[dict[str, Any]], Shown | None]:

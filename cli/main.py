@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -382,9 +383,7 @@ def bench_serve(
     setup_logging("WARNING")
     if vllm_scheduler not in ("stock", "tierq"):
         raise typer.BadParameter("stock or tierq", param_hint="--vllm-scheduler")
-    servers = tuple(name.strip() for name in order.split(","))
-    if not servers or any(name not in ("vllm", "tierq") for name in servers):
-        raise typer.BadParameter("vllm and tierq, comma-separated", param_hint="--order")
+    servers = _names(order, ("vllm", "tierq"), "--order")
     cfg = ServeConfig(
         rate=rate,
         n_rate=n,
@@ -431,15 +430,10 @@ def bench_peers(
     from benchmarks.peers import SERVERS, PeersConfig, run_peers
 
     setup_logging("WARNING")
-    try:
-        overloads = tuple(float(x) for x in overload.split(","))
-    except ValueError:
-        raise typer.BadParameter("numbers, comma-separated", param_hint="--overload") from None
-    if not overloads or any(x <= 0 for x in overloads):
+    overloads = _numbers(overload, "--overload")
+    if any(x <= 0 for x in overloads):
         raise typer.BadParameter("positive numbers", param_hint="--overload")
-    chosen = tuple(name.strip() for name in servers.split(","))
-    if not chosen or any(name not in SERVERS for name in chosen):
-        raise typer.BadParameter(", ".join(SERVERS), param_hint="--servers")
+    chosen = _names(servers, SERVERS, "--servers")
     cfg = PeersConfig(
         duration_s=duration,
         overloads=overloads,
@@ -455,13 +449,29 @@ def bench_peers(
     _run_platform_bench(run_peers(get_settings(), cfg))
 
 
-def _sizes(value: str, hint: str) -> tuple[int, ...]:
-    """Comma-separated positive sizes, in increasing order (`1e5` is 100000)."""
+def _names(value: str, allowed: Sequence[str], hint: str) -> tuple[str, ...]:
+    """A comma-separated list of names, each one of `allowed` (repeats kept, in order)."""
+    chosen = tuple(name.strip() for name in value.split(","))
+    if any(name not in allowed for name in chosen):
+        raise typer.BadParameter(f"among {', '.join(allowed)}, comma-separated", param_hint=hint)
+    return chosen
+
+
+def _numbers(value: str, hint: str) -> tuple[float, ...]:
+    """Comma-separated numbers (`1e5` too), at least one."""
     try:
-        sizes = tuple(int(float(x)) for x in value.split(","))
+        return tuple(float(x) for x in value.split(","))
     except ValueError:
         raise typer.BadParameter("numbers, comma-separated", param_hint=hint) from None
-    if not sizes or any(x < 1 for x in sizes) or list(sizes) != sorted(set(sizes)):
+
+
+def _sizes(value: str, hint: str) -> tuple[int, ...]:
+    """Comma-separated positive sizes, in increasing order (`1e5` is 100000)."""
+    numbers = _numbers(value, hint)
+    if not all(1 <= x < math.inf for x in numbers):  # NaN and infinity too
+        raise typer.BadParameter("positive and increasing", param_hint=hint)
+    sizes = tuple(int(x) for x in numbers)
+    if list(sizes) != sorted(set(sizes)):
         raise typer.BadParameter("positive and increasing", param_hint=hint)
     return sizes
 
@@ -489,9 +499,7 @@ def bench_curves(
 
     setup_logging("INFO")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    chosen = tuple(name.strip() for name in parts.split(","))
-    if not chosen or any(name not in PARTS for name in chosen):
-        raise typer.BadParameter(", ".join(PARTS), param_hint="--parts")
+    chosen = _names(parts, PARTS, "--parts")
     cfg = CurvesConfig(
         ledger_sizes=_sizes(ledger_sizes, "--ledger-sizes"),
         jobs_cap=jobs_cap,

@@ -140,12 +140,17 @@ def _first_sentence(text: str) -> str:
     return (flat[: cut.start()] if cut else flat).rstrip(":").replace("|", "\\|")
 
 
+def api_document() -> dict[str, Any]:
+    """The app's OpenAPI document, every route included, whatever the environment sets."""
+    from api.app import build_app
+
+    return build_app(Settings(_env_file=None, admin_api_key=None)).openapi()  # type: ignore[call-arg]
+
+
 def render_api(document: dict[str, Any] | None = None) -> str:
     """The HTTP API page from the OpenAPI document (the app's own by default)."""
     if document is None:
-        from api.app import build_app
-
-        document = build_app(Settings(_env_file=None, admin_api_key=None)).openapi()  # type: ignore[call-arg]
+        document = api_document()
     groups: dict[str, list[str]] = {}
     for path, operations in document["paths"].items():
         for method, op in operations.items():

@@ -129,13 +129,13 @@ def test_the_verdicts_against_vllm_priority() -> None:
 def test_each_server_gets_the_tier_its_way() -> None:
     client = httpx.AsyncClient()
     req = Request("batch", 0.0, "hello", 64)
-    fcfs = peers.VllmTarget(client, "http://x", "m", priority=False).body(req, stream=False)
-    prio = peers.VllmTarget(client, "http://x", "m", priority=True).body(req, stream=False)
+    fcfs = peers.VllmTarget(client, "v", "http://x", "m", priority=False).body(req, stream=False)
+    prio = peers.VllmTarget(client, "v", "http://x", "m", priority=True).body(req, stream=False)
     assert "priority" not in fcfs and prio["priority"] == 100
     assert fcfs["ignore_eos"] and fcfs["temperature"] == 0 and fcfs["max_tokens"] == 64
     std = Request("standard", 0.0, "hello", 64)
-    assert peers.VllmTarget(client, "http://x", "m", True).body(std, False)["priority"] == 10
-    tierq = peers.TierqTarget(client, "http://x", "m")
+    assert peers.VllmTarget(client, "v", "http://x", "m", True).body(std, False)["priority"] == 10
+    tierq = peers.TierqTarget(client, "t", "http://x", "m")
     chat = tierq.body(Request("interactive", 0.0, "hi", 16), stream=True)
     assert chat["service_tier"] == "priority" and chat["stream_options"]["include_usage"]
     assert tierq.body(std, stream=False)["service_tier"] == "flex"  # tierq's standard tier
