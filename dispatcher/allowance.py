@@ -21,7 +21,7 @@ round.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from dispatcher.policy import QueuedJob, RunningJob
 from tierq.tiers import Tier
@@ -58,6 +58,53 @@ def offer(
                 per[tenant] = ordered
         queues[tier] = per
     return queues
+
+
+class Offered(Mapping[str, Sequence[QueuedJob]]):
+    """One tier's queues as offered: each tenant's own queue (already in dispatch order),
+    or a capped tenant's cut of it; a tenant with nothing to offer is absent. Looking a
+    tenant up costs nothing more; walking them all (`offer`'s whole answer) is what a
+    policy does only when it must look at every tenant."""
+
+    def __init__(
+        self, queues: Mapping[str, Sequence[QueuedJob]], cut: Mapping[str, Sequence[QueuedJob]]
+    ) -> None:
+        self.queues = queues
+        self.cut = cut
+
+    def __getitem__(self, tenant: str) -> Sequence[QueuedJob]:
+        got = self.cut[tenant] if tenant in self.cut else self.queues[tenant]
+        if not got:
+            raise KeyError(tenant)
+        return got
+
+    def __iter__(self) -> Iterator[str]:
+        return (t for t, q in self.queues.items() if self.cut.get(t, q))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def offered(
+    ordered: Mapping[Tier, Mapping[str, Sequence[QueuedJob]]],
+    running: Iterable[RunningJob],
+    caps: Caps,
+) -> tuple[dict[Tier, Offered], dict[Tier, set[str]]]:
+    """`offer` for queues kept in dispatch order, at the cost of the capped tenants alone:
+    per tier the queues to hand the policy, and the capped tenants with queued work there
+    (what is offered of theirs moves with what runs, so they count as changed each round)."""
+    left = allowance(caps, running)
+    cuts: dict[Tier, dict[str, Sequence[QueuedJob]]] = {tier: {} for tier in ordered}
+    for tenant in caps:
+        for tier, tenants in ordered.items():
+            queue = tenants.get(tenant)
+            if not queue:
+                continue
+            room = left(tenant, tier)
+            if room is not None:
+                cuts[tier][tenant] = queue[:room]  # its max_running: the rest wait
+    views = {tier: Offered(tenants, cuts[tier]) for tier, tenants in ordered.items()}
+    return views, {tier: set(cut) for tier, cut in cuts.items()}
 
 
 def allowance(caps: Caps, running: Iterable[RunningJob]) -> Callable[[str, Tier], int | None]:

@@ -101,8 +101,9 @@ while i <= #ARGV do
 end
 return moved
 """
-# KEYS: lease. ARGV: value, group, inbox, entry id, stream ("" for none), n, then n
-# field/value strings: a dead worker's entry back on its tier's stream (or just dropped).
+# KEYS: lease, the set of streams with new entries. ARGV: value, group, inbox, entry id,
+# stream ("" for none), n, then n field/value strings: a dead worker's entry back on its
+# tier's stream (or just dropped).
 _REQUEUE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local n = tonumber(ARGV[6])
@@ -110,10 +111,18 @@ if ARGV[5] ~= '' then
   local fields = {'XADD', ARGV[5], '*'}
   for j = 1, n do fields[#fields + 1] = ARGV[6 + j] end
   redis.call(unpack(fields))
+  redis.call('SADD', KEYS[2], ARGV[5])
 end
 redis.call('XACK', ARGV[3], ARGV[2], ARGV[4])
 redis.call('XDEL', ARGV[3], ARGV[4])
 return 1
+"""
+# KEYS: lease, the set of streams with new entries. ARGV: value, most to take: streams
+# taken out of the set, as the leader only (a deposed leader takes none: they stay for the
+# one that leads).
+_TAKE_READY = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+return redis.call('SPOP', KEYS[2], ARGV[2])
 """
 # KEYS: lease. ARGV: value, inbox, workers hash, worker id: a dead worker forgotten.
 _FORGET = """
@@ -161,6 +170,7 @@ class Leadership:
         self._save = r.register_script(_SAVE)
         self._requeue = r.register_script(_REQUEUE)
         self._forget = r.register_script(_FORGET)
+        self._take_ready = r.register_script(_TAKE_READY)
 
     @property
     def held(self) -> bool:
@@ -234,6 +244,12 @@ class Leadership:
             )
         return out
 
+    async def take_ready(self, most: int) -> list[str]:
+        """Up to `most` streams given entries since the last take, taken out of the set."""
+        keys = [self.names.dispatch_leader, self.names.dispatch_ready]
+        got = self._checked(await self._take_ready(keys=keys, args=[self._fence(), most]))
+        return [g.decode() if isinstance(g, bytes) else str(g) for g in got or []]
+
     async def hand_off(
         self, group: str, moves: Sequence[tuple[str, str, str, str, dict[str, str]]]
     ) -> list[bool]:
@@ -255,7 +271,8 @@ class Leadership:
         args: list[Any] = [self._fence(), group, inbox, entry_id, stream or "", 2 * len(fields)]
         for name, value in fields.items():
             args += [name, value]
-        self._checked(await self._requeue(keys=[self.names.dispatch_leader], args=args))
+        keys = [self.names.dispatch_leader, self.names.dispatch_ready]
+        self._checked(await self._requeue(keys=keys, args=args))
 
     async def forget_worker(self, inbox: str, worker_id: str) -> None:
         args = [self._fence(), inbox, self.names.workers, worker_id]

@@ -23,6 +23,7 @@ only in this process's memory. An unreachable Redis is waited out with backoff.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import json
@@ -35,7 +36,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from dispatcher.allowance import offer
+from dispatcher.allowance import offered
 from dispatcher.capacity import (
     ArrivalRate,
     ServedRate,
@@ -71,6 +72,7 @@ TENANT_POLICY_REFRESH_S = 1.0
 STATE_SAVE_S = 1.0  # how often the leader saves its policy's accounting for a successor
 STANDBY_MARGIN_S = 0.02  # a standby tries for the lease this long after it would expire
 CAPACITY_EVERY_S = 1.0  # how often the leader works out tierq_desired_workers
+READY_PER_ROUND = 10_000  # most streams a read round takes from the ready set (the rest wait)
 
 
 def slo_from_settings(settings: Settings) -> dict[Tier, float]:
@@ -126,10 +128,19 @@ class Dispatcher:
         self.policy = policy or policy_from_settings(settings)
         # tier -> tenant -> entry id -> buffered job (dicts keep read order: oldest first)
         self.buffers: dict[Tier, dict[str, dict[str, Buffered]]] = {t: {} for t in TIER_ORDER}
+        # The same jobs as the policy takes them: tier -> tenant -> jobs in dispatch order
+        # (preempted ones first, then by age), and per tier the tenants whose jobs changed
+        # since the policy's last round (None: look at every tenant).
+        self.ordered: dict[Tier, dict[str, list[QueuedJob]]] = {t: {} for t in TIER_ORDER}
+        self._changed: dict[Tier, set[str]] | None = None
         self.running: dict[str, RunningJob] = {}
         self.preempting: set[str] = set()
         self._streams: set[str] = set()  # streams whose consumer group exists
+        self._unread: set[str] = set()  # streams that may hold entries not read yet
         self._buffered: dict[str, int] = {}  # stream -> entries of it in the buffers
+        # tier -> jobs in the read-ahead and their estimated tokens (kept, not walked)
+        self._queued_jobs: Counter[Tier] = Counter()
+        self._queued_cost: Counter[Tier] = Counter()
         # stream -> id after which its pending entries (read before a restart or a lost
         # connection) are still to be re-read; absent once they all were
         self._history: dict[str, str] = {}
@@ -157,54 +168,94 @@ class Dispatcher:
         self._stop.set()
 
     # --- streams ------------------------------------------------------------------------
-    async def _source_streams(self) -> list[str]:
+    async def _scan(self) -> None:
+        """Every source stream (each tier's head-of-tier stream and its tenants' shards),
+        its consumer group made where this process has not seen it, all to be read: at
+        (re)covery only, from their pending entries (a round reads the ones given entries
+        since, from the ready set)."""
         async with self.r.pipeline(transaction=False) as pipe:
             for tier in TIER_ORDER:
                 pipe.smembers(self.names.tier_tenants(tier))
             members = await pipe.execute()
         streams = [self.names.preempted_stream(t) for t in TIER_ORDER]
-        for tier in TIER_ORDER:
-            self._stream_tier[self.names.preempted_stream(tier)] = tier
         for tier, tenants in zip(TIER_ORDER, members, strict=True):
-            for tenant in sorted(tenants):
-                stream = self.names.tier_stream(tier, tenant)
-                self._stream_tier[stream] = tier
-                streams.append(stream)
+            streams += [self.names.tier_stream(tier, tenant) for tenant in sorted(tenants)]
+        await self._groups_for(streams)
+        self._unread.update(streams)
+
+    async def _groups_for(self, streams: list[str]) -> None:
+        """The dispatchers' consumer group on each stream this process has not seen, in one
+        round trip; after a restart or a lost connection its pending entries are read first."""
         new = [s for s in streams if s not in self._streams]
-        for stream in new:
-            with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists
-                await self.r.xgroup_create(stream, DISPATCH_GROUP, id="0", mkstream=True)
+        if not new:
+            return
+        async with self.r.pipeline(transaction=False) as pipe:
+            for stream in new:
+                pipe.xgroup_create(stream, DISPATCH_GROUP, id="0", mkstream=True)
+            made = await pipe.execute(raise_on_error=False)
+        for stream, result in zip(new, made, strict=True):
+            if isinstance(result, Exception) and "BUSYGROUP" not in str(result):
+                raise result
+            self._stream_tier[stream] = self.names.source_tier(stream)
             self._streams.add(stream)
             if self._recovering:  # entries read before a restart or a lost connection
                 self._history[stream] = "0"
-        self._recovering = False
-        return streams
+
+    async def _take_ready(self) -> None:
+        """The streams given entries since the last take, as ones to read."""
+        ready = await self.leadership.take_ready(READY_PER_ROUND)
+        if ready:
+            await self._groups_for(ready)
+            self._unread.update(ready)
+
+    async def _active_streams(self) -> list[str]:
+        """The source streams that hold entries: those with some in the read-ahead, those
+        with some still unread (the ready set's too: no round may have read lately, with
+        no worker to hand work to), and the head-of-tier streams."""
+        await self._take_ready()
+        active = set(self._buffered) | self._unread
+        active.update(self.names.preempted_stream(t) for t in TIER_ORDER)
+        return sorted(active)
 
     def _forget_buffers(self) -> None:
         """After a lost connection: the read-ahead is rebuilt from the pending entries."""
         self.buffers = {t: {} for t in TIER_ORDER}
+        self.ordered = {t: {} for t in TIER_ORDER}
+        self._changed = None
         self._buffered.clear()
+        self._queued_jobs.clear()
+        self._queued_cost.clear()
         self._streams.clear()
         self._history.clear()
+        self._unread.clear()
         self._recovering = True
 
     async def _read(self) -> None:
-        """Top up every shard's read-ahead with one XREADGROUP (COUNT applies per stream):
-        its pending entries first, page by page, then new ones."""
-        streams = await self._source_streams()
+        """Top up the read-ahead of the shards that may hold entries it lacks, with one
+        XREADGROUP (COUNT applies per stream), each once its read-ahead is down to half:
+        its pending entries first, page by page (after a recovery), then new ones. Those are
+        the shards given entries since the last round (every XADD to a shard joins the
+        ready set, taken here as the leader), those whose last read filled their read-ahead,
+        and after a recovery every one — so a round costs what arrived and what is still
+        unread, not every tenant that ever queued work."""
+        self._recovering = False
+        await self._take_ready()
         ahead = self.settings.dispatch_read_ahead
         want = {
-            s: self._history.get(s, ">") for s in streams if self._buffered.get(s, 0) <= ahead // 2
+            s: self._history.get(s, ">")
+            for s in self._unread
+            if self._buffered.get(s, 0) <= ahead // 2
         }
         if not want:
             return
         got = await self.leadership.read_group(DISPATCH_GROUP, self.consumer, want, ahead)
         seen = {stream: entries for stream, entries in got}
         for stream, start in want.items():
-            if start == ">":
-                continue
             entries = seen.get(stream, [])
-            if len(entries) < ahead:
+            if start == ">":
+                if len(entries) < ahead:  # read to its end: nothing unread until more come
+                    self._unread.discard(stream)
+            elif len(entries) < ahead:
                 del self._history[stream]  # every pending entry is back in the read-ahead
             else:
                 self._history[stream] = entries[-1][0]
@@ -228,15 +279,49 @@ class Dispatcher:
                 if entry_id not in shard:
                     shard[entry_id] = Buffered(job, msg, stream)
                     self._buffered[stream] = self._buffered.get(stream, 0) + 1
+                    self._queued_jobs[msg.tier] += 1
+                    self._queued_cost[msg.tier] += job.cost
+                    queue = self.ordered[msg.tier].setdefault(msg.tenant_id, [])
+                    bisect.insort(queue, job, key=_dispatch_key)  # after equals: read order
+                    self._changed_tenant(msg.tier, msg.tenant_id)
 
-    def _queues(self) -> dict[Tier, dict[str, list[QueuedJob]]]:
+    def _changed_tenant(self, tier: Tier, tenant: str) -> None:
+        if self._changed is not None:
+            self._changed[tier].add(tenant)
+
+    def _drop(self, job: QueuedJob) -> None:
+        """A job out of the read-ahead (handed off)."""
+        gone = self.buffers[job.tier][job.tenant_id].pop(job.entry_id)
+        self._buffered[gone.stream] -= 1
+        if not self._buffered[gone.stream]:
+            del self._buffered[gone.stream]
+        self._queued_jobs[job.tier] -= 1
+        self._queued_cost[job.tier] -= job.cost
+        queue = self.ordered[job.tier][job.tenant_id]
+        queue.remove(job)
+        if not queue:
+            del self.ordered[job.tier][job.tenant_id]
+            del self.buffers[job.tier][job.tenant_id]
+
+    def _queues(self) -> tuple[dict[Tier, Any], dict[Tier, set[str]] | None]:
         """The read-ahead as the policy sees it: each tenant's jobs in dispatch order, cut
-        to what its max_running still allows (dispatcher/allowance.py)."""
-        buffered = {
-            tier: {tenant: [b.job for b in entries.values()] for tenant, entries in tenants.items()}
-            for tier, tenants in self.buffers.items()
-        }
-        return offer(buffered, self.running.values(), self.max_running)
+        to what its max_running still allows (dispatcher/allowance.py), and per tier the
+        tenants whose jobs changed since the policy's last round (None: every tenant may
+        have); the count of changed tenants starts again."""
+        views, capped = offered(self.ordered, self.running.values(), self.max_running)
+        changed = self._changed
+        if changed is not None:
+            for tier, tenants in capped.items():
+                changed[tier] |= tenants
+        self._changed = {t: set() for t in TIER_ORDER}
+        return views, changed
+
+    def decide(self, slots: list[WorkerSlots], now: float) -> list[Assignment]:
+        """The policy's round over the read-ahead (no I/O)."""
+        queues, changed = self._queues()
+        if isinstance(self.policy, TierqPolicy):
+            return self.policy.assign(queues, slots, now, changed)
+        return self.policy.assign(queues, slots, now)
 
     async def _refresh_tenant_policy(self, now: float) -> None:
         """Tenant weights and max_running, as the admin API (and Celery) publish them."""
@@ -390,6 +475,7 @@ class Dispatcher:
         """Rebuild what this process knows from Redis: the read-ahead from the pending
         entries (read by `_read` page by page), and the jobs that run, from the inboxes."""
         self._forget_buffers()
+        await self._scan()
         self._connected_at = time.monotonic()
         # Reports from before now concern jobs the inboxes below no longer hold.
         last: Any = await self.r.xrevrange(self.names.served, count=1)
@@ -431,7 +517,7 @@ class Dispatcher:
         if now - self._capacity_at < CAPACITY_EVERY_S:
             return
         self._capacity_at = now
-        streams = await self._source_streams()  # every shard, read yet or not
+        streams = await self._active_streams()  # every shard with entries, read yet or not
         async with self.r.pipeline(transaction=False) as pipe:
             for stream in streams:
                 pipe.xlen(stream)
@@ -439,17 +525,12 @@ class Dispatcher:
         jobs: Counter[Tier] = Counter()
         for stream, length in zip(streams, lengths, strict=True):
             jobs[self._stream_tier[stream]] += int(length)
-        costs = {
-            tier: [b.job.cost for shard in tenants.values() for b in shard.values()]
-            for tier, tenants in self.buffers.items()
-        }
-        every = [c for tier_costs in costs.values() for c in tier_costs]
-        fallback = sum(every) / len(every) if every else float(self.settings.max_model_len // 4)
+        held, cost = self._queued_jobs, self._queued_cost
+        every = sum(held.values())
+        fallback = sum(cost.values()) / every if every else float(self.settings.max_model_len // 4)
         waiting = [
             Waiting(
-                tier,
-                jobs[tier],
-                jobs[tier] * (sum(costs[tier]) / len(costs[tier]) if costs[tier] else fallback),
+                tier, jobs[tier], jobs[tier] * (cost[tier] / held[tier] if held[tier] else fallback)
             )
             for tier in TIER_ORDER
         ]
@@ -472,7 +553,7 @@ class Dispatcher:
     async def _observe(self, now: float, alive: list[Heartbeat]) -> None:
         """The SLO gauges (dispatcher/observe.py), once a second."""
         if self.observer.due(now):
-            streams = await self._source_streams()
+            streams = await self._active_streams()
             shares = policy_shares(self.policy, now)
             await self.observer.publish(now, streams, self._stream_tier, alive, shares)
 
@@ -499,10 +580,9 @@ class Dispatcher:
         if not slots:
             return 0
         await self._read()
-        queues = self._queues()
         now = clock.now()
         started = time.perf_counter()
-        decisions = self.policy.assign(queues, slots, now) if any(w.free > 0 for w in slots) else []
+        decisions = self.decide(slots, now) if any(w.free > 0 for w in slots) else []
         elapsed = time.perf_counter() - started
         if decisions:
             metrics.DISPATCH_DECISION.observe(elapsed)
@@ -535,11 +615,11 @@ class Dispatcher:
                 log.info("%d jobs not handed off: their worker left or is draining", len(left))
                 for d in left:  # not served after all: the policy's charge goes back
                     self.policy.charge(d.job.tier, d.job.tenant_id, -d.job.cost, now)
-            for (d, b), ok in zip(handed, moved, strict=True):
+                    self._changed_tenant(d.job.tier, d.job.tenant_id)
+            for (d, _b), ok in zip(handed, moved, strict=True):
                 if not ok:
                     continue
-                del self.buffers[d.job.tier][d.job.tenant_id][d.job.entry_id]
-                self._buffered[b.stream] -= 1
+                self._drop(d.job)
                 metrics.JOBS_DISPATCHED.labels(d.job.tier.value).inc()
                 self.running[d.job.job_id] = RunningJob(
                     d.job.job_id, d.job.tier, d.worker_id, now, d.job.preemptions, d.job.tenant_id
@@ -549,7 +629,7 @@ class Dispatcher:
         return len(decisions)
 
     async def _maybe_preempt(self, slots: list[WorkerSlots], decisions: list[Assignment]) -> None:
-        waiting = sum(len(e) for e in self.buffers[Tier.INTERACTIVE].values())
+        waiting = self._queued_jobs[Tier.INTERACTIVE]
         if not waiting:
             return
         taken = Counter(d.worker_id for d in decisions)
@@ -621,3 +701,9 @@ class Dispatcher:
             fields = dataclasses.replace(msg, unsettled_charge=charge).encode()
         await self.leadership.requeue(WORKER_GROUP, inbox, entry_id, stream, fields)
         return 1 if fields else 0
+
+
+def _dispatch_key(job: QueuedJob) -> tuple[bool, float]:
+    """Preempted jobs first (back at the head of their tier), then by age (allowance's
+    `dispatch_order`)."""
+    return (job.preemptions == 0, job.enqueued_at)

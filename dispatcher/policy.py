@@ -41,7 +41,7 @@ import hashlib
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +168,21 @@ def _forget_idle(counters: dict[str, float], backlogged: set[str], floor: float)
         del counters[t]
 
 
+class _TierIndex:
+    """One tier's indexes, kept from round to round so that a round costs what changed,
+    not every tenant with queued work: the backlogged tenants (those offered jobs at the
+    round's start), a heap of (virtual counter, tenant) and one of (head's age key,
+    tenant). Both heaps are lazy: every change of a counter or a head pushes a fresh
+    entry, and a stale one is dropped when it surfaces."""
+
+    def __init__(self) -> None:
+        self.backlogged: set[str] = set()
+        self.fair: list[tuple[float, str]] = []
+        self.by_age: list[tuple[tuple[bool, float], str]] = []
+        self.touched: set[str] = set()  # tenants the last round took jobs from
+        self.stale = True  # rebuilt from the queues at the next round
+
+
 class TierqPolicy:
     """Minimum shares, strict priority, urgency, VTC fairness, reserve and preemption."""
 
@@ -177,10 +192,11 @@ class TierqPolicy:
         self.config = config or PolicyConfig()
         self.window = ServedWindow(self.config.window_s)
         self.counters: dict[Tier, dict[str, float]] = {t: {} for t in TIER_ORDER}
-        self._backlogged: dict[Tier, set[str]] = {t: set() for t in TIER_ORDER}
+        self._index: dict[Tier, _TierIndex] = {t: _TierIndex() for t in TIER_ORDER}
         # Entry id -> times a job was passed over for a job at home where it would have
         # gone (AFFINITY_LOOKAHEAD bounds it); dropped when the job is placed.
         self.passed_over: dict[str, int] = {}
+        self._passed_over_limit = PASSED_OVER_KEPT  # pruned past it (then it doubles)
 
     # --- accounting ---------------------------------------------------------------------
     def charge(self, tier: Tier, tenant_id: str, tokens: float, now: float) -> None:
@@ -189,6 +205,9 @@ class TierqPolicy:
         weight = self.config.tenant_weights.get(tenant_id, 1.0)
         counters = self.counters[tier]
         counters[tenant_id] = counters.get(tenant_id, 0.0) + tokens / weight
+        index = self._index[tier]
+        if tenant_id in index.backlogged:
+            heapq.heappush(index.fair, (counters[tenant_id], tenant_id))
 
     def snapshot(self) -> dict[str, Any]:
         """What a failover must keep: served tokens per tier over the window (the minimum
@@ -198,7 +217,7 @@ class TierqPolicy:
         return {
             "window": self.window.snapshot(),
             "counters": {t.value: dict(c) for t, c in self.counters.items()},
-            "backlogged": {t.value: sorted(b) for t, b in self._backlogged.items()},
+            "backlogged": {t.value: sorted(i.backlogged) for t, i in self._index.items()},
             "passed_over": dict(self.passed_over),
         }
 
@@ -212,7 +231,8 @@ class TierqPolicy:
         backlogged = state.get("backlogged", {})
         for tier in TIER_ORDER:
             self.counters[tier] = {k: float(v) for k, v in counters.get(tier.value, {}).items()}
-            self._backlogged[tier] = set(backlogged.get(tier.value, []))
+            self._index[tier] = _TierIndex()
+            self._index[tier].backlogged = set(backlogged.get(tier.value, []))
         self.passed_over = {k: int(v) for k, v in state.get("passed_over", {}).items()}
 
     # --- decisions ----------------------------------------------------------------------
@@ -221,13 +241,20 @@ class TierqPolicy:
         queues: Mapping[Tier, Mapping[str, Sequence[QueuedJob]]],
         workers: Sequence[WorkerSlots],
         now: float,
+        changed: Mapping[Tier, Collection[str]] | None = None,
     ) -> list[Assignment]:
+        """Jobs for free slots. `queues`: per tier, each tenant's offered jobs in dispatch
+        order. `changed`: per tier, the tenants whose offered jobs changed since the last
+        call other than by that call's own assignments all being handed out (jobs read,
+        a hand-off that failed, a cap that moved); with it a round costs what changed, not
+        every tenant. None: anything may have changed (every tenant is looked at)."""
         self.window.expire(now)
-        if len(self.passed_over) > PASSED_OVER_KEPT:  # jobs gone meanwhile (cancelled)
+        if len(self.passed_over) > self._passed_over_limit:  # jobs gone meanwhile (cancelled)
             queued = {
                 j.entry_id for tenants in queues.values() for q in tenants.values() for j in q
             }
             self.passed_over = {e: n for e, n in self.passed_over.items() if e in queued}
+            self._passed_over_limit = max(PASSED_OVER_KEPT, 2 * len(self.passed_over))
         free = {w.worker_id: [max(0, w.free), max(0, min(w.free, w.free_lower))] for w in workers}
         placement = _Placement(workers, free, self.config.affinity_slack)
         any_heap = [(-f[0], wid) for wid, f in free.items() if f[0] > 0]
@@ -235,7 +262,12 @@ class TierqPolicy:
         heapq.heapify(any_heap)
         heapq.heapify(lower_heap)
 
-        pickers = {t: _TierPicker(t, queues.get(t, {}), self, now) for t in TIER_ORDER}
+        pickers = {
+            t: _TierPicker(
+                t, queues.get(t, {}), self, now, None if changed is None else changed.get(t, ())
+            )
+            for t in TIER_ORDER
+        }
         out: list[Assignment] = []
         while True:
             any_free = any(f[0] > 0 for f in free.values())
@@ -308,7 +340,11 @@ class TierqPolicy:
 
 
 class _TierPicker:
-    """The next job of one tier: urgent first (oldest), else the tenant with the least service."""
+    """The next job of one tier: urgent first (oldest), else the tenant with the least service.
+
+    It works on the tier's `_TierIndex`: rebuilt from every tenant's queue when `changed` is
+    None (or the index is stale), else brought up to date from the tenants that changed
+    and those the last round took jobs from."""
 
     def __init__(
         self,
@@ -316,84 +352,142 @@ class _TierPicker:
         tenants: Mapping[str, Sequence[QueuedJob]],
         policy: TierqPolicy,
         now: float,
+        changed: Collection[str] | None,
     ) -> None:
         self.tier = tier
-        self.queues = {t: q for t, q in tenants.items() if q}
-        self.heads = dict.fromkeys(self.queues, 0)
+        self.queues = tenants
+        self.heads: dict[str, int] = {}  # tenant -> position of its head this round
         self.counters = policy.counters[tier]
         self.policy = policy
-        backlogged = set(self.queues)
-        known = policy._backlogged[tier]
-        floor = min((self.counters.get(t, 0.0) for t in backlogged & known), default=None)
-        if floor is None:
-            floor = min((self.counters.get(t, 0.0) for t in backlogged), default=0.0)
-        for tenant in backlogged - known:  # newly backlogged: no credit for idle time
-            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
-        policy._backlogged[tier] = backlogged
-        if len(self.counters) > len(backlogged) + IDLE_COUNTERS_KEPT:
-            _forget_idle(self.counters, backlogged, floor)
-        self.fair = [(self.counters.get(t, 0.0), t) for t in self.queues]
-        heapq.heapify(self.fair)
+        self.index = policy._index[tier]
+        if changed is None or self.index.stale:
+            self._rebuild()
+        else:
+            self._update(changed)
+        self.index.touched = set()
         slo = policy.config.slo_s.get(tier)
         self.urgent_before = (
             now - slo * policy.config.urgency_fraction if slo is not None else float("-inf")
         )
-        # Heads by (not preempted, age): a preempted job goes back to the head of its tier.
-        self.by_age = [(_age_key(q[0]), t) for t, q in self.queues.items()]
-        heapq.heapify(self.by_age)
-        self.left = sum(len(q) for q in self.queues.values())
         self.taken: dict[str, set[int]] = {}  # tenant -> positions taken out of turn
         self.last: dict[str, int] = {}  # tenant -> position of its job taken last in turn
 
+    def _rebuild(self) -> None:
+        index = self.index
+        backlogged = {t for t, q in self.queues.items() if q}
+        known = index.backlogged
+        floor = min((self.counters.get(t, 0.0) for t in backlogged & known), default=None)
+        if floor is None:
+            floor = min((self.counters.get(t, 0.0) for t in backlogged), default=0.0)
+        self._lift(backlogged - known, floor)
+        index.backlogged = backlogged
+        self._bound_counters(floor)
+        index.fair = [(self.counters.get(t, 0.0), t) for t in backlogged]
+        heapq.heapify(index.fair)
+        # Heads by (not preempted, age): a preempted job goes back to the head of its tier.
+        index.by_age = [(_age_key(self.queues[t][0]), t) for t in backlogged]
+        heapq.heapify(index.by_age)
+        index.stale = False
+
+    def _update(self, changed: Collection[str]) -> None:
+        index = self.index
+        looked = index.touched.union(changed)
+        index.backlogged -= {t for t in looked if self._head(t) is None}
+        new = {t for t in looked if t not in index.backlogged and self._head(t) is not None}
+        for tenant in looked - new:  # still backlogged: their heads and counters as now
+            if tenant in index.backlogged:
+                self._push(tenant)
+        top = self._fair_top()  # the smallest counter of those still backlogged
+        if top is not None:
+            floor = top[0]
+        else:
+            floor = min((self.counters.get(t, 0.0) for t in new), default=0.0)
+        self._lift(new, floor)
+        index.backlogged |= new
+        for tenant in new:
+            self._push(tenant)
+        self._bound_counters(floor)
+        if len(index.fair) + len(index.by_age) > 4 * len(index.backlogged) + 64:
+            index.fair = [(self.counters.get(t, 0.0), t) for t in index.backlogged]
+            heapq.heapify(index.fair)
+            index.by_age = [(_age_key(self.queues[t][0]), t) for t in index.backlogged]
+            heapq.heapify(index.by_age)
+
+    def _push(self, tenant: str) -> None:
+        head = self._head(tenant)
+        if head is not None:
+            heapq.heappush(self.index.fair, (self.counters.get(tenant, 0.0), tenant))
+            heapq.heappush(self.index.by_age, (_age_key(head), tenant))
+
+    def _lift(self, tenants: set[str], floor: float) -> None:
+        """Newly backlogged tenants: no credit for idle time."""
+        for tenant in tenants:
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+
+    def _bound_counters(self, floor: float) -> None:
+        if len(self.counters) > len(self.index.backlogged) + IDLE_COUNTERS_KEPT:
+            _forget_idle(self.counters, self.index.backlogged, floor)
+
+    def _fair_top(self) -> tuple[float, str] | None:
+        """The fair heap's smallest live entry (stale ones above it dropped), or None."""
+        index = self.index
+        fair = index.fair
+        while fair:
+            counter, tenant = fair[0]
+            if (
+                tenant in index.backlogged
+                and counter == self.counters.get(tenant, 0.0)
+                and self._head(tenant) is not None
+            ):
+                return fair[0]
+            heapq.heappop(fair)
+        return None
+
     def __bool__(self) -> bool:
-        return self.left > 0
+        return self._fair_top() is not None
 
     def _head(self, tenant: str) -> QueuedJob | None:
-        i = self.heads[tenant]
-        q = self.queues[tenant]
+        i = self.heads.get(tenant, 0)
+        q = self.queues.get(tenant) or ()
         return q[i] if i < len(q) else None
 
     def pop(self) -> QueuedJob:
         # Urgent: a preempted head, else the oldest head if it is past the urgency line.
-        while self.by_age:
-            key, tenant = self.by_age[0]
+        by_age = self.index.by_age
+        while by_age:
+            key, tenant = by_age[0]
             head = self._head(tenant)
-            if head is None or _age_key(head) != key:
-                heapq.heappop(self.by_age)  # stale
-                if head is not None:
-                    heapq.heappush(self.by_age, (_age_key(head), tenant))
+            if head is None or _age_key(head) != key or tenant not in self.index.backlogged:
+                heapq.heappop(by_age)  # stale
+                if head is not None and tenant in self.index.backlogged:
+                    heapq.heappush(by_age, (_age_key(head), tenant))
                 continue
             if head.preemptions > 0 or head.enqueued_at <= self.urgent_before:
                 return self._take(tenant)
             break
-        # Fair: the tenant with the smallest virtual counter.
-        while True:
-            counter, tenant = self.fair[0]
-            if self._head(tenant) is None:
-                heapq.heappop(self.fair)
-                continue
-            if counter != self.counters.get(tenant, 0.0):
-                heapq.heapreplace(self.fair, (self.counters.get(tenant, 0.0), tenant))
-                continue
-            return self._take(tenant)
+        # Fair: the tenant with the smallest virtual counter (charge() pushes its new one).
+        top = self._fair_top()
+        assert top is not None, "pop() with nothing left"
+        return self._take(top[1])
 
     def _take(self, tenant: str) -> QueuedJob:
-        self.last[tenant] = self.heads[tenant]
-        job = self.queues[tenant][self.heads[tenant]]
+        at = self.heads.get(tenant, 0)
+        self.last[tenant] = at
+        job = self.queues[tenant][at]
         self._advance(tenant)
-        self.left -= 1
+        self.index.touched.add(tenant)
         head = self._head(tenant)
         if head is not None:
-            heapq.heappush(self.by_age, (_age_key(head), tenant))
-        # The counter grows in charge(); the heap entry is refreshed lazily in pop().
+            heapq.heappush(self.index.by_age, (_age_key(head), tenant))
         return job
 
     def _advance(self, tenant: str) -> None:
         """The head moves past the job just taken and any taken out of turn."""
         skipped = self.taken.get(tenant, ())
-        self.heads[tenant] += 1
-        while self.heads[tenant] in skipped:
-            self.heads[tenant] += 1
+        at = self.heads.get(tenant, 0) + 1
+        while at in skipped:
+            at += 1
+        self.heads[tenant] = at
 
     def exchange(
         self, job: QueuedJob, better: Callable[[QueuedJob], bool], lookahead: int
@@ -420,7 +514,7 @@ class _TierPicker:
             skipped.add(i)
             passed[job.entry_id] = passed.get(job.entry_id, 0) + 1
             self.heads[tenant] = at  # `job` is the head again
-            heapq.heappush(self.by_age, (_age_key(job), tenant))
+            heapq.heappush(self.index.by_age, (_age_key(job), tenant))
             return q[i]
         return job
 

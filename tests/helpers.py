@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -54,6 +54,14 @@ async def until(check: Callable[[], bool], what: str, seconds: float = 30) -> No
     """Poll `check` every 0.1 s until it holds; fail naming `what` after `seconds`."""
     deadline = time.monotonic() + seconds
     while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.1)
+
+
+async def until_async(probe: Callable[[], Awaitable[bool]], what: str, seconds: float = 30) -> None:
+    """`until` for a check that must await (Redis, the database, the API)."""
+    deadline = time.monotonic() + seconds
+    while not await probe():
         assert time.monotonic() < deadline, what
         await asyncio.sleep(0.1)
 

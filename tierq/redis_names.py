@@ -26,6 +26,14 @@ class RedisNames:
         """Jobs aborted to make room for interactive work: served first within their tier."""
         return f"{self.prefix}:preempted:{Tier(tier).value}"
 
+    def source_tier(self, stream: str) -> Tier:
+        """The tier of a tenant's shard or of a head-of-tier stream, from its name."""
+        for kind in ("stream", "preempted"):
+            head = f"{self.prefix}:{kind}:"
+            if stream.startswith(head):
+                return Tier(stream[len(head) :].split(":", 1)[0])
+        raise ValueError(f"not a source stream: {stream}")
+
     @property
     def arrivals(self) -> str:
         """Counter of jobs admitted into the tier streams (not re-queued ones): the
@@ -58,6 +66,13 @@ class RedisNames:
     def dispatch_wake(self) -> str:
         """List pushed to whenever the dispatcher may have something new to do."""
         return f"{self.prefix}:dispatch:wake"
+
+    @property
+    def dispatch_ready(self) -> str:
+        """Set of source streams given entries since the leading dispatcher last took it:
+        the shards a read round reads, so that a round costs what arrived, not every
+        tenant that ever queued work (dispatcher/loop.py)."""
+        return f"{self.prefix}:dispatch:ready"
 
     @property
     def dispatch_leader(self) -> str:

@@ -37,6 +37,7 @@ async def test_enqueue_writes_the_entry_and_every_mark_with_it(
     assert await r.get(names.arrivals) == "1"
     assert await r.get(names.trace_context("j1")) == SAMPLED
     assert 0 < await r.ttl(names.trace_context("j1")) <= 86_400
+    assert await r.smembers(names.dispatch_ready) == {stream}  # the dispatcher reads it next
 
     # A preempted job goes back to the head of its tier: no tenant joins the tier's set,
     # it is not an arrival, and the wake-up list keeps one entry however many were pushed.
@@ -49,6 +50,8 @@ async def test_enqueue_writes_the_entry_and_every_mark_with_it(
     assert await r.get(names.arrivals) == "1"
     assert await r.exists(names.trace_context("j2")) == 0  # not sampled: nothing kept
     assert await r.llen(names.dispatch_wake) == 1
+    ready = {stream, names.preempted_stream(Tier.STANDARD)}
+    assert await r.smembers(names.dispatch_ready) == ready
 
     # A batch line's trace context is not kept (its followers are the batch's, not a job's).
     await enqueue(r, names, JobMessage("j3", "t1", Tier.BATCH, batch_id="b1", trace=SAMPLED))

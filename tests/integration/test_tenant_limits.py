@@ -12,7 +12,15 @@ import httpx
 import pytest
 
 from tests.conftest import Platform
-from tests.helpers import admin, assert_openai_error, client, new_tenant, read_sse, wait_for
+from tests.helpers import (
+    admin,
+    assert_openai_error,
+    client,
+    new_tenant,
+    read_sse,
+    until_async,
+    wait_for,
+)
 from tests.integration.batch_helpers import jsonl, line, sdk
 from tierq.states import BatchStatus
 
@@ -176,5 +184,13 @@ async def test_a_batch_line_leaves_only_its_final_event_in_redis(running: Platfo
     async with client(running.url, key) as c:
         final = await wait_for(c, job.id)
     assert final["status"] == "succeeded" and final["result"]["text"]
-    buffered = await running.r.lrange(running.dispatcher.names.job_events(job.id), 0, -1)
+    # the final event is written after the row commits, so a poll may see the row first
+    events = running.dispatcher.names.job_events(job.id)
+    buffered: list[str] = []
+
+    async def read() -> bool:
+        buffered[:] = await running.r.lrange(events, 0, -1)
+        return any('"kind":"done"' in e for e in buffered)
+
+    await until_async(read, "the job's final event in its replay buffer", 10)
     assert len(buffered) == 1 and '"kind":"done"' in buffered[0]

@@ -43,7 +43,13 @@ def held_on_disk(settings: Settings) -> int:
     files_dir = settings.resolved_files_dir
     if not files_dir.exists():
         return 0
-    return sum(p.stat().st_size for p in files_dir.iterdir() if p.is_file())
+    held = 0
+    for p in files_dir.iterdir():
+        # the API renames or removes `.part` files while this counts: a file gone between
+        # the listing and its stat holds nothing any more
+        with contextlib.suppress(FileNotFoundError):
+            held += p.stat().st_size if p.is_file() else 0
+    return held
 
 
 class Body:
