@@ -73,6 +73,8 @@ STATE_SAVE_S = 1.0  # how often the leader saves its policy's accounting for a s
 STANDBY_MARGIN_S = 0.02  # a standby tries for the lease this long after it would expire
 CAPACITY_EVERY_S = 1.0  # how often the leader works out tierq_desired_workers
 READY_PER_ROUND = 10_000  # most streams a read round takes from the ready set (the rest wait)
+SWEEP_EVERY_S = 1.0  # how often the leader looks at the next SWEEP_BATCH shards (see _sweep)
+SWEEP_BATCH = 1000
 
 
 def slo_from_settings(settings: Settings) -> dict[Tier, float]:
@@ -137,6 +139,9 @@ class Dispatcher:
         self.preempting: set[str] = set()
         self._streams: set[str] = set()  # streams whose consumer group exists
         self._unread: set[str] = set()  # streams that may hold entries not read yet
+        self._swept_at = 0.0
+        self._sweep_tier = 0  # the tier and SSCAN cursor the sweep goes on from
+        self._sweep_cursor = 0
         self._buffered: dict[str, int] = {}  # stream -> entries of it in the buffers
         # tier -> jobs in the read-ahead and their estimated tokens (kept, not walked)
         self._queued_jobs: Counter[Tier] = Counter()
@@ -200,6 +205,42 @@ class Dispatcher:
             self._streams.add(stream)
             if self._recovering:  # entries read before a restart or a lost connection
                 self._history[stream] = "0"
+
+    async def _sweep(self) -> None:
+        """A slow walk over every shard, SWEEP_BATCH of them every SWEEP_EVERY_S: one whose
+        newest entry is past its group's last delivered one joins the shards to read. It
+        finds what the ready set would have named for an entry added without it (an API or
+        worker of an older version during an upgrade), within a sweep of every shard."""
+        now = time.monotonic()
+        if now - self._swept_at < SWEEP_EVERY_S:
+            return
+        self._swept_at = now
+        tier = TIER_ORDER[self._sweep_tier]
+        start = self._sweep_cursor
+        cursor, tenants = await self.r.sscan(
+            self.names.tier_tenants(tier), start, count=SWEEP_BATCH
+        )
+        streams = [self.names.tier_stream(tier, str(t)) for t in tenants]
+        if start == 0:
+            streams.append(self.names.preempted_stream(tier))
+        self._sweep_cursor = int(cursor)
+        if not self._sweep_cursor:
+            self._sweep_tier = (self._sweep_tier + 1) % len(TIER_ORDER)
+        await self._groups_for(streams)
+        async with self.r.pipeline(transaction=False) as pipe:
+            for stream in streams:
+                pipe.xinfo_groups(stream)
+                pipe.xrevrange(stream, count=1)
+            got = await pipe.execute(raise_on_error=False)
+        for i, stream in enumerate(streams):
+            groups, newest = got[2 * i], got[2 * i + 1]
+            if isinstance(groups, Exception) or isinstance(newest, Exception) or not newest:
+                continue
+            delivered = next(
+                (g["last-delivered-id"] for g in groups if g["name"] == DISPATCH_GROUP), "0-0"
+            )
+            if _entry_order(newest[0][0]) > _entry_order(delivered):
+                self._unread.add(stream)
 
     async def _take_ready(self) -> None:
         """The streams given entries since the last take, as ones to read."""
@@ -443,6 +484,7 @@ class Dispatcher:
                     await self.reclaim(dead)
                     last_reclaim = now
                 await self._take_served_reports()
+                await self._sweep()
                 await self._refresh_tenant_policy(now)
                 await self._save_state(now)
                 await self._publish_capacity(now, alive)
@@ -707,3 +749,9 @@ def _dispatch_key(job: QueuedJob) -> tuple[bool, float]:
     """Preempted jobs first (back at the head of their tier), then by age (allowance's
     `dispatch_order`)."""
     return (job.preemptions == 0, job.enqueued_at)
+
+
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (`<ms>-<seq>`) as a pair that orders as Redis orders them."""
+    ms, _, seq = str(entry_id).partition("-")
+    return int(ms), int(seq or 0)

@@ -148,9 +148,12 @@ class ServedWindow:
 
 
 PASSED_OVER_KEPT = 1024  # past this many, the counts of jobs no longer queued are dropped
-# Virtual counters kept per tier for tenants with nothing queued there. Past this many, a
+# Virtual counters kept per tier for tenants with nothing queued there. Once there are
+# more than this many beyond the backlogged tenants' own number (the walk that forgets them
+# looks at every counter, so it comes after as many tenants went idle as it costs), a
 # counter at or below the backlogged tenants' smallest is forgotten (its tenant would be
-# lifted to that floor on its return anyway), then, if still too many, the smallest ones.
+# lifted to that floor on its return anyway), then, if still more than half this many, the
+# smallest ones.
 IDLE_COUNTERS_KEPT = 4096
 
 
@@ -158,13 +161,13 @@ def _forget_idle(counters: dict[str, float], backlogged: set[str], floor: float)
     """Bound the virtual counters of tenants with nothing queued (a dispatcher serves any
     number of tenants over its life, and its snapshot carries every counter). Those at or
     below `floor` lose nothing by going: a returning tenant is lifted to the floor. Past
-    `IDLE_COUNTERS_KEPT` still, the smallest go first: the least credit forgiven."""
+    half of `IDLE_COUNTERS_KEPT` still, the smallest go first: the least credit forgiven."""
     idle = [(v, t) for t, v in counters.items() if t not in backlogged]
     for v, t in idle:
         if v <= floor:
             del counters[t]
     left = sorted((v, t) for v, t in idle if v > floor)
-    for _, t in left[: max(0, len(left) - IDLE_COUNTERS_KEPT)]:
+    for _, t in left[: max(0, len(left) - IDLE_COUNTERS_KEPT // 2)]:
         del counters[t]
 
 
@@ -425,7 +428,7 @@ class _TierPicker:
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
 
     def _bound_counters(self, floor: float) -> None:
-        if len(self.counters) > len(self.index.backlogged) + IDLE_COUNTERS_KEPT:
+        if len(self.counters) > 2 * len(self.index.backlogged) + IDLE_COUNTERS_KEPT:
             _forget_idle(self.counters, self.index.backlogged, floor)
 
     def _fair_top(self) -> tuple[float, str] | None:

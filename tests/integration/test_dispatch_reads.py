@@ -150,3 +150,32 @@ async def test_a_deposed_leader_takes_nothing_from_the_ready_set(
         await leading.leadership.take_ready(100)
     # what arrived stays for the leader
     assert await r.smembers(names.dispatch_ready) == {names.tier_stream(Tier.INTERACTIVE, "t1")}
+
+
+async def test_an_entry_added_without_the_ready_set_is_found_by_the_sweep(
+    leading: Dispatcher, redis_client: aioredis.Redis
+) -> None:
+    """An API or worker of an older version adds entries without marking their shard: the
+    leader's slow sweep over every shard finds the entry past its group's last delivered
+    one, and the next round reads it."""
+    d, r, names = leading, redis_client, leading.names
+    queue = Enqueuer(r, names)
+    for n in range(TENANTS):
+        await queue.enqueue(JobMessage(f"j{n}", f"t{n}", Tier.STANDARD))
+    await queue.aclose()
+    await d._recover()
+    await d._read()
+    await d._read()
+    stream = names.tier_stream(Tier.STANDARD, "t42")
+    await r.xadd(stream, JobMessage("unmarked", "t42", Tier.STANDARD).encode())  # type: ignore[arg-type]
+    await d._read()
+    assert "unmarked" not in buffered(d)  # no ready mark: the round does not know of it
+    for _ in range(20):  # every tier's shards, SWEEP_BATCH at a time
+        d._swept_at = 0.0
+        await d._sweep()
+        if stream in d._unread:
+            break
+    await d._read()
+    assert "unmarked" in buffered(d)
+    # the other shards, read to their end, were not made to be read again
+    assert d._unread <= {stream}

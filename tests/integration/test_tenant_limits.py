@@ -10,6 +10,7 @@ import asyncio
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from tests.conftest import Platform
 from tests.helpers import (
@@ -139,10 +140,23 @@ async def test_one_tenants_burst_cannot_take_every_database_connection(
         async with platform.db.transaction() as s:
             await tenant_repo.lock_tenant(s, noisy)
             burst = [asyncio.create_task(n.post("/v1/jobs", json=JOB)) for _ in range(10)]
-            await asyncio.sleep(1.0)
+
+            async def blocked() -> bool:
+                """One of the burst's admissions waits on the row lock in PostgreSQL."""
+                async with platform.db.transaction() as look:
+                    waiting = await look.execute(
+                        text(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
+                            "'Lock' AND datname = current_database()"
+                        )
+                    )
+                    return bool(waiting.scalar_one())
+
+            await until_async(blocked, "an admission of the burst blocked on its row lock")
             quiet = await q.post("/v1/jobs", json=JOB)
             assert quiet.status_code == 202, quiet.text
             assert not any(t.done() for t in burst)
+            assert await blocked()  # one at the lock (the rest at the gate), all still waiting
         answers = await asyncio.gather(*burst)
     assert [a.status_code for a in answers] == [202] * 10
 
