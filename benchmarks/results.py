@@ -90,14 +90,44 @@ def record(
     return path
 
 
+# Benches run in parts (`--parts`): a run of some parts keeps the newest of the others.
+PARTS = {"curves": ("ledger", "dispatch", "streams")}
+
+
 def load(folder: Path = RESULTS) -> list[dict[str, Any]]:
-    """Every kept result, oldest first."""
+    """Every kept result, oldest first; a run of some of a bench's parts (PARTS) carries
+    the others from the newest kept run that measured them, and names each part's commit
+    (`parts_from`)."""
     found = []
     for path in sorted(folder.glob("*/*.json")):
         body = json.loads(path.read_text())
         body["_file"] = str(path)
         found.append(body)
-    return sorted(found, key=lambda b: (b["date"], b["_file"]))
+    return with_parts(sorted(found, key=lambda b: (b["date"], b["_file"])))
+
+
+def with_parts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run of a bench in parts, completed with the newest earlier run of each part it
+    did not measure (records oldest first)."""
+    carried: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+    out = []
+    for body in records:
+        parts = PARTS.get(body["bench"])
+        if parts is None:
+            out.append(body)
+            continue
+        before, origin = carried.get(body["bench"], ({}, {}))
+        result = dict(body["result"])
+        origin = dict(origin)
+        for part in parts:
+            if result.get(part):
+                origin[part] = body.get("commit", "")
+            elif before.get(part):
+                result[part] = before[part]
+        result["parts_from"] = {p: origin[p] for p in parts if p in origin}
+        carried[body["bench"]] = (result, origin)
+        out.append({**body, "result": result})
+    return out
 
 
 def latest(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -223,3 +223,25 @@ def test_kept_results_do_not_make_the_tree_a_changed_one(tmp_path: Path) -> None
     assert results.commit(tmp_path)["dirty"] is False  # an earlier run's kept result
     (tmp_path / "code.py").write_text("x = 2\n")
     assert results.commit(tmp_path)["dirty"] is True
+
+
+def test_a_run_of_some_parts_keeps_the_others_from_the_newest_run_that_measured_them(
+    tmp_path: Path,
+) -> None:
+    flat = {"exponent": 0.01, "verdict": "flat"}
+    linear = {"exponent": 0.97, "verdict": "linear"}
+    full = {
+        "ledger": {"curves": {"admission_p99_ms": flat}, "usage_within_1s_at_largest": True},
+        "dispatch": {"by_tenants": {"curves": {"decision_p99_ms": linear}}},
+        "streams": {"api_bytes_per_stream": 60_000},
+    }
+    keep(tmp_path, "curves", 2, full)
+    keep(tmp_path, "curves", 4, {"dispatch": {"by_tenants": {"curves": {"decision_p99_ms": flat}}}})
+    kept = results.load(tmp_path)
+    newest = results.latest(kept)["curves"]["result"]
+    assert newest["ledger"] == full["ledger"] and newest["streams"] == full["streams"]
+    assert newest["dispatch"]["by_tenants"]["curves"]["decision_p99_ms"] == flat
+    commit = kept[-1]["commit"]
+    assert newest["parts_from"] == {"ledger": commit, "dispatch": commit, "streams": commit}
+    row = [r for r in results.render_headline(kept).splitlines() if "bench curves" in r]
+    assert "2 of 2 flat or logarithmic" in row[0] and "within 1 s" in row[0] and "yes" in row[0]
