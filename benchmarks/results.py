@@ -370,14 +370,17 @@ def _isolation_row(r: dict[str, Any]) -> Shown | None:
 
 
 def _curves_row(r: dict[str, Any]) -> Shown | None:
-    fitted = [
+    every = [
         (f"{part.replace('by_', '')}: {name}", body)
         for part, curves in _curve_sets(r)
         for name, body in curves.items()
         if body.get("exponent") is not None
     ]
-    if not fitted:
+    if not every:
         return None
+    # A cost that grows by nature (a recovery reads every shard once) is shown, not judged.
+    fitted = [(name, body) for name, body in every if not body.get("by_nature")]
+    natural = [f"{name} (k={body['exponent']})" for name, body in every if body.get("by_nature")]
     slow = ("flat", "logarithmic or slower")
     growing = [
         f"{name} (k={body['exponent']})" for name, body in fitted if body["verdict"] not in slow
@@ -386,6 +389,8 @@ def _curves_row(r: dict[str, Any]) -> Shown | None:
     shown = f"{len(fitted) - len(growing)} of {len(fitted)} flat or logarithmic"
     if growing:
         shown += "; growing: " + ", ".join(growing)
+    if natural:
+        shown += "; growing by nature (not judged): " + ", ".join(natural)
     if within is not None:
         shown += f"; usage reports within 1 s at the largest ledger: {'yes' if within else 'no'}"
     return shown, not growing and within is not False

@@ -236,7 +236,9 @@ def test_a_run_of_some_parts_keeps_the_others_from_the_newest_run_that_measured_
         "streams": {"api_bytes_per_stream": 60_000},
     }
     keep(tmp_path, "curves", 2, full)
-    keep(tmp_path, "curves", 4, {"dispatch": {"by_tenants": {"curves": {"decision_p99_ms": flat}}}})
+    recovery = {**linear, "by_nature": "once per recovery"}
+    curves = {"decision_p99_ms": flat, "first_read_ms": recovery}
+    keep(tmp_path, "curves", 4, {"dispatch": {"by_tenants": {"curves": curves}}})
     kept = results.load(tmp_path)
     newest = results.latest(kept)["curves"]["result"]
     assert newest["ledger"] == full["ledger"] and newest["streams"] == full["streams"]
@@ -245,3 +247,5 @@ def test_a_run_of_some_parts_keeps_the_others_from_the_newest_run_that_measured_
     assert newest["parts_from"] == {"ledger": commit, "dispatch": commit, "streams": commit}
     row = [r for r in results.render_headline(kept).splitlines() if "bench curves" in r]
     assert "2 of 2 flat or logarithmic" in row[0] and "within 1 s" in row[0] and "yes" in row[0]
+    # a cost that grows by nature is shown, not judged
+    assert "growing by nature (not judged): tenants: first_read_ms (k=0.97)" in row[0]
