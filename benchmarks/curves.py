@@ -6,13 +6,14 @@ PostgreSQL database, benchmarks.harness.ScratchPlatform); no engine runs, since 
 these costs is the engine's:
 
 - `ledger`: one tenant's ledger grows through `ledger_sizes` usage records (spread over
-  the last 30 days, written by PostgreSQL itself and summed into the day rows as an import
-  is, `rebuild_days`), its jobs table beside it up to `jobs_cap` rows. At each size, the real
+  the last 30 days, written by PostgreSQL itself and summed into the day and hour rows as an
+  import is, `rebuild_days`), its jobs table beside it up to `jobs_cap` rows. At each size, the real
   API process (no dispatcher, so admitted jobs stay queued) is measured for: admission
   latency p50/p99 and its CPU per job (`POST /v1/jobs` from `clients` clients, the tenant
   under a quota: the exact path, under its row lock); `GET /v1/usage` over the whole
-  ledger (by day) and over a span that starts and ends mid-day (by tier and model: the
-  edge days read records); and the admin usage report (by model).
+  ledger (by day) and over a span that starts and ends mid-day (by tier and model), on the
+  hour (the edge days' whole hours from their sums) and, apart, cutting an hour (whose
+  records are read); and the admin usage report (by model).
 - `dispatch`: the real dispatcher (dispatcher.loop.Dispatcher) against batch-tier queues
   filled through the API's own enqueuer (tierq.queue.Enqueuer): at each number of tenants
   with queued work (`tenant_counts`, `tenants_queue` jobs among them) and each queue length
@@ -218,7 +219,7 @@ async def _fill(
     engine = create_async_engine(p.db_url, isolation_level="AUTOCOMMIT")
     try:
         async with engine.connect() as conn:
-            for table in ("usage_records", "usage_days", "jobs"):
+            for table in ("usage_records", "usage_days", "usage_hours", "jobs"):
                 await conn.execute(text(f"VACUUM ANALYZE {table}"))
     finally:
         await engine.dispose()
@@ -279,11 +280,19 @@ async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
             first.raise_for_status()
             template = first.json()["id"]
             until = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-            # A span from mid-day to mid-day: whole days from their sums, the edges' records.
+            # A span from mid-day to mid-day on the hour: whole days from their sums, the
+            # edge days' whole hours from theirs; and one whose bounds cut an hour, whose
+            # edge hours' records are read too.
             span = {
                 "from": int((until - timedelta(days=20, hours=12)).timestamp()),
                 "to": int((until - timedelta(days=5, hours=12)).timestamp()),
                 "group_by": "tier,model",
+            }
+            cut = timedelta(minutes=34, seconds=56)
+            span_cut = {
+                **span,
+                "from": int((until - timedelta(days=20, hours=12) + cut).timestamp()),
+                "to": int((until - timedelta(days=5, hours=12) + cut).timestamp()),
             }
             filled, jobs_filled = 0, 0
             for size in cfg.ledger_sizes:
@@ -305,6 +314,7 @@ async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
 
                 whole = await _timed(cfg.usage_calls, own)
                 part = await _timed(cfg.usage_calls, lambda: own(span))
+                part_cut = await _timed(cfg.usage_calls, lambda: own(span_cut))
                 report = await _timed(
                     cfg.usage_calls,
                     lambda: client.get(
@@ -322,8 +332,11 @@ async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
                     "api_cpu_ms_per_job": admitted["api_cpu_ms_per_job"],
                     "usage_whole_ms": whole["median_ms"],
                     "usage_span_ms": part["median_ms"],
+                    "usage_span_cut_ms": part_cut["median_ms"],
                     "admin_report_ms": report["median_ms"],
-                    "usage_max_ms": max(whole["max_ms"], part["max_ms"], report["max_ms"]),
+                    "usage_max_ms": max(
+                        whole["max_ms"], part["max_ms"], part_cut["max_ms"], report["max_ms"]
+                    ),
                     "usage_records_mb": await _relation_mb(p, "usage_records"),
                     "jobs_mb": await _relation_mb(p, "jobs"),
                 }
@@ -342,6 +355,7 @@ async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
                 "api_cpu_ms_per_job",
                 "usage_whole_ms",
                 "usage_span_ms",
+                "usage_span_cut_ms",
                 "admin_report_ms",
             )
         },
@@ -432,9 +446,12 @@ async def _dispatch_point(
         else:
             first_decision = elapsed
         for a in decided:
-            d._drop(a.job)  # (their entries stay in Redis, read already)
+            d._drop(a.job)  # (their entries stay pending in Redis, unacknowledged)
         await d._read()
     times.sort()
+    # As a new leader: the read-ahead rebuilt from the pending entries, for the read rounds.
+    await d._recover()
+    await d._read()
     rounds: dict[int | None, tuple[list[float], list[int]]] = {}
     for handed in (HANDED_PER_ROUND, None):
         reads, topped_up = rounds.setdefault(handed, ([], []))

@@ -264,8 +264,9 @@ def migrate(
 def rebuild_usage_days(
     tenant: str | None = typer.Option(None, help="One tenant's days only (default: all)."),
 ) -> None:
-    """Recompute the ledger's day sums from its records, after records were loaded around
-    tierq (an import, a repair); job endings wait while it runs. Prints the rows written."""
+    """Recompute the ledger's day and hour sums from its records, after records were loaded
+    around tierq (an import, a repair); job endings wait while it runs. Prints the day rows
+    written."""
     from models import billing
     from models.db import Database
 

@@ -44,7 +44,8 @@ from sqlalchemy.sql.elements import ColumnElement, Label
 
 from models.db import Database
 from models.records import unix
-from models.tables import Invoice, UsageDay, UsageRecord, utcnow
+from models.tables import Invoice, UsageDay, UsageHour, UsageRecord, utcnow
+from models.usage_days import hour_of
 from tierq.ids import new_id
 
 GROUPS = ("day", "tier", "model")
@@ -111,20 +112,36 @@ class Usage:
 @dataclass(frozen=True)
 class _Source:
     """What is summed: the records themselves (`usage_records`, one request each), or
-    their day sums (`usage_days`, models.usage_days), which hold the same columns."""
+    their day or hour sums (`usage_days`, `usage_hours`, models.usage_days), which hold
+    the same columns."""
 
-    table: type[UsageRecord] | type[UsageDay]
+    table: type[UsageRecord] | type[UsageDay] | type[UsageHour]
     requests: ColumnElement[Any]  # a row's requests
 
     def key(self, name: str, dialect: str) -> ColumnElement[Any]:
         if name == "day":
             if self.table is UsageDay:
                 return UsageDay.day.expression
+            if self.table is UsageHour:  # YYYY-MM-DD of YYYY-MM-DDTHH
+                return func.substr(UsageHour.hour, _literal(1), _literal(10))
             if dialect == "sqlite":  # the UTC date (SQLite holds UTC datetimes as text)
                 return func.substr(
                     type_coerce(UsageRecord.created_at, String), _literal(1), _literal(10)
                 )
             return cast(func.timezone(literal_column("'UTC'"), UsageRecord.created_at), Date)
+        if name == "hour":  # the records' UTC hour, as the hour sums hold it
+            if dialect == "sqlite":  # 'YYYY-MM-DD HH:MM:SS...' of a UTC datetime
+                return func.replace(
+                    func.substr(
+                        type_coerce(UsageRecord.created_at, String), _literal(1), _literal(13)
+                    ),
+                    _literal(" "),
+                    _literal("T"),
+                )
+            return func.to_char(
+                func.timezone(literal_column("'UTC'"), UsageRecord.created_at),
+                literal_column("'YYYY-MM-DD\"T\"HH24'"),
+            )
         column = {"tenant": "tenant_id", "tier": "tier", "model": "model"}[name]
         return getattr(self.table, column).expression
 
@@ -132,7 +149,7 @@ class _Source:
         self, tenant_id: str | None, start: datetime | date | None, end: datetime | date | None
     ) -> list[ColumnElement[bool]]:
         """The rows of one tenant (or all) in [start, end): instants for the records, days
-        for the day sums."""
+        for the day sums, hours (whole: instants on the hour) for the hour sums."""
         where: list[ColumnElement[bool]] = []
         if tenant_id is not None:
             where.append(self.table.tenant_id == tenant_id)
@@ -141,6 +158,12 @@ class _Source:
                 where.append(UsageDay.day >= start.isoformat())
             if end is not None:
                 where.append(UsageDay.day < end.isoformat())
+            return where
+        if self.table is UsageHour:
+            if isinstance(start, datetime):
+                where.append(UsageHour.hour >= hour_of(start))
+            if isinstance(end, datetime):
+                where.append(UsageHour.hour < hour_of(end))
             return where
         if start is not None:
             where.append(UsageRecord.created_at >= start)
@@ -151,12 +174,16 @@ class _Source:
 
 _RECORDS = _Source(UsageRecord, literal_column("1"))
 _DAYS = _Source(UsageDay, UsageDay.requests.expression)
+_HOURS = _Source(UsageHour, UsageHour.requests.expression)
 
 
 def _key_value(name: str, value: Any) -> str:
     if name == "day":  # YYYY-MM-DD, four-digit years (as the day sums hold it)
         day = date.fromisoformat(value) if isinstance(value, str) else value
         return str(day.isoformat())
+    if name == "hour":  # YYYY-MM-DDTHH, four-digit years (as the hour sums hold it)
+        day, _, hour = str(value).partition("T")
+        return f"{date.fromisoformat(day).isoformat()}T{int(hour):02d}"
     return str(value)
 
 
@@ -277,12 +304,12 @@ async def _sum_into(
     dialect = s.get_bind().dialect.name
     keys = [source.key(name, dialect).label(f"key_{i}") for i, name in enumerate(by)]
     n = len(by)
-    if dialect == "sqlite" and source is _DAYS:
-        # A day's sum may hold more digits than the chunks take (its string has no
-        # length): the few day rows are added here, in Decimal.
-        table = UsageDay
+    if dialect == "sqlite" and source is not _RECORDS:
+        # A day's (an hour's) sum may hold more digits than the chunks take (its string
+        # has no length): the few rows are added here, in Decimal.
+        table = source.table
         stmt = select(
-            *keys, table.requests, table.prompt_tokens, table.completion_tokens, table.cost
+            *keys, source.requests, table.prompt_tokens, table.completion_tokens, table.cost
         ).where(*where)
         for row in (await s.execute(stmt)).all():
             key = tuple(_key_value(name, v) for name, v in zip(by, row[:n], strict=True))
@@ -322,6 +349,41 @@ def _midnight(day: date) -> datetime:
     return datetime(day.year, day.month, day.day, tzinfo=UTC)
 
 
+def _whole_hours(start: datetime, end: datetime) -> tuple[datetime, datetime] | None:
+    """The UTC hours [first, last) that lie wholly inside [start, end), or None."""
+    start, end = start.astimezone(UTC), end.astimezone(UTC)
+    first = start.replace(minute=0, second=0, microsecond=0)
+    if first != start:
+        try:
+            first += timedelta(hours=1)
+        except OverflowError:  # inside the calendar's last hour: no whole hour follows
+            return None
+    last = end.replace(minute=0, second=0, microsecond=0)
+    return (first, last) if first < last else None
+
+
+async def _part_of_days(
+    out: dict[tuple[str, ...], Totals],
+    s: AsyncSession,
+    by: tuple[str, ...],
+    tenant_id: str | None,
+    start: datetime,
+    end: datetime,
+) -> None:
+    """[start, end), no whole day: its whole hours from their sums, the records of the
+    parts of an hour at either end."""
+    hours = _whole_hours(start, end)
+    if hours is None:
+        await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, start, end))
+        return
+    first, last = hours
+    await _sum_into(out, s, _HOURS, by, _HOURS.within(tenant_id, first, last))
+    if start < first:
+        await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, start, first))
+    if last < end:
+        await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, last, end))
+
+
 async def _sums(
     s: AsyncSession,
     by: tuple[str, ...],
@@ -330,55 +392,66 @@ async def _sums(
     end: datetime | None,
 ) -> dict[tuple[str, ...], Totals]:
     """Totals of the records in [start, end) (of one tenant, or all), per key of `by`:
-    the whole UTC days inside the range from their day sums, the parts of a day at
-    either end from the records. A day's sums are written with its records, in one
-    transaction, so the two always agree; a report costs a few rows per day plus at
-    most two partial days of records, however long the ledger."""
+    the whole UTC days inside the range from their day sums, the whole hours of the parts
+    of a day at either end from their hour sums, and the parts of an hour at either end
+    from the records. The sums are written with their records, in one transaction, so
+    they always agree; a report costs a few rows per day and per edge hour plus at most
+    two partial hours of records, however long the ledger (none where its bounds fall on
+    the hour)."""
     out: dict[tuple[str, ...], Totals] = defaultdict(Totals)
     first, last = _whole_days(start, end)
     if first is not None and last is not None and first >= last:  # inside one or two days
-        await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, start, end))
+        if start is None or end is None:  # inside the calendar's last day: its records
+            await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, start, end))
+        else:
+            await _part_of_days(out, s, by, tenant_id, start, end)
         return dict(out)
     await _sum_into(out, s, _DAYS, by, _DAYS.within(tenant_id, first, last))
     if start is not None and first is not None and start < _midnight(first):
-        await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, start, _midnight(first)))
+        await _part_of_days(out, s, by, tenant_id, start, _midnight(first))
     if end is not None and last is not None and _midnight(last) < end:
-        await _sum_into(out, s, _RECORDS, by, _RECORDS.within(tenant_id, _midnight(last), end))
+        await _part_of_days(out, s, by, tenant_id, _midnight(last), end)
     return dict(out)
 
 
 async def rebuild_days(s: AsyncSession, tenant_id: str | None) -> int:
-    """Recompute the day sums (of one tenant, or all) from the records, after records were
-    loaded around the application (an import, a repair); returns the rows written. On
-    PostgreSQL the table is locked first: job endings wait until it commits, and every
-    record committed before the lock is summed, every one after adds itself."""
+    """Recompute the day and hour sums (of one tenant, or all) from the records, after
+    records were loaded around the application (an import, a repair); returns the day rows
+    written. On PostgreSQL the tables are locked first (days, then hours: a job's ending
+    order): job endings wait until it commits, and every record committed before the lock
+    is summed, every one after adds itself."""
     if s.get_bind().dialect.name == "postgresql":
         # Not waiting long behind an open ending: every ending queues behind the request.
         await s.execute(text("SET LOCAL lock_timeout = '10s'"))
         await s.execute(text("LOCK TABLE usage_days IN EXCLUSIVE MODE"))
-    gone = delete(UsageDay)
-    if tenant_id is not None:
-        gone = gone.where(UsageDay.tenant_id == tenant_id)
-    await s.execute(gone)
-    sums: dict[tuple[str, ...], Totals] = defaultdict(Totals)
-    by = ("tenant", "day", "tier", "model")
-    await _sum_into(sums, s, _RECORDS, by, _RECORDS.within(tenant_id, None, None))
-    rows = [
-        {
-            "tenant_id": tenant,
-            "day": day,
-            "tier": tier,
-            "model": model,
-            "requests": t.requests,
-            "prompt_tokens": t.prompt_tokens,
-            "completion_tokens": t.completion_tokens,
-            "cost": t.cost,
-        }
-        for (tenant, day, tier, model), t in sums.items()
-    ]
-    for at in range(0, len(rows), 1000):
-        await s.execute(insert(UsageDay), rows[at : at + 1000])
-    return len(rows)
+        await s.execute(text("LOCK TABLE usage_hours IN EXCLUSIVE MODE"))
+    written = 0
+    for table, period in ((UsageDay, "day"), (UsageHour, "hour")):
+        gone = delete(table)
+        if tenant_id is not None:
+            gone = gone.where(table.tenant_id == tenant_id)
+        await s.execute(gone)
+        sums: dict[tuple[str, ...], Totals] = defaultdict(Totals)
+        by = ("tenant", period, "tier", "model")
+        await _sum_into(sums, s, _RECORDS, by, _RECORDS.within(tenant_id, None, None))
+        rows = [
+            {
+                "tenant_id": tenant,
+                period: when,
+                "tier": tier,
+                "model": model,
+                "requests": t.requests,
+                "prompt_tokens": t.prompt_tokens,
+                "completion_tokens": t.completion_tokens,
+                "cost": t.cost,
+            }
+            for (tenant, when, tier, model), t in sums.items()
+        ]
+        for at in range(0, len(rows), 1000):
+            await s.execute(insert(table), rows[at : at + 1000])
+        if table is UsageDay:
+            written = len(rows)
+    return written
 
 
 async def usage(

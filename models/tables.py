@@ -208,6 +208,25 @@ class UsageDay(Base):
     cost: Mapped[Decimal] = mapped_column(MoneySum, default=Decimal(0))
 
 
+class UsageHour(Base):
+    """The ledger summed per tenant, UTC hour, tier and model, kept with the day sums (in
+    the records' transaction): a report whose range starts or ends inside a day reads that
+    day's whole hours from here and only the records of the hour its bound cuts."""
+
+    __tablename__ = "usage_hours"
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    hour: Mapped[str] = mapped_column(String(13), primary_key=True)  # YYYY-MM-DDTHH, UTC
+    tier: Mapped[str] = mapped_column(String(20), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cost: Mapped[Decimal] = mapped_column(MoneySum, default=Decimal(0))
+
+
 class SpendCounter(Base):
     """What a tenant's ledger holds for one tier over one period — `day:YYYY-MM-DD`,
     `month:YYYY-MM` or `total` — kept as usage records are written (in their

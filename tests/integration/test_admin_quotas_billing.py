@@ -17,7 +17,7 @@ from sqlalchemy import select
 
 from api.app import build_app
 from models import billing
-from models.tables import UsageDay, UsageRecord
+from models.tables import UsageDay, UsageHour, UsageRecord
 from tests.conftest import Platform
 from tests.helpers import (
     admin,
@@ -274,21 +274,31 @@ async def test_ledger_and_invoice_match_the_engines_tokens_exactly_despite_dupli
         expected += cost
     tokens = sum((j.prompt_tokens or 0) + (j.completion_tokens or 0) for j in jobs.values())
 
-    # The day sums the job endings kept (several at once on one row) are the records'.
-    async def days() -> list[tuple[object, ...]]:
+    # The day and hour sums the job endings kept (several at once on one row) are the
+    # records': a rebuild from the records writes them again as they are.
+    async def sums(table: type[UsageDay] | type[UsageHour]) -> list[tuple[object, ...]]:
         async with platform.db.session() as s:
-            rows = await s.execute(select(UsageDay).where(UsageDay.tenant_id == tenant_id))
+            rows = await s.execute(select(table).where(table.tenant_id == tenant_id))
             return sorted(
-                (d.day, d.tier, d.model, d.requests, d.prompt_tokens, d.completion_tokens, d.cost)
+                (
+                    d.day if isinstance(d, UsageDay) else d.hour,
+                    d.tier,
+                    d.model,
+                    d.requests,
+                    d.prompt_tokens,
+                    d.completion_tokens,
+                    d.cost,
+                )
                 for d in rows.scalars()
             )
 
-    kept = await days()
+    kept, hours = await sums(UsageDay), await sums(UsageHour)
     async with platform.db.transaction() as s:
         assert await billing.rebuild_days(s, tenant_id) == len(kept)
-    assert await days() == kept
-    assert sum(d[3] for d in kept) == 12  # type: ignore[misc]
-    assert sum((d[6] for d in kept), Decimal(0)) == expected  # type: ignore[misc]
+    assert (await sums(UsageDay), await sums(UsageHour)) == (kept, hours)
+    for rows in (kept, hours):
+        assert sum(d[3] for d in rows) == 12  # type: ignore[misc]
+        assert sum((d[6] for d in rows), Decimal(0)) == expected  # type: ignore[misc]
 
     async with admin(platform) as a:
         report = (

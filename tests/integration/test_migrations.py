@@ -74,8 +74,9 @@ def test_round_trip_on_postgresql() -> None:
 
 
 def _backfill(url: str) -> None:
-    """0006 fills the spend counters and 0011 the day sums from the ledger already
-    written: a budget's spend and a usage report read the same after the upgrade."""
+    """0006 fills the spend counters, 0011 the day sums and 0015 the hour sums from the
+    ledger already written: a budget's spend and a usage report read the same after the
+    upgrade."""
     from datetime import UTC, datetime
     from decimal import Decimal
 
@@ -125,7 +126,7 @@ def _backfill(url: str) -> None:
         finally:
             await db.close()
 
-    async def read() -> tuple[list[tuple[int, Decimal]], list[dict[str, object]]]:
+    async def read() -> tuple[list[tuple[int, Decimal]], list[dict[str, object]], int]:
         db = Database(url)
         try:
             async with db.session() as s:
@@ -137,13 +138,16 @@ def _backfill(url: str) -> None:
                 ]
                 # From the day sums alone (no bound cuts a day).
                 report = await billing.usage(s, "ten_1", None, None, ("day", "tier"))
-                return spent, report.data()
+                # From the hour sums alone: 23:00 to 01:00 is two whole hours, no whole day.
+                hours = await billing.usage(s, "ten_1", days[0], days[1], ())
+                return spent, report.data(), hours.total().requests
         finally:
             await db.close()
 
     asyncio.run(write())
     migrations.upgrade(url)
-    (total, october, first_nov, batch), report = asyncio.run(read())
+    (total, october, first_nov, batch), report, hours = asyncio.run(read())
+    assert hours == 2  # jobs 0 and 2, at 23:00 (those at 01:00 are past the end)
     assert total == (46, Decimal("0.000010"))  # 4 x 10 prompt + 0+1+2+3
     assert october == (10 + 0 + 10 + 2, Decimal("0.000004"))  # jobs 0 and 2
     assert first_nov == (10 + 1 + 10 + 3, Decimal("0.000006"))  # jobs 1 and 3

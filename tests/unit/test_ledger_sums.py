@@ -1,9 +1,10 @@
 """models.billing's sums on SQLite, which has no exact decimal type: amounts are split into
 exponent and 9-digit chunks in SQL and put back together in Decimal. Records are written as
-a job's ending writes them (with their day's sums, models.usage_days), and a report over any
-range is its whole days' sums plus the records of the partial days at its ends. Whatever the
-amounts (scales from 0 to 30 places, exponent notation, many digits, negative corrections)
-and the bounds (none, on midnight, inside a day, inside one day), the report's cost is the
+a job's ending writes them (with their day's and hour's sums, models.usage_days), and a
+report over any range is its whole days' sums, the whole hours' sums of the partial days at
+its ends and the records of the partial hours. Whatever the amounts (scales from 0 to 30
+places, exponent notation, many digits, negative corrections) and the bounds (none, on
+midnight, on the hour, inside an hour, inside one day), the report's cost is the
 Decimal that adding the range's records one by one gives — the same digits and the same
 trailing zeros — and the counts and tokens are the records'."""
 
@@ -39,8 +40,14 @@ RECORD = st.tuples(
     st.integers(0, 5000),
     st.integers(0, 5000),
 )
-# A bound, in minutes after DAY0 (None: unbounded): on a record, on midnight, anywhere.
-BOUND = st.one_of(st.none(), st.integers(-60, 49 * 60), st.sampled_from([120, 120 + 24 * 60]))
+# A bound, in minutes after DAY0 (None: unbounded): on a record, on midnight, on the hour,
+# anywhere.
+BOUND = st.one_of(
+    st.none(),
+    st.integers(-60, 49 * 60),
+    st.sampled_from([120, 120 + 24 * 60]),
+    st.integers(-1, 49).map(lambda h: h * 60),
+)
 
 
 def _exact_sum(amounts: list[Decimal]) -> Decimal:
@@ -170,3 +177,49 @@ def test_bounds_at_the_calendars_ends() -> None:
     first_day = datetime(1, 1, 1, 3, tzinfo=UTC)
     assert asyncio.run(report(first_day, None, datetime(1, 1, 1, 5, tzinfo=UTC))) == 1
     assert asyncio.run(report(first_day, datetime(1, 1, 1, 4, tzinfo=UTC), None)) == 0
+    last_hour = datetime(9999, 12, 31, 23, 45, tzinfo=UTC)
+    half_past = datetime(9999, 12, 31, 23, 30, tzinfo=UTC)
+    assert asyncio.run(report(last_hour, half_past, None)) == 1  # no hour follows it
+
+
+def test_a_bound_on_the_hour_reads_that_days_hours_from_their_sums() -> None:
+    """A range from mid-day to mid-day on the hour reads no record: the records of its edge
+    days' whole hours are taken from the hour sums (here, shown by deleting the records
+    behind the sums' back), and a rebuild makes the sums the records again."""
+    from sqlalchemy import delete
+
+    async def run() -> tuple[int, int, int]:
+        engine = create_async_engine("sqlite+aiosqlite://")
+        try:
+            async with engine.begin() as conn:
+                await conn.run_sync(Base.metadata.create_all)
+            sessions = async_sessionmaker(engine, class_=AsyncSession, expire_on_commit=False)
+            async with sessions() as s:
+                for i in range(48):  # one record every half hour over a day
+                    record = UsageRecord(
+                        job_id=f"job_{i}",
+                        tenant_id="ten_a",
+                        tier="batch",
+                        model="m1",
+                        prompt_tokens=1,
+                        completion_tokens=1,
+                        cost=Decimal("0.25"),
+                        created_at=datetime(2026, 12, 1, tzinfo=UTC) + timedelta(minutes=30 * i),
+                    )
+                    s.add(record)
+                    await s.run_sync(lambda sync, r=record: usage_days.add(sync, r))  # type: ignore[misc]
+                await s.commit()
+                start = datetime(2026, 12, 1, 6, tzinfo=UTC)
+                end = datetime(2026, 12, 1, 18, tzinfo=UTC)
+                before = (await billing.usage(s, "ten_a", start, end, ())).total().requests
+                await s.execute(delete(UsageRecord))
+                await s.commit()
+                kept = (await billing.usage(s, "ten_a", start, end, ())).total().requests
+                await billing.rebuild_days(s, "ten_a")
+                await s.commit()
+                rebuilt = (await billing.usage(s, "ten_a", start, end, ())).total().requests
+                return before, kept, rebuilt
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(run()) == (24, 24, 0)
