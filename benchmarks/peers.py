@@ -28,6 +28,11 @@ Calibration, once, on a `vllm serve` (FCFS) of its own before the runs: the idle
 (output tokens per second of `max_num_seqs` batch-shaped requests at once). The SLO is
 `--ttft-slo` ms, else twice the idle TTFT.
 
+With `repeats` above 1 every load runs in rounds, each server once a round, in the given
+order and then reversed (ABBA); a server's figures are then their medians over the rounds
+(counts of what was lost are added up), and the comparison with vLLM's priority scheduling
+is the median of each round's own comparison (two runs side by side), every round kept.
+
 Each run lasts `duration_s` of arrivals (the window); interactive and standard requests
 then have `drain_s` to finish; batch requests still running are abandoned (counted as
 unfinished, not lost). Throughputs count the output tokens of requests that completed within
@@ -145,6 +150,9 @@ class PeersConfig:
     capacity_tokens_per_s: float | None = None  # None: measured by the calibration
     drain_s: float = 120.0  # after the window: how long interactive and standard work may take
     servers: tuple[str, ...] = SERVERS
+    # Rounds per load: each runs every server, in `servers`' order, then reversed, and so on
+    # (ABBA: a drift of the machine over the rounds weighs on each server alike).
+    repeats: int = 1
     # Targets against vLLM's priority scheduling in the same run.
     ttft_p95_target: float = 0.8  # at most this x vllm-priority's interactive TTFT p95
     slo_points_target: float = 20.0  # at least this many points above its SLO attainment
@@ -546,21 +554,50 @@ def compare(tierq: dict[str, Any], peer: dict[str, Any], cfg: PeersConfig) -> di
     points = round((a - b) * 100, 1) if a is not None and b is not None else None
     total = ratio(tierq["total_tokens_per_s"], peer["total_tokens_per_s"])
     batch = ratio(tierq["batch"]["tokens_per_s"], peer["batch"]["tokens_per_s"])
+    return _verdicts(
+        {
+            "ttft_p95_ratio": ttft,
+            "slo_points": points,
+            "throughput_ratio": total,
+            "batch_tokens_ratio": batch,
+            "tierq_lost": tierq["lost"],
+        },
+        cfg,
+    )
+
+
+def _verdicts(vs: dict[str, Any], cfg: PeersConfig) -> dict[str, Any]:
+    ttft, points = vs["ttft_p95_ratio"], vs["slo_points"]
+    total, batch = vs["throughput_ratio"], vs["batch_tokens_ratio"]
     targets = {
         "ttft_p95": ttft is not None and ttft <= cfg.ttft_p95_target,
         "slo_points": points is not None and points >= cfg.slo_points_target,
         "throughput": total is not None and total >= cfg.throughput_target,
         "batch_tokens": batch is not None and batch >= cfg.batch_target,
-        "nothing_lost": tierq["lost"] == 0,
+        "nothing_lost": vs["tierq_lost"] == 0,
     }
-    return {
-        "ttft_p95_ratio": ttft,
-        "slo_points": points,
-        "throughput_ratio": total,
-        "batch_tokens_ratio": batch,
-        "targets": targets,
-        "targets_met": all(targets.values()),
-    }
+    return {**vs, "targets": targets, "targets_met": all(targets.values())}
+
+
+# Counts a server's rounds add up (what was lost in any round is lost); other figures of
+# several rounds are their median.
+SUMMED = frozenset({"lost", "failed", "urgent_unfinished", "tierq_lost"})
+
+
+def over_rounds(rounds: list[Any], key: str = "") -> Any:
+    """Several rounds' figures as one: the median of each number (None where any round has
+    none: a percentile that fell on an unfinished request), the sum of each count in
+    SUMMED, the first round's value of anything else; dicts key by key."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        return {k: over_rounds([r.get(k) for r in rounds], k) for k in first}
+    numbers = [r for r in rounds if isinstance(r, int | float) and not isinstance(r, bool)]
+    if not numbers or len(numbers) < len(rounds):
+        return None if any(r is None for r in rounds) and numbers else first
+    if key in SUMMED:
+        return sum(numbers)
+    median = statistics.median(numbers)
+    return round(median, 4) if isinstance(median, float) else median
 
 
 # --- the processes ----------------------------------------------------------------------
@@ -653,13 +690,34 @@ async def run_peers(settings: Settings, cfg: PeersConfig) -> dict[str, Any]:
             requests = trace(cfg, overload, cal.capacity_tokens_per_s)
             kinds = {k: sum(1 for r in requests if r.kind == k) for k in VLLM_PRIORITY}
             _log(f"overload {overload:g}: {json.dumps(kinds)}")
+            rounds: list[dict[str, Any]] = []
+            for n in range(cfg.repeats):
+                order = cfg.servers if n % 2 == 0 else tuple(reversed(cfg.servers))
+                runs = {
+                    which: await run_one(which, cfg, requests, cal.ttft_slo_ms, settings, workdir)
+                    for which in order
+                }
+                one: dict[str, Any] = {"order": list(order), "servers": runs}
+                if "tierq" in runs and BASELINE in runs:
+                    one["vs_vllm_priority"] = compare(runs["tierq"], runs[BASELINE], cfg)
+                rounds.append(one)
             servers = {
-                which: await run_one(which, cfg, requests, cal.ttft_slo_ms, settings, workdir)
-                for which in cfg.servers
+                which: over_rounds([r["servers"][which] for r in rounds]) for which in cfg.servers
             }
             load: dict[str, Any] = {"requests": kinds, "servers": servers}
             if "tierq" in servers and BASELINE in servers:
-                load["vs_vllm_priority"] = compare(servers["tierq"], servers[BASELINE], cfg)
+                # Each round's comparison is of two runs side by side; the verdicts read
+                # their medians.
+                each = [r["vs_vllm_priority"] for r in rounds]
+                merged = over_rounds(
+                    [
+                        {k: v for k, v in c.items() if k not in ("targets", "targets_met")}
+                        for c in each
+                    ]
+                )
+                load["vs_vllm_priority"] = _verdicts(merged, cfg)
+            if cfg.repeats > 1:
+                load["rounds"] = rounds
             loads[f"{overload:g}"] = load
     verdicts = [
         load["vs_vllm_priority"]["targets_met"]

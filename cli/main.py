@@ -424,6 +424,9 @@ def bench_peers(
         "vllm-fcfs,vllm-priority,tierq", help="The servers, in the order they run."
     ),
     seed: int = typer.Option(0, help="Seeds the trace: the same requests at the same times."),
+    repeats: int = typer.Option(
+        1, min=1, help="Rounds per load, the servers' order reversed every other round."
+    ),
 ) -> None:
     """tierq against `vllm serve` (FCFS) and `vllm serve --scheduling-policy priority` on
     one trace: interactive chats arriving while a batch backlog fills the engine; prints
@@ -444,6 +447,7 @@ def bench_peers(
         capacity_tokens_per_s=capacity,
         servers=chosen,
         seed=seed,
+        repeats=repeats,
     )
 
     _interrupt_on_sigterm()

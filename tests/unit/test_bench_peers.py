@@ -126,6 +126,34 @@ def test_the_verdicts_against_vllm_priority() -> None:
         assert sum(not v for v in verdict["targets"].values()) == 1
 
 
+def test_rounds_are_their_medians_and_what_any_round_lost_counts() -> None:
+    peer = _run(2000.0, 0.5, 100.0, 80.0)
+    rounds = [
+        peers.compare(_run(1500.0, 0.75, 96.0, 73.0), peer, CFG),
+        peers.compare(_run(1900.0, 0.6, 90.0, 70.0), peer, CFG),  # a bad round
+        peers.compare(_run(1400.0, 0.8, 97.0, 76.0, lost=1), peer, CFG),
+    ]
+    merged = peers.over_rounds([{k: v for k, v in r.items() if k != "targets"} for r in rounds])
+    assert merged["ttft_p95_ratio"] == 0.75 and merged["slo_points"] == 25.0  # medians
+    assert merged["throughput_ratio"] == 0.96 and merged["tierq_lost"] == 1  # summed
+    verdict = peers._verdicts({k: v for k, v in merged.items() if k != "targets_met"}, CFG)
+    assert verdict["targets"] == {
+        "ttft_p95": True,
+        "slo_points": True,
+        "throughput": True,
+        "batch_tokens": True,
+        "nothing_lost": False,
+    }
+    # a server's figures: numbers by median, a percentile missing in a round stays missing
+    a, b = _run(1500.0, 0.75, 96.0, 73.0), _run(1700.0, 0.7, 90.0, 71.0)
+    c = _run(1600.0, 0.8, 99.0, 70.0)
+    c["interactive"]["ttft_p95_ms"] = None
+    figures = peers.over_rounds([a, b, c])
+    assert figures["interactive"]["slo_attainment"] == 0.75
+    assert figures["interactive"]["ttft_p95_ms"] is None
+    assert figures["total_tokens_per_s"] == 96.0
+
+
 def test_each_server_gets_the_tier_its_way() -> None:
     client = httpx.AsyncClient()
     req = Request("batch", 0.0, "hello", 64)
