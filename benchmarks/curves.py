@@ -398,13 +398,13 @@ async def _hand_out(d: Dispatcher, r: aioredis.Redis, jobs: int | None) -> None:
             took = 0
             for shards in d.buffers.values():
                 for entries in list(shards.values()):
-                    for entry_id in list(entries)[: 1 if jobs else take]:
+                    for key in list(entries)[: 1 if jobs else take]:
                         if left is not None and left <= 0:
                             break
-                        gone = entries[entry_id]
+                        gone = entries[key]
                         d._drop(gone.job)
-                        pipe.xack(gone.stream, DISPATCH_GROUP, entry_id)
-                        pipe.xdel(gone.stream, entry_id)
+                        pipe.xack(gone.stream, DISPATCH_GROUP, gone.job.entry_id)
+                        pipe.xdel(gone.stream, gone.job.entry_id)
                         took += 1
                         left = None if left is None else left - 1
             if left is None or not took:

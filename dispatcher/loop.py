@@ -128,13 +128,16 @@ class Dispatcher:
         self.consumer = consumer
         self.names = RedisNames(settings.redis_prefix)
         self.policy = policy or policy_from_settings(settings)
-        # tier -> tenant -> entry id -> buffered job (dicts keep read order: oldest first)
-        self.buffers: dict[Tier, dict[str, dict[str, Buffered]]] = {t: {} for t in TIER_ORDER}
+        # tier -> tenant -> (stream, entry id) -> buffered job (dicts keep read order)
+        self.buffers: dict[Tier, dict[str, dict[tuple[str, str], Buffered]]] = {
+            t: {} for t in TIER_ORDER
+        }
         # The same jobs as the policy takes them: tier -> tenant -> jobs in dispatch order
         # (preempted ones first, then by age), and per tier the tenants whose jobs changed
         # since the policy's last round (None: look at every tenant).
         self.ordered: dict[Tier, dict[str, list[QueuedJob]]] = {t: {} for t in TIER_ORDER}
         self._changed: dict[Tier, set[str]] | None = None
+        self._capped: dict[Tier, set[str]] = {}  # the capped tenants of the last round
         self.running: dict[str, RunningJob] = {}
         self.preempting: set[str] = set()
         self._streams: set[str] = set()  # streams whose consumer group exists
@@ -305,26 +308,32 @@ class Dispatcher:
                 if not fields:
                     await self.r.xack(stream, DISPATCH_GROUP, entry_id)
                     continue
-                msg = JobMessage.decode(fields)
-                job = QueuedJob(
-                    entry_id,
-                    msg.job_id,
-                    msg.tier,
-                    msg.tenant_id,
-                    msg.enqueued_at,
-                    msg.cost,
-                    msg.preemptions,
-                    msg.prefix,
-                )
-                shard = self.buffers[msg.tier].setdefault(msg.tenant_id, {})
-                if entry_id not in shard:
-                    shard[entry_id] = Buffered(job, msg, stream)
-                    self._buffered[stream] = self._buffered.get(stream, 0) + 1
-                    self._queued_jobs[msg.tier] += 1
-                    self._queued_cost[msg.tier] += job.cost
-                    queue = self.ordered[msg.tier].setdefault(msg.tenant_id, [])
-                    bisect.insort(queue, job, key=_dispatch_key)  # after equals: read order
-                    self._changed_tenant(msg.tier, msg.tenant_id)
+                self._buffer(stream, entry_id, JobMessage.decode(fields))
+
+    def _buffer(self, stream: str, entry_id: str, msg: JobMessage) -> None:
+        """An entry read into the read-ahead (once: a page read again adds nothing). Kept
+        by stream and id: two streams may give one id in the same millisecond."""
+        job = QueuedJob(
+            entry_id,
+            msg.job_id,
+            msg.tier,
+            msg.tenant_id,
+            msg.enqueued_at,
+            msg.cost,
+            msg.preemptions,
+            msg.prefix,
+            stream,
+        )
+        shard = self.buffers[msg.tier].setdefault(msg.tenant_id, {})
+        if (stream, entry_id) in shard:
+            return
+        shard[(stream, entry_id)] = Buffered(job, msg, stream)
+        self._buffered[stream] = self._buffered.get(stream, 0) + 1
+        self._queued_jobs[msg.tier] += 1
+        self._queued_cost[msg.tier] += job.cost
+        queue = self.ordered[msg.tier].setdefault(msg.tenant_id, [])
+        bisect.insort(queue, job, key=_dispatch_key)  # after equals: read order
+        self._changed_tenant(msg.tier, msg.tenant_id)
 
     def _changed_tenant(self, tier: Tier, tenant: str) -> None:
         if self._changed is not None:
@@ -332,7 +341,7 @@ class Dispatcher:
 
     def _drop(self, job: QueuedJob) -> None:
         """A job out of the read-ahead (handed off)."""
-        gone = self.buffers[job.tier][job.tenant_id].pop(job.entry_id)
+        gone = self.buffers[job.tier][job.tenant_id].pop((job.stream, job.entry_id))
         self._buffered[gone.stream] -= 1
         if not self._buffered[gone.stream]:
             del self._buffered[gone.stream]
@@ -352,8 +361,11 @@ class Dispatcher:
         views, capped = offered(self.ordered, self.running.values(), self.max_running)
         changed = self._changed
         if changed is not None:
+            # A capped tenant's offer moves with what runs; one capped last round and not
+            # now (its cap lifted or moved) is offered its whole queue again.
             for tier, tenants in capped.items():
-                changed[tier] |= tenants
+                changed[tier] |= tenants | self._capped.get(tier, set())
+        self._capped = capped
         self._changed = {t: set() for t in TIER_ORDER}
         return views, changed
 
@@ -631,7 +643,8 @@ class Dispatcher:
             if len(self.decision_seconds) < 100_000:
                 self.decision_seconds.append(elapsed)
             handed = [
-                (d, self.buffers[d.job.tier][d.job.tenant_id][d.job.entry_id]) for d in decisions
+                (d, self.buffers[d.job.tier][d.job.tenant_id][(d.job.stream, d.job.entry_id)])
+                for d in decisions
             ]
             # One script, fenced by the lease: all of them or, another leading, none; a
             # job whose worker left (or began draining) since `alive` was read stays.

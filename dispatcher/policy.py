@@ -58,6 +58,7 @@ class QueuedJob:
     cost: int = 1  # estimated tokens: prompt + max_tokens, corrected when the job finishes
     preemptions: int = 0
     prefix: str | None = None  # digest of its prompt's start: jobs sharing it share a cache
+    stream: str = ""  # the stream it was read from (ids are unique within a stream only)
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,10 @@ class _Source:
                 )
             return cast(func.timezone(literal_column("'UTC'"), UsageRecord.created_at), Date)
         if name == "hour":  # the records' UTC hour, as the hour sums hold it
+            if self.table is UsageHour:
+                return UsageHour.hour.expression
+            if self.table is not UsageRecord:
+                raise ValueError("the day sums hold no hour")
             if dialect == "sqlite":  # 'YYYY-MM-DD HH:MM:SS...' of a UTC datetime
                 return func.replace(
                     func.substr(

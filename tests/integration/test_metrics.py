@@ -168,9 +168,14 @@ async def test_every_metric_the_dashboards_query_is_exported(
             await until("every dashboard metric", everything_seen)
         except AssertionError:
             raise AssertionError(f"not exported: {sorted(wanted - exported)}") from None
-        # Each component serves its own: the dispatcher's gauges come from its process.
-        own = names(await scrape(dispatcher_url))
-        assert {"tierq_queue_depth", "tierq_worker_slots", "tierq_tier_served_token_share"} <= own
+        # Each component serves its own: the dispatcher's gauges come from its process
+        # (published once a second, a worker's slots while its heartbeat is fresh).
+        gauges = {"tierq_queue_depth", "tierq_worker_slots", "tierq_tier_served_token_share"}
+
+        async def from_the_dispatcher() -> bool:
+            return gauges <= names(await scrape(dispatcher_url))
+
+        await until("the dispatcher's own gauges", from_the_dispatcher)
         from_celery = await celery_samples(celery)
         assert from_celery is not None and "tierq_batch_lines" in names(from_celery)
         # Celery's endpoint is unauthenticated: no tenant there.

@@ -699,7 +699,9 @@ def test_an_interactive_request_that_waited_long_is_prefilled_alone_in_vllms_sch
     assert e.step().num_scheduled_tokens == {"chat": 40}
     names = {b.request_id for b in batch}
     assert set(e.step().num_scheduled_tokens) == names | {"chat"}
-    e.add("late-chat", 0, max_tokens=4, arrival_time=time.time())
+    # Arrived after the step that just ended began, and past its middle whatever this
+    # machine's load makes of the time between a step and the next (it waited not long).
+    e.add("late-chat", 0, max_tokens=4, arrival_time=time.time() + 1.0)
     assert set(e.step().num_scheduled_tokens) == names | {"chat", "late-chat"}
     for _ in range(40):
         e.step()
