@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tierq-installed
 
-.PHONY: run test install lint docs reference browser prometheus fleet-tools test-fleet test-vllm-cuda \
+.PHONY: run test test-unit test-integration test-e2e install lint docs reference browser prometheus \
+	fleet-tools test-fleet test-vllm-cuda \
 	gpu-constraints gpu-check bench-overhead clean
 
 # Install (or refresh, when pyproject.toml changed) the project with the CPU engine and
@@ -96,9 +97,25 @@ gpu-constraints: $(STAMP)
 gpu-check:
 	PYTHON=$(BIN)/python deploy/gpu/check.sh
 
-test: lint docs browser prometheus fleet-tools test-vllm-cuda
+# The tiers of the suite, each of which runs alone:
+# - test-unit: tests/unit, pure: no service, no model, no network. It runs cut off from them
+#   (tests/offline.sh: a network namespace of its own, HOME an empty folder), so a unit test
+#   that reaches for PostgreSQL, Redis, the bundled model or the network fails.
+# - test-integration: tests/integration and tests/fleet, against the real PostgreSQL and Redis
+#   (and Chromium, promtool, the fleet's tools, the bundled model's tokenizer).
+# - test-e2e: tests/e2e, real processes with the real vLLM engine and the bundled model.
+test-unit: $(STAMP)
+	tests/offline.sh $(abspath $(BIN))/pytest -p no:cacheprovider tests/unit
+
+test-integration: $(STAMP) browser prometheus fleet-tools
 	$(BIN)/tierq prepare-model
-	$(BIN)/pytest
+	$(BIN)/pytest tests/integration tests/fleet
+
+test-e2e: $(STAMP)
+	$(BIN)/tierq prepare-model
+	$(BIN)/pytest tests/e2e
+
+test: lint docs fleet-tools test-vllm-cuda test-unit test-integration test-e2e
 
 bench-overhead: $(STAMP)
 	$(BIN)/tierq bench overhead

@@ -6,15 +6,20 @@ refuse what cannot fit never over-count it."""
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.requests import JobCreate, Refused, check
+from tierq import token_count
 from tierq.settings import Settings
 from tierq.token_count import PromptCounter
 from workers.engine.bundled_model import prepare_bundled_model
+
+pytestmark = pytest.mark.integration
 
 ROLES = st.sampled_from(["user", "assistant", "system"])
 # Any text PostgreSQL stores (no NUL, no lone surrogate): CJK, emoji, combining marks,
@@ -127,3 +132,17 @@ def test_a_reservation_adds_every_token_the_job_may_generate() -> None:
     counter = _counter()
     messages = [{"role": "user", "content": "hi"}]
     assert counter.reserve(messages, None, 100) == counter.bound(messages, None) + 100
+
+
+def test_logit_bias_past_the_vocabulary_is_refused_before_queueing(tmp_path: Path) -> None:
+    """With the model's tokenizer at hand (the bundled model's here), a token id past its
+    vocabulary is a 400 at admission, not a job the engine fails."""
+    settings = Settings(state_dir=tmp_path)
+    vocabulary = token_count.for_settings(settings).vocabulary_size()
+    assert vocabulary is not None and vocabulary > 1000
+    ok = JobCreate.model_validate({"prompt": "a", "logit_bias": {str(vocabulary - 1): 5}})
+    assert check(ok, settings) == settings.served_model_name
+    past = JobCreate.model_validate({"prompt": "a", "logit_bias": {str(vocabulary): 5}})
+    with pytest.raises(Refused, match="past this model's vocabulary") as refused:
+        check(past, settings)
+    assert refused.value.status == 400 and refused.value.param == "logit_bias"

@@ -30,6 +30,8 @@ from tierq.states import JobStatus
 from tierq.tiers import Tier
 from workers.claims import Claims
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 async def database(

@@ -1,6 +1,6 @@
 """Admission of batch lines (services/admission.py): the one parse of a line, what it
 reserves, and what a whole file reserves — with the bundled model's tokenizer, as the
-batch runner counts. The online half is tests/integration/test_admission.py (PostgreSQL)."""
+batch runner counts. The online half is test_admission.py (PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from models.quotas import reservation_cost
 from services import admission
 from services.batch_input import RawLine
@@ -17,6 +19,8 @@ from tierq import token_count
 from tierq.file_store import LocalStore
 from tierq.settings import Settings
 from workers.engine.bundled_model import prepare_bundled_model
+
+pytestmark = pytest.mark.integration
 
 CHAT = "/v1/chat/completions"
 PRICE_IN, PRICE_OUT = Decimal("0.50"), Decimal("2.00")
