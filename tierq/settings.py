@@ -876,9 +876,9 @@ class Settings(BaseSettings):
     redis_pool_timeout_s: float = Field(
         default=10.0,
         description=(
-            "connections each process's Redis client may hold (named `<prefix>:<role>` in `CLIENT "
-            "LIST`); a burst waits for one instead of failing. Every SSE stream and online request"
-            " of an API process shares its one pub/sub connection"
+            "how long a caller waits for a free connection of its process's Redis client when "
+            "all REDIS_MAX_CONNECTIONS are in use; past it the call fails and is retried as an "
+            "outage is"
         ),
     )
 
