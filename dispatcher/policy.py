@@ -386,12 +386,17 @@ class _TierPicker:
         self._lift(backlogged - known, floor)
         index.backlogged = backlogged
         self._bound_counters(floor)
-        index.fair = [(self.counters.get(t, 0.0), t) for t in backlogged]
+        self._build_heaps()
+        index.stale = False
+
+    def _build_heaps(self) -> None:
+        """Both heaps anew, one live entry per backlogged tenant (no stale ones)."""
+        index = self.index
+        index.fair = [(self.counters.get(t, 0.0), t) for t in index.backlogged]
         heapq.heapify(index.fair)
         # Heads by (not preempted, age): a preempted job goes back to the head of its tier.
-        index.by_age = [(_age_key(self.queues[t][0]), t) for t in backlogged]
+        index.by_age = [(_age_key(self.queues[t][0]), t) for t in index.backlogged]
         heapq.heapify(index.by_age)
-        index.stale = False
 
     def _update(self, changed: Collection[str]) -> None:
         index = self.index
@@ -412,10 +417,7 @@ class _TierPicker:
             self._push(tenant)
         self._bound_counters(floor)
         if len(index.fair) + len(index.by_age) > 4 * len(index.backlogged) + 64:
-            index.fair = [(self.counters.get(t, 0.0), t) for t in index.backlogged]
-            heapq.heapify(index.fair)
-            index.by_age = [(_age_key(self.queues[t][0]), t) for t in index.backlogged]
-            heapq.heapify(index.by_age)
+            self._build_heaps()  # mostly stale entries: compacted
 
     def _push(self, tenant: str) -> None:
         head = self._head(tenant)
