@@ -11,7 +11,9 @@ trailing zeros — and the counts and tokens are the records'."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from decimal import Context, Decimal, localcontext
 
@@ -80,13 +82,10 @@ async def _report(
     return await _written_then_reported(rows, group_by, start, end)
 
 
-async def _written_then_reported(
-    rows: list[UsageRecord],
-    group_by: tuple[str, ...],
-    start: datetime | None,
-    end: datetime | None,
-) -> billing.Usage:
-    """`ten_a`'s report after the records are written as a job's ending writes them."""
+@contextlib.asynccontextmanager
+async def _ledger(rows: list[UsageRecord]) -> AsyncIterator[AsyncSession]:
+    """A session of a new SQLite ledger, the records written as a job's ending writes them
+    (with their day's and hour's sums) and committed."""
     engine = create_async_engine("sqlite+aiosqlite://")
     try:
         async with engine.begin() as conn:
@@ -97,9 +96,20 @@ async def _written_then_reported(
                 s.add(record)
                 await s.run_sync(lambda sync, r=record: usage_days.add(sync, r))  # type: ignore[misc]
             await s.commit()
-            return await billing.usage(s, "ten_a", start, end, group_by)
+            yield s
     finally:
         await engine.dispose()
+
+
+async def _written_then_reported(
+    rows: list[UsageRecord],
+    group_by: tuple[str, ...],
+    start: datetime | None,
+    end: datetime | None,
+) -> billing.Usage:
+    """`ten_a`'s report after the records are written as a job's ending writes them."""
+    async with _ledger(rows) as s:
+        return await billing.usage(s, "ten_a", start, end, group_by)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -189,37 +199,29 @@ def test_a_bound_on_the_hour_reads_that_days_hours_from_their_sums() -> None:
     from sqlalchemy import delete
 
     async def run() -> tuple[int, int, int]:
-        engine = create_async_engine("sqlite+aiosqlite://")
-        try:
-            async with engine.begin() as conn:
-                await conn.run_sync(Base.metadata.create_all)
-            sessions = async_sessionmaker(engine, class_=AsyncSession, expire_on_commit=False)
-            async with sessions() as s:
-                for i in range(48):  # one record every half hour over a day
-                    record = UsageRecord(
-                        job_id=f"job_{i}",
-                        tenant_id="ten_a",
-                        tier="batch",
-                        model="m1",
-                        prompt_tokens=1,
-                        completion_tokens=1,
-                        cost=Decimal("0.25"),
-                        created_at=datetime(2026, 12, 1, tzinfo=UTC) + timedelta(minutes=30 * i),
-                    )
-                    s.add(record)
-                    await s.run_sync(lambda sync, r=record: usage_days.add(sync, r))  # type: ignore[misc]
-                await s.commit()
-                start = datetime(2026, 12, 1, 6, tzinfo=UTC)
-                end = datetime(2026, 12, 1, 18, tzinfo=UTC)
-                before = (await billing.usage(s, "ten_a", start, end, ())).total().requests
-                await s.execute(delete(UsageRecord))
-                await s.commit()
-                kept = (await billing.usage(s, "ten_a", start, end, ())).total().requests
-                await billing.rebuild_days(s, "ten_a")
-                await s.commit()
-                rebuilt = (await billing.usage(s, "ten_a", start, end, ())).total().requests
-                return before, kept, rebuilt
-        finally:
-            await engine.dispose()
+        rows = [  # one record every half hour over a day
+            UsageRecord(
+                job_id=f"job_{i}",
+                tenant_id="ten_a",
+                tier="batch",
+                model="m1",
+                prompt_tokens=1,
+                completion_tokens=1,
+                cost=Decimal("0.25"),
+                created_at=datetime(2026, 12, 1, tzinfo=UTC) + timedelta(minutes=30 * i),
+            )
+            for i in range(48)
+        ]
+        async with _ledger(rows) as s:
+            start = datetime(2026, 12, 1, 6, tzinfo=UTC)
+            end = datetime(2026, 12, 1, 18, tzinfo=UTC)
+            before = (await billing.usage(s, "ten_a", start, end, ())).total().requests
+            await s.execute(delete(UsageRecord))
+            await s.commit()
+            kept = (await billing.usage(s, "ten_a", start, end, ())).total().requests
+            await billing.rebuild_days(s, "ten_a")
+            await s.commit()
+            rebuilt = (await billing.usage(s, "ten_a", start, end, ())).total().requests
+            return before, kept, rebuilt
 
     assert asyncio.run(run()) == (24, 24, 0)
