@@ -38,10 +38,11 @@ from redis.asyncio.client import PubSub
 from models import jobs as job_repo
 from models import tenants as tenant_repo
 from models.db import Database
-from tierq import clock, fleet
+from tierq import clock, fleet, scripts
 from tierq.aio import cancel_and_wait, raise_if_cancelled
 from tierq.redis_conn import is_unavailable, with_retries
 from tierq.redis_names import RedisNames
+from tierq.retry import Backoff
 from tierq.settings import Settings
 from tierq.states import TERMINAL
 
@@ -128,30 +129,6 @@ class Follower:
         return item
 
 
-# Take a stream slot: drop expired leases, refuse at the cap, else add this one.
-_ACQUIRE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
-redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])) + 1)
-return 1
-"""
-
-# Renew this process's slots of one tenant: only those still there (XX), so a slot let go
-# meanwhile stays gone — unless the whole set is gone (a flush of Redis): then re-add all.
-_RENEW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local mode = 'XX'
-if redis.call('EXISTS', KEYS[1]) == 0 then mode = 'NX' end
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], mode, now + tonumber(ARGV[1]), ARGV[i]) end
-redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1])) + 1)
-return #ARGV - 1
-"""
-
-
 @dataclass(eq=False)
 class Slot:
     hub: EventHub
@@ -190,8 +167,8 @@ class EventHub:
         self.access_listeners: list[Callable[[str], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._cleanups: set[asyncio.Task[None]] = set()
-        self._acquire = r.register_script(_ACQUIRE)
-        self._renew = r.register_script(_RENEW)
+        self._acquire = r.register_script(scripts.source("stream_slot_acquire"))
+        self._renew = r.register_script(scripts.source("stream_slots_renew"))
 
     # --- life ----------------------------------------------------------------------------
 
@@ -316,7 +293,7 @@ class EventHub:
                 await pubsub.aclose()
 
     async def _read(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, 2.0)
         while True:
             try:
                 if self._pubsub is None:
@@ -326,7 +303,7 @@ class EventHub:
                             follower.push(RESYNC)
                 assert self._pubsub is not None
                 msg = await self._pubsub.get_message(timeout=1.0)
-                delay = 0.1
+                backoff.reset()
             except Exception as exc:
                 raise_if_cancelled(exc)
                 if not is_unavailable(exc):
@@ -334,8 +311,7 @@ class EventHub:
                 else:
                     log.warning("event hub: Redis unreachable (%s); reconnecting", exc)
                 await self._drop_pubsub()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await backoff.wait()
                 continue
             if msg is not None:
                 self._deliver(msg)

@@ -237,11 +237,13 @@ def migrate(
     import migrations
     from models.db import is_unavailable
     from tierq.file_store import StoreUnavailable, file_store
+    from tierq.retry import Backoff
 
     settings = get_settings()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     url = settings.resolved_database_url
     deadline = time.monotonic() + wait
+    backoff = Backoff(0.5, 2.0)
     while True:
         try:
             pooling = settings.database_transaction_pooling
@@ -257,7 +259,7 @@ def migrate(
             if time.monotonic() >= deadline:
                 raise
             typer.echo(f"waiting for the database and the object store: {exc}", err=True)
-            time.sleep(2)
+            time.sleep(min(backoff.next_s(), max(0.0, deadline - time.monotonic())))
 
 
 @app.command("rebuild-usage-days")

@@ -23,126 +23,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tierq import metrics
+from tierq import metrics, scripts
 from tierq.redis_names import RedisNames
 
 
 class LeaseLost(Exception):
     """This dispatcher no longer holds the lease: another leads, or none yet."""
 
-
-# The epoch when taken; else -(1 + the milliseconds the holder's lease has left), or -1
-# for a lease without an expiry (set by hand: nothing tells when it ends).
-_ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  local left = redis.call('PTTL', KEYS[1])
-  if left >= 0 then return -(left + 1) end
-  return -1
-end
-local epoch = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], epoch .. ':' .. ARGV[1], 'PX', ARGV[2])
-return epoch
-"""
-_RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 1
-"""
-# KEYS: lease, then the streams. ARGV: value, group, consumer, count, then an id a stream.
-_READ = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-local n = #KEYS - 1
-local args = {'XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4], 'STREAMS'}
-for i = 2, #KEYS do args[#args + 1] = KEYS[i] end
-for i = 1, n do args[#args + 1] = ARGV[4 + i] end
-local got = redis.call(unpack(args))
-if not got then return {} end
-return got
-"""
-# KEYS: lease, workers hash. ARGV: value, group, then for each job: worker id, inbox,
-# stream, entry id, n, and n field/value strings. Each job whose worker is still there and
-# taking work (its heartbeat present, not draining, its engine alive): XADD to the inbox,
-# XACK and XDEL its source entry. Any other is left pending on its stream, so that a
-# retiring worker's deleted inbox is never made again (a stream nobody reads) from an old
-# snapshot of the heartbeats. Returns 1 or 0 a job: handed off or left.
-_HAND_OFF = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-local group = ARGV[2]
-local i = 3
-local moved = {}
-local taking = {}
-while i <= #ARGV do
-  local worker, inbox, stream, id = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local n = tonumber(ARGV[i + 4])
-  if taking[worker] == nil then
-    local hb = redis.call('HGET', KEYS[2], worker)
-    local ok = false
-    if hb then
-      local decoded = cjson.decode(hb)
-      ok = decoded['draining'] ~= true and decoded['engine_ok'] ~= false
-    end
-    taking[worker] = ok
-  end
-  if taking[worker] then
-    local fields = {'XADD', inbox, '*'}
-    for j = 1, n do fields[#fields + 1] = ARGV[i + 4 + j] end
-    redis.call(unpack(fields))
-    redis.call('XACK', stream, group, id)
-    redis.call('XDEL', stream, id)
-    moved[#moved + 1] = 1
-  else
-    moved[#moved + 1] = 0
-  end
-  i = i + 5 + n
-end
-return moved
-"""
-# KEYS: lease, the set of streams with new entries. ARGV: value, group, inbox, entry id,
-# stream ("" for none), n, then n field/value strings: a dead worker's entry back on its
-# tier's stream (or just dropped).
-_REQUEUE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-local n = tonumber(ARGV[6])
-if ARGV[5] ~= '' then
-  local fields = {'XADD', ARGV[5], '*'}
-  for j = 1, n do fields[#fields + 1] = ARGV[6 + j] end
-  redis.call(unpack(fields))
-  redis.call('SADD', KEYS[2], ARGV[5])
-end
-redis.call('XACK', ARGV[3], ARGV[2], ARGV[4])
-redis.call('XDEL', ARGV[3], ARGV[4])
-return 1
-"""
-# KEYS: lease, the set of streams with new entries. ARGV: value, most to take: streams
-# taken out of the set, as the leader only (a deposed leader takes none: they stay for the
-# one that leads).
-_TAKE_READY = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-return redis.call('SPOP', KEYS[2], ARGV[2])
-"""
-# KEYS: lease. ARGV: value, inbox, workers hash, worker id: a dead worker forgotten.
-_FORGET = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-redis.call('DEL', ARGV[2])
-redis.call('HDEL', ARGV[3], ARGV[4])
-return 1
-"""
-# KEYS: lease. ARGV: value, then channel/message pairs.
-_PUBLISH = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-for i = 2, #ARGV, 2 do redis.call('PUBLISH', ARGV[i], ARGV[i + 1]) end
-return 1
-"""
-# KEYS: lease, key. ARGV: value, what to store.
-_SAVE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-redis.call('SET', KEYS[2], ARGV[2])
-return 1
-"""
 
 StreamEntry = tuple[str, dict[str, str]]
 # Streams per fenced XREADGROUP: Lua's unpack() takes some 8,000 values at most, and a
@@ -161,16 +48,16 @@ class Leadership:
         self.value: str | None = None  # "<epoch>:<holder>" while held
         self.epoch = 0
         self.left_s = 0.0  # what the holder's lease had left at the last failed acquire
-        self._acquire = r.register_script(_ACQUIRE)
-        self._renew = r.register_script(_RENEW)
-        self._release = r.register_script(_RELEASE)
-        self._read = r.register_script(_READ)
-        self._hand_off = r.register_script(_HAND_OFF)
-        self._publish = r.register_script(_PUBLISH)
-        self._save = r.register_script(_SAVE)
-        self._requeue = r.register_script(_REQUEUE)
-        self._forget = r.register_script(_FORGET)
-        self._take_ready = r.register_script(_TAKE_READY)
+        self._acquire = r.register_script(scripts.source("leader_acquire"))
+        self._renew = r.register_script(scripts.source("leader_renew"))
+        self._release = r.register_script(scripts.source("release_if_holder"))
+        self._read = r.register_script(scripts.source("leader_read"))
+        self._hand_off = r.register_script(scripts.source("leader_hand_off"))
+        self._publish = r.register_script(scripts.source("leader_publish"))
+        self._save = r.register_script(scripts.source("leader_save"))
+        self._requeue = r.register_script(scripts.source("leader_requeue"))
+        self._forget = r.register_script(scripts.source("leader_forget_worker"))
+        self._take_ready = r.register_script(scripts.source("leader_take_ready"))
 
     @property
     def held(self) -> bool:

@@ -63,6 +63,7 @@ from tierq.messages import FAULT_UNIT, Heartbeat, JobMessage, Served, fault_shar
 from tierq.queue import claim_all, live_workers, read_group
 from tierq.redis_conn import is_unavailable as redis_unavailable
 from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP, RedisNames
+from tierq.retry import Backoff
 from tierq.settings import Settings
 from tierq.tiers import TIER_ORDER, Tier
 
@@ -458,7 +459,7 @@ class Dispatcher:
     async def _run(self) -> None:
         last_reclaim = 0.0
         recovered = False
-        delay = 0.1
+        backoff = Backoff(0.1, self.settings.outage_retry_max_s)
         dead_after = self.settings.worker_dead_after_s
         last_tick = time.monotonic()
         while not self._stop.is_set():
@@ -502,7 +503,7 @@ class Dispatcher:
                 await self._publish_capacity(now, alive)
                 await self._observe(now, alive)
                 moved = await self.step(alive)
-                delay = 0.1
+                backoff.reset()
                 if moved == 0:
                     await self.r.blpop(
                         [self.names.dispatch_wake], timeout=self.settings.dispatch_idle_wait_s
@@ -515,14 +516,14 @@ class Dispatcher:
             except Exception as exc:
                 if being_cancelled():  # redis-py may turn a cancelled read into this
                     raise
+                delay = backoff.next_s()
                 if redis_unavailable(exc):
-                    log.warning("Redis unreachable; retrying in %.1f s", delay, exc_info=True)
+                    log.warning("Redis unreachable; retrying in %.2f s", delay, exc_info=True)
                 elif isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
                     log.warning("a consumer group vanished (%s); recovering", exc)
                 else:
                     raise
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.outage_retry_max_s)
                 recovered = False  # a restarted Redis has no groups; re-read what is pending
 
     async def _recover(self) -> None:

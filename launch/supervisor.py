@@ -31,6 +31,7 @@ import yaml
 
 from services.bootstrap import ensure_tenant_key, write_secret
 from tierq.redis_names import RedisNames
+from tierq.retry import Backoff
 from tierq.settings import Settings
 from workers.celery_flags import QUIET_WORKER_FLAGS
 from workers.engine import vllm_build
@@ -42,6 +43,8 @@ log = logging.getLogger("tierq.run")
 STOP_TIMEOUT_S = 20.0
 # A child that ran this long before it exited was healthy: its backoff starts again.
 HEALTHY_RUN_S = 60.0
+# The wait before restarting a child that exited: 2 s, doubling with restarts in a row.
+RESTART_BACKOFF = Backoff(2.0, 30.0, jitter=False)
 # The copy of an operator's ADMIN_API_KEY that STATE_DIR/prometheus.yml reads.
 PROMETHEUS_KEY_COPY = "prometheus-admin-key"
 READY_TIMEOUT_S = 600.0
@@ -522,7 +525,7 @@ def restart_exited(children: list[Child], env: dict[str, str]) -> None:
             # Whatever it left in its group (vLLM's engine core, holding memory — on a
             # GPU, the GPU's) goes before a new one starts.
             c.signal_group(signal.SIGKILL)
-            c.restart_at = now + min(30, 2**c.restarts)
+            c.restart_at = now + RESTART_BACKOFF.delay_s(c.restarts)
         elif now >= c.restart_at:
             c.restart_at = None
             c.start(env)

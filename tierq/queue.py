@@ -19,115 +19,17 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tierq import tracing
+from tierq import scripts, tracing
 from tierq.aio import cancel_and_wait
 from tierq.messages import Heartbeat, JobEvent, JobMessage
 from tierq.redis_conn import redis_now, with_retries
 from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
-# Append an event to a job's replay buffer and publish it with its sequence number, in one
-# step, so that the buffer order and the ids seen live are the same. Fenced: an event of a
-# delivery (ARGV[3]) older than the job's newest is refused (0), so a stale run of a job
-# delivered twice can stream nothing; ARGV[3] = '' is unfenced (the API's own events).
-# Checked: given the sequence number the writer expects (ARGV[4]), a buffer shorter than
-# the events before it means Redis lost it (a restart, a flush): -1, and the writer
-# restores the buffer (RESTORE_EVENTS) so that ids stay what clients already saw; a buffer
-# that already holds that number means this is a retry of a write that went through
-# before its reply was lost: nothing is appended twice.
-# Bounded: with a byte limit (ARGV[5], deltas only), once the buffer's events pass it the
-# buffer keeps a small placeholder (ARGV[6]) in the event's place — live followers still
-# get the event itself, and the ids stay in step. ARGV[2] is the buffer's time to live.
-_APPEND_EVENT = """
-if ARGV[3] ~= '' then
-  local newest = redis.call('GET', KEYS[3])
-  if newest and tonumber(newest) > tonumber(ARGV[3]) then return 0 end
-end
-if ARGV[4] ~= '' then
-  local len = redis.call('LLEN', KEYS[1])
-  local want = tonumber(ARGV[4])
-  if len < want - 1 then return -1 end
-  if len >= want then return want end
-end
-local stored = ARGV[1]
-if ARGV[5] ~= '' then
-  local size = redis.call('INCRBY', KEYS[4], string.len(ARGV[1]))
-  redis.call('EXPIRE', KEYS[4], ARGV[2])
-  if size > tonumber(ARGV[5]) then stored = ARGV[6] end
-end
-local n = redis.call('RPUSH', KEYS[1], stored)
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('EXPIRE', KEYS[4], ARGV[2])
-redis.call('PUBLISH', KEYS[2], n .. '|' .. ARGV[1])
-return n
-"""
-
-# Rewrite a lost replay buffer: every event (ARGV[3..]) in order; the ones after the first
-# ARGV[2] (those never written) are also published with their sequence numbers.
-_RESTORE_EVENTS = """
-redis.call('DEL', KEYS[1])
-local written = tonumber(ARGV[2])
-for i = 3, #ARGV do
-  redis.call('RPUSH', KEYS[1], ARGV[i])
-  if i - 2 > written then redis.call('PUBLISH', KEYS[2], (i - 2) .. '|' .. ARGV[i]) end
-end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return #ARGV - 2
-"""
-
-# Record that delivery ARGV[1] of a job runs now; 1 if it is the newest, 0 if a later one
-# already claimed the job.
-_CLAIM_DELIVERY = """
-local newest = tonumber(redis.call('GET', KEYS[1]) or '0')
-if newest > tonumber(ARGV[1]) then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-return 1
-"""
-
-# Jobs onto their streams, in one step (one command and one reply for any number of jobs,
-# where MULTI/EXEC made eight of each for one — a tenth of an admission's CPU in the API).
-# KEYS: the set of jobs Redis holds, the arrivals counter, the dispatcher's wake-up list,
-# the set of streams with new entries (the dispatcher reads those); then for each job its
-# stream, its tier's set of tenants with work and its trace context's key. ARGV, seven
-# for each job: the entry's field and value; the tenant, '' for the head-of-tier stream
-# (else it joins the tier's set); the job; '1' for an arrival (counted, once: a retry of a
-# call whose reply was lost finds the job held already); the job's sampled trace context,
-# kept for the next ARGV's seconds, or ''.
-# Returns the entries' ids, in order; a job that could not be enqueued gets ERROR_MARK and
-# its error instead (the others are not held up by it), and when none could, the call
-# fails with the first error (so that an unwritable Redis is waited out as before).
+# What enqueue.lua puts before the error of a job it could not enqueue (its reply's mark).
 ERROR_MARK = "error: "
 ENQUEUE_DEADLINE_S = 5.0  # the longest an admission waits for its enqueue's call
-_ENQUEUE = f"""
-local function one(k, a)
-  local id = redis.call('XADD', KEYS[k + 1], '*', ARGV[a + 1], ARGV[a + 2])
-  redis.call('SADD', KEYS[4], KEYS[k + 1])
-  if ARGV[a + 3] ~= '' then redis.call('SADD', KEYS[k + 2], ARGV[a + 3]) end
-  local new = redis.call('SADD', KEYS[1], ARGV[a + 4])
-  if ARGV[a + 6] ~= '' then
-    redis.call('SET', KEYS[k + 3], ARGV[a + 6], 'EX', ARGV[a + 7], 'NX')
-  end
-  return id, new == 1 and ARGV[a + 5] ~= ''
-end
-local ids, arrivals, failed, first = {{}}, 0, 0, nil
-for i = 0, (#KEYS - 4) / 3 - 1 do
-  local ok, id, arrived = pcall(one, 4 + i * 3, i * 7)
-  if ok then
-    ids[i + 1] = id
-    if arrived then arrivals = arrivals + 1 end
-  else
-    local why = type(id) == 'table' and id.err or tostring(id)
-    ids[i + 1] = '{ERROR_MARK}' .. why
-    failed = failed + 1
-    first = first or why
-  end
-end
-if failed == #ids then return redis.error_reply(first) end
-if arrivals > 0 then redis.call('INCRBY', KEYS[2], arrivals) end
-redis.call('LPUSH', KEYS[3], '1')
-redis.call('LTRIM', KEYS[3], 0, 0)
-return ids
-"""
+_ENQUEUE = scripts.source("enqueue")
 _ENQUEUE_SHA = hashlib.sha1(_ENQUEUE.encode()).hexdigest()
 _Part = tuple[tuple[str, str, str], tuple[str | int, ...]]  # one job's keys and arguments
 
@@ -377,9 +279,9 @@ class EventLog:
         self.ttl_s = ttl_s
         self.done_ttl_s = ttl_s if done_ttl_s is None else done_ttl_s
         self.max_bytes = max_bytes
-        self._append = r.register_script(_APPEND_EVENT)
-        self._claim = r.register_script(_CLAIM_DELIVERY)
-        self._restore = r.register_script(_RESTORE_EVENTS)
+        self._append = r.register_script(scripts.source("append_event"))
+        self._claim = r.register_script(scripts.source("claim_delivery"))
+        self._restore = r.register_script(scripts.source("restore_events"))
 
     @classmethod
     def for_settings(cls, r: aioredis.Redis, names: RedisNames, settings: Settings) -> EventLog:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -16,8 +15,8 @@ from redis.sentinel import Sentinel as SyncSentinel
 from redis.sentinel import SentinelConnectionPool as SyncSentinelPool
 
 from tierq import clock
-from tierq.aio import raise_if_cancelled
 from tierq.redis_url import SentinelTarget
+from tierq.retry import Backoff, retrying
 from tierq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -40,29 +39,37 @@ async def connect(
 
     Its connections are named `<prefix>:<role>` (CLIENT LIST shows who holds what)."""
     url = settings.resolved_redis_url
-    last: Exception | None = None
-    for _ in range(attempts):
+
+    async def answered() -> tuple[aioredis.Redis, str | None]:
         client = _client(settings, role)
         try:
             await client.ping()
             policy = await _eviction_policy(client)
             await clock.sync(client)  # this host's clock against the deployment's
-        except (redis.ConnectionError, OSError) as exc:
-            last = exc
+        except BaseException:
             await client.aclose()
-            await asyncio.sleep(delay_s)
-            continue
-        if policy not in (None, "noeviction"):
-            await client.aclose()
-            raise EvictingRedis(
-                f"Redis at {url} runs with maxmemory-policy {policy}, which may evict "
-                "tierq's keys (leases, delivery fences, stream slots, the streams that hold "
-                "accepted jobs); set it to noeviction (`CONFIG SET maxmemory-policy "
-                "noeviction`, or the service's parameter group) and give Redis the memory "
-                "its queues need"
-            )
-        return client
-    raise RuntimeError(f"Redis at {url} did not answer PING: {last}")
+            raise
+        return client, policy
+
+    try:
+        client, policy = await retrying(
+            answered,
+            transient=lambda exc: isinstance(exc, redis.ConnectionError | OSError),
+            backoff=Backoff(delay_s, delay_s, jitter=False),
+            attempts=attempts,
+        )
+    except (redis.ConnectionError, OSError) as exc:
+        raise RuntimeError(f"Redis at {url} did not answer PING: {exc}") from exc
+    if policy not in (None, "noeviction"):
+        await client.aclose()
+        raise EvictingRedis(
+            f"Redis at {url} runs with maxmemory-policy {policy}, which may evict "
+            "tierq's keys (leases, delivery fences, stream slots, the streams that hold "
+            "accepted jobs); set it to noeviction (`CONFIG SET maxmemory-policy "
+            "noeviction`, or the service's parameter group) and give Redis the memory "
+            "its queues need"
+        )
+    return client
 
 
 class EvictingRedis(RuntimeError):
@@ -118,20 +125,13 @@ def is_unavailable(error: BaseException) -> bool:
     return isinstance(error, ConnectionError | TimeoutError | socket.gaierror)
 
 
-async def with_retries(
-    op: Callable[[], Awaitable[T]], attempts: int = 4, delay_s: float = 0.05
-) -> T:
+async def with_retries(op: Callable[[], Awaitable[T]], attempts: int = 4) -> T:
     """Run a Redis operation again (on a fresh connection) while Redis is unreachable, a
-    few times with backoff: a killed connection or a failover is usually over at once."""
-    for attempt in range(attempts):
-        try:
-            return await op()
-        except Exception as exc:
-            raise_if_cancelled(exc)
-            if not is_unavailable(exc) or attempt == attempts - 1:
-                raise
-            await asyncio.sleep(delay_s * 2**attempt)
-    raise AssertionError("unreachable")
+    few times with a short backoff: a killed connection or a failover is usually over at
+    once."""
+    return await retrying(
+        op, transient=is_unavailable, backoff=Backoff(0.05, 0.4), attempts=attempts
+    )
 
 
 async def redis_now(r: aioredis.Redis) -> float:

@@ -964,34 +964,27 @@ class Settings(BaseSettings):
         gt=0,
         description=("one delivery attempt, from resolving the host to the answer's status line"),
     )
-    # A delivery is retried with exponential backoff from base to max (plus jitter) until
-    # it succeeds or this many attempts failed (about 21 hours at the defaults).
     webhook_max_attempts: int = Field(
         default=30,
         ge=1,
         description=(
-            "a delivery not answered 2xx is tried again after base x 2^(attempt-1) seconds (at "
-            "most max, ±20 % jitter), until this many attempts failed (about 21 hours at the "
-            "defaults); the operator can send a failed one again"
+            "a delivery not answered 2xx is tried again, after WEBHOOK_RETRY_BASE_S x "
+            "2^(attempt-1) seconds (at most WEBHOOK_RETRY_MAX_S), until this many attempts "
+            "failed (about 21 hours at the defaults); the operator can send a failed one again"
         ),
     )
     webhook_retry_base_s: float = Field(
         default=5.0,
         gt=0,
         description=(
-            "a delivery not answered 2xx is tried again after base x 2^(attempt-1) seconds (at "
-            "most max, ±20 % jitter), until this many attempts failed (about 21 hours at the "
-            "defaults); the operator can send a failed one again"
+            "the wait after a delivery's first failed attempt; each further failure doubles "
+            "it, up to WEBHOOK_RETRY_MAX_S, and each wait is drawn within ±20 % of it"
         ),
     )
     webhook_retry_max_s: float = Field(
         default=3600.0,
         gt=0,
-        description=(
-            "a delivery not answered 2xx is tried again after base x 2^(attempt-1) seconds (at "
-            "most max, ±20 % jitter), until this many attempts failed (about 21 hours at the "
-            "defaults); the operator can send a failed one again"
-        ),
+        description="the longest wait between two attempts of a delivery (before its ±20 %)",
     )
     webhook_tick_s: float = Field(
         default=5.0,

@@ -16,21 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import LockNotOwnedError
 
 log = logging.getLogger(__name__)
-
-_RENEW = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then "
-    "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-)
-_RELEASE = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-)
 
 
 @dataclass
@@ -41,31 +33,32 @@ class Lease:
 
 @contextlib.asynccontextmanager
 async def lease(r: aioredis.Redis, key: str, ms: int) -> AsyncIterator[Lease]:
-    """Hold `key` for the block, or not at all when another holds it (`held` False)."""
-    token = secrets.token_hex(8)
-    if not await r.set(key, token, nx=True, px=ms):
+    """Hold `key` for the block, or not at all when another holds it (`held` False).
+    redis-py's Lock: a random token set only if absent, renewed and released only by its
+    holder (no fencing token: the database fences the writes)."""
+    lock = r.lock(key, timeout=ms / 1000, blocking=False, thread_local=False)
+    if not await lock.acquire():
         yield Lease(held=False)
         return
     held = Lease(held=True)
-    renewer = asyncio.create_task(_renew(r, key, token, ms, held))
+    renewer = asyncio.create_task(_renew(lock, ms, held))
     try:
         yield held
     finally:
         renewer.cancel()
-        with contextlib.suppress(Exception):  # unreachable Redis: it expires by itself
-            await r.eval(_RELEASE, 1, key, token)
+        with contextlib.suppress(Exception):  # lost, or Redis unreachable: it expires
+            await lock.release()
 
 
-async def _renew(r: aioredis.Redis, key: str, token: str, ms: int, held: Lease) -> None:
+async def _renew(lock: aioredis.lock.Lock, ms: int, held: Lease) -> None:
     """Keep the lease while its holder works (validating a large file takes long)."""
     while True:
         await asyncio.sleep(ms / 3000)
         try:
-            renewed = await r.eval(_RENEW, 1, key, token, ms)
-        except Exception as exc:  # a blip: the next renewal may still come in time
-            log.warning("renewing the lease %s failed (%s)", key, exc)
-            continue
-        if not renewed:
-            log.warning("the lease %s was lost (expired, or taken by another)", key)
+            await lock.reacquire()  # its time to live set back to the whole lease
+        except LockNotOwnedError:
+            log.warning("the lease %s was lost (expired, or taken by another)", lock.name)
             held.lost = True
             return
+        except Exception as exc:  # a blip: the next renewal may still come in time
+            log.warning("renewing the lease %s failed (%s)", lock.name, exc)

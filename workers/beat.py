@@ -23,26 +23,12 @@ from typing import Any
 import redis
 from celery.beat import PersistentScheduler
 
+from tierq import scripts
 from tierq.redis_conn import sync_client
 from tierq.redis_names import RedisNames
 from tierq.settings import get_settings
 
 log = logging.getLogger(__name__)
-
-# Take the lease if it is free or already ours (and renew it): 1; else 0.
-_HOLD = """
-local held = redis.call('GET', KEYS[1])
-if held == ARGV[1] or not held then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-return 0
-"""
-# Let the lease go if it is still ours.
-_LET_GO = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 def _holder(schedule: Path) -> str:
@@ -70,6 +56,8 @@ class LeasedScheduler(PersistentScheduler):
         self.lease_key = RedisNames(settings.redis_prefix).beat_lease
         self.holding: bool | None = None  # unknown until the first tick
         self._redis = sync_client(settings, socket_timeout_s=self.lease_s / 3)
+        self._take = self._redis.register_script(scripts.source("beat_hold"))
+        self._let_go = self._redis.register_script(scripts.source("release_if_holder"))
         super().__init__(*args, **kwargs)
         self.holder = _holder(Path(self.schedule_filename))
 
@@ -92,7 +80,7 @@ class LeasedScheduler(PersistentScheduler):
         finally:
             if self.holding:  # a planned stop: a standby takes over at its next tick
                 try:
-                    self._redis.eval(_LET_GO, 1, self.lease_key, self.holder)
+                    self._let_go(keys=[self.lease_key], args=[self.holder])
                 except redis.RedisError as exc:
                     log.warning("beat: could not let the lease go (it lapses): %s", exc)
                 self.holding = False
@@ -101,7 +89,7 @@ class LeasedScheduler(PersistentScheduler):
     def _hold(self) -> bool:
         try:
             ms = int(self.lease_s * 1000)
-            return bool(self._redis.eval(_HOLD, 1, self.lease_key, self.holder, ms))
+            return bool(self._take(keys=[self.lease_key], args=[self.holder, ms]))
         except redis.RedisError as exc:
             # Redis is the broker too: no task could be sent meanwhile anyway.
             log.warning("beat: cannot reach Redis for the beat lease: %s", exc)

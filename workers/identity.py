@@ -16,6 +16,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from tierq import scripts
 from tierq.messages import Heartbeat
 from tierq.redis_conn import redis_now
 from tierq.redis_names import RedisNames
@@ -78,16 +79,6 @@ def _gone_from_this_host(holder: str) -> bool:
     return False
 
 
-# Take the id only if its heartbeat is still the one judged (none: ARGV[2] is ''): of two
-# workers starting at once under one id, one takes it and the other judges the winner.
-_TAKE = """
-local current = redis.call('HGET', KEYS[1], ARGV[1])
-if (current or '') ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-return 1
-"""
-
-
 async def claim(
     r: aioredis.Redis,
     names: RedisNames,
@@ -99,7 +90,7 @@ async def claim(
     """Return once this process holds `worker_id` (its heartbeat names `holder`, draining
     and empty until the worker's first real one); raise WorkerIdTaken if another live
     process holds it (its heartbeat moved while this waited)."""
-    take = r.register_script(_TAKE)
+    take = r.register_script(scripts.source("take_worker_id"))
     while True:
         raw = await _judged(r, names, worker_id, holder, dead_after_s, poll_s)
         mine = Heartbeat(worker_id, 0, 0, await redis_now(r), draining=True, holder=holder)

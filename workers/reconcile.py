@@ -14,13 +14,14 @@ run it after all, the job's delivery fence stops that run. One reconciler runs a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
-import uuid
 from datetime import timedelta
 
 import redis.asyncio as aioredis
+from redis.exceptions import LockNotOwnedError
 
 from models import jobs as job_repo
 from models.db import Database
@@ -37,25 +38,21 @@ log = logging.getLogger(__name__)
 
 PAGE = 1000
 
-# Release the lock only if this run still holds it (it may have expired and been taken).
-_RELEASE_LOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
 
 async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list[str]:
     """Re-enqueue lost jobs; returns their ids (empty when another run holds the lock)."""
     names = RedisNames(settings.redis_prefix)
     lock_ttl_s = max(60, int(settings.reconcile_interval_s * 4))
-    token = uuid.uuid4().hex
-    if not await r.set(names.reconcile_lock, token, nx=True, ex=lock_ttl_s):
+    # Released only while this run still holds it (it may have expired and been taken).
+    lock = r.lock(names.reconcile_lock, timeout=lock_ttl_s, blocking=False, thread_local=False)
+    if not await lock.acquire():
         log.info("another reconciler is running; skipping this run")
         return []
     try:
         return await _reconcile(settings, db, r, names)
     finally:
-        await r.eval(_RELEASE_LOCK, 1, names.reconcile_lock, token)
+        with contextlib.suppress(LockNotOwnedError):
+            await lock.release()
 
 
 async def _reconcile(

@@ -30,6 +30,7 @@ from tierq.aio import raise_if_cancelled
 from tierq.messages import JobEvent
 from tierq.queue import EventLog
 from tierq.redis_conn import is_unavailable
+from tierq.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ class EventPublisher:
     ) -> None:
         self.events = events
         self.on_fenced = on_fenced
-        self.retry_max_s = retry_max_s
         self._batch: list[_Pending] = []
         self._last_delta: dict[str, int] = {}  # job id -> index of its last delta in _batch
         self._deliveries: dict[str, int] = {}  # job id -> the delivery this worker runs
@@ -56,7 +56,7 @@ class EventPublisher:
         self._written: dict[str, list[str]] = {}
         self._wake = asyncio.Event()
         self._abandoned = False
-        self._delay = RETRY_FIRST_S
+        self._backoff = Backoff(RETRY_FIRST_S, retry_max_s)
         self._in_flight: set[str] = set()  # jobs with events in the flush under way
         self._flushed = asyncio.Condition()
 
@@ -188,15 +188,13 @@ class EventPublisher:
                 return
             # Some of the batch may have been written before the connection went: the
             # expected sequence numbers make the retry skip those (no event twice).
-            log.warning(
-                "Redis unreachable; retrying %d job events in %.2f s", len(batch), self._delay
-            )
+            delay = self._backoff.next_s()
+            log.warning("Redis unreachable; retrying %d job events in %.2f s", len(batch), delay)
             self._requeue(batch)
-            await asyncio.sleep(self._delay)
-            self._delay = min(self._delay * 2, self.retry_max_s)
+            await asyncio.sleep(delay)
             self._wake.set()
             return
-        self._delay = RETRY_FIRST_S
+        self._backoff.reset()
         for (job_id, event, _, delivery), n in zip(batch, written, strict=True):
             if n != 0 and job_id in self._written and self._deliveries.get(job_id) == delivery:
                 self._written[job_id].append(event.encode())

@@ -36,6 +36,7 @@ from models.webhooks import DeliveryRecord
 from services import webhooks
 from tierq import clock, metrics
 from tierq.redis_names import RedisNames
+from tierq.retry import Backoff
 from tierq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ CLAIM_FACTOR = 2  # a claim lapses after this many times the bound of an attempt
 def backoff_s(attempt: int, settings: Settings) -> float:
     """The wait after failed attempt number `attempt` (1, 2, ...): doubling from the base,
     at most the max, then ±20 % so that a receiver's outage is not answered in lockstep."""
-    wait = min(settings.webhook_retry_max_s, settings.webhook_retry_base_s * 2 ** (attempt - 1))
-    return wait * random.uniform(0.8, 1.2)
+    doubling = Backoff(settings.webhook_retry_base_s, settings.webhook_retry_max_s, jitter=False)
+    return doubling.delay_s(attempt) * random.uniform(0.8, 1.2)
 
 
 async def deliver_due(settings: Settings, db: Database, r: aioredis.Redis) -> int:

@@ -46,8 +46,8 @@ from models import jobs as job_repo
 from models.db import Database
 from models.records import JobRecord, Progress
 from services import batch_signal
-from tierq import clock, fleet, metrics, token_count, tracing
-from tierq.aio import being_cancelled, cancel_and_wait, raise_if_cancelled
+from tierq import clock, fleet, metrics, scripts, token_count, tracing
+from tierq.aio import being_cancelled, cancel_and_wait
 from tierq.ids import new_id
 from tierq.messages import FAULT_UNIT, Heartbeat, JobEvent, JobMessage, Served, fault_share
 from tierq.queue import (
@@ -63,6 +63,7 @@ from tierq.queue import (
 from tierq.redis_conn import is_unavailable as redis_unavailable
 from tierq.redis_conn import redis_now
 from tierq.redis_names import WORKER_GROUP, RedisNames
+from tierq.retry import Backoff, retrying
 from tierq.settings import Settings
 from tierq.states import JobStatus
 from tierq.tiers import vllm_priority
@@ -81,15 +82,6 @@ T = TypeVar("T")
 _GONE = frozenset({"succeeded", "failed", "cancelled", "skipped", "abandoned"})
 # Outcomes of an entry this run does not own: nothing is reported for the job.
 _NOT_OURS = frozenset({"superseded", "duplicate"})
-
-
-# Delete a worker's inbox and its heartbeat, if (and only if) the inbox is empty.
-_RETIRE_IF_EMPTY = """
-if redis.call('XLEN', KEYS[1]) > 0 then return 0 end
-redis.call('DEL', KEYS[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-return 1
-"""
 
 
 def replay_seed(job_id: str) -> int:
@@ -278,7 +270,7 @@ class Worker:
         self._stop_reading = asyncio.Event()
         self._stopped = asyncio.Event()
         self._engine_dead = asyncio.Event()
-        self._retire_if_empty = r.register_script(_RETIRE_IF_EMPTY)
+        self._retire_if_empty = r.register_script(scripts.source("retire_inbox_if_empty"))
         self.claims = Claims(db, self.worker_id, settings.max_deliveries)
 
     # --- lifecycle --------------------------------------------------------------------
@@ -425,18 +417,15 @@ class Worker:
 
     async def _retrying(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """Run `op`, waiting out an unreachable database or Redis with backoff (until a
-        second stop signal); other errors propagate."""
-        delay = 0.1
-        while True:
-            try:
-                return await op()
-            except Exception as exc:
-                raise_if_cancelled(exc)
-                if not unavailable(exc) or (self._stopped.is_set() and delay > 1):
-                    raise
-                log.warning("%s: %s (%s); retrying in %.1f s", what, type(exc).__name__, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.outage_retry_max_s)
+        second stop signal, once the waits pass a second); other errors propagate."""
+        backoff = Backoff(0.1, self.settings.outage_retry_max_s)
+        return await retrying(
+            op,
+            transient=unavailable,
+            backoff=backoff,
+            give_up=lambda: self._stopped.is_set() and backoff.waited_s > 1,
+            what=what,
+        )
 
     # --- side tasks -------------------------------------------------------------------
     async def _heartbeat(self, draining: bool = False) -> None:
@@ -514,7 +503,7 @@ class Worker:
     async def _control_listener(self) -> None:
         """Cancellations (from the API) and preemptions (from the dispatcher); resubscribes
         after a lost connection."""
-        delay = 0.1
+        backoff = Backoff(0.1, self.settings.outage_retry_max_s)
         while True:
             try:
                 await self._listen()
@@ -522,8 +511,7 @@ class Worker:
                 if not redis_unavailable(exc) or being_cancelled():
                     raise
                 log.warning("control channel: Redis unreachable (%s); resubscribing", exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.outage_retry_max_s)
+                await backoff.wait()
 
     async def _listen(self) -> None:
         pubsub = self.r.pubsub()
@@ -598,7 +586,7 @@ class Worker:
 
     # --- the inbox --------------------------------------------------------------------
     async def _inbox_loop(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, self.settings.outage_retry_max_s)
         start = ">"
         while not self._stop_reading.is_set():
             free = self.capacity - len(self._tasks)
@@ -613,7 +601,7 @@ class Worker:
                     await self._read_inbox("0")
                     start = ">"
                 await self._read_inbox(">", count=free, block_ms=1000)
-                delay = 0.1
+                backoff.reset()
             except redis.ResponseError as exc:
                 # The inbox vanished: Redis restarted, or a dispatcher took this worker for
                 # dead (a long pause) and reclaimed it. Start a fresh one.
@@ -625,9 +613,8 @@ class Worker:
                 if not redis_unavailable(exc) or being_cancelled():
                     raise
                 start = "0"
-                log.warning("inbox: Redis unreachable (%s); retrying in %.1f s", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.outage_retry_max_s)
+                log.warning("inbox: Redis unreachable (%s); retrying", exc)
+                await backoff.wait()
 
     async def _read_inbox(
         self,

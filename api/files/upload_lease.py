@@ -22,6 +22,7 @@ from enum import Enum
 
 import redis.asyncio as aioredis
 
+from tierq import scripts
 from tierq.aio import raise_if_cancelled
 from tierq.redis_conn import with_retries
 from tierq.redis_names import RedisNames
@@ -30,73 +31,6 @@ log = logging.getLogger(__name__)
 
 LEASE_S = 30.0  # an upload's slot lapses this long after its process stopped renewing it
 ENDED_TTL_S = 86_400  # the `ended` counter outlives any upload; gone, it reads as stale
-
-# KEYS: uploads (zset), bytes (hash), ended (counter). ARGV: limit (0: none), lease, member.
-# Drops lapsed leases and their reservations, refuses at the limit, else adds this one.
-_ACQUIRE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
-  redis.call('HDEL', KEYS[2], m)
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
--- A retry after a lost reply: this upload already holds its slot.
-if redis.call('ZSCORE', KEYS[1], ARGV[3]) then return 1 end
-local limit = tonumber(ARGV[1])
-if limit > 0 and redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
-local ttl = math.ceil(tonumber(ARGV[2])) + 1
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
-redis.call('HSET', KEYS[2], ARGV[3], 0)
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('EXPIRE', KEYS[2], ttl)
-return 1
-"""
-
-# ARGV: member, total bytes wanted, room (quota less committed bytes), `ended` as read
-# before that figure. -2: the lease lapsed; -3: the figure is stale; -1: no room; else the
-# most this upload may hold as of now (room less the other live uploads' reservations).
-_RESERVE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not held or tonumber(held) < now then return -2 end
-if (redis.call('GET', KEYS[3]) or '0') ~= ARGV[4] then return -3 end
-local others = 0
-local all = redis.call('HGETALL', KEYS[2])
-for i = 1, #all, 2 do
-  if all[i] ~= ARGV[1] then
-    local score = redis.call('ZSCORE', KEYS[1], all[i])
-    if score and tonumber(score) >= now then others = others + tonumber(all[i + 1]) end
-  end
-end
-local room = tonumber(ARGV[3]) - others
-if tonumber(ARGV[2]) > room then return -1 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-return room
-"""
-
-# ARGV: lease, member. Extends a lease still held (XX): one that lapsed stays gone.
-_RENEW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local ttl = math.ceil(tonumber(ARGV[1])) + 1
-local n = redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[1]), ARGV[2])
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('EXPIRE', KEYS[2], ttl)
-return n
-"""
-
-# ARGV: member, the counter's TTL, 1 if the upload's row committed (then only, the counter
-# moves: a refused upload only gives room back, which a stale figure never overcounts).
-_RELEASE = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-if ARGV[3] == '1' then
-  redis.call('INCR', KEYS[3])
-  redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))
-end
-return 1
-"""
 
 
 class Reserved(Enum):
@@ -116,10 +50,10 @@ class UploadLease:
             names.tenant_upload_bytes(tenant_id),
             names.tenant_uploads_ended(tenant_id),
         ]
-        self._acquire = r.register_script(_ACQUIRE)
-        self._reserve = r.register_script(_RESERVE)
-        self._renew = r.register_script(_RENEW)
-        self._release = r.register_script(_RELEASE)
+        self._acquire = r.register_script(scripts.source("upload_acquire"))
+        self._reserve = r.register_script(scripts.source("upload_reserve"))
+        self._renew = r.register_script(scripts.source("upload_renew"))
+        self._release = r.register_script(scripts.source("upload_release"))
 
     async def take(self, limit: int) -> bool:
         """False when the tenant already has `limit` uploads in progress (0: no limit)."""

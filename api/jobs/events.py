@@ -7,7 +7,6 @@ on, then the live events, skipping any it already has — none lost, none double
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -23,6 +22,7 @@ from tierq.aio import raise_if_cancelled
 from tierq.messages import JobEvent
 from tierq.queue import EventLog
 from tierq.redis_conn import is_unavailable as redis_unavailable
+from tierq.retry import Backoff
 from tierq.states import TERMINAL
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ async def follow_job(
         span.set(job_id=job.id, tenant_id=job.tenant_id, from_event=last_seq)
         cursor = _Cursor(last_seq)
         finish = job.status in TERMINAL
-        delay = 0.1
+        backoff = Backoff(0.1, 2.0)
         while True:
             try:
                 # Subscribed before this read: nothing falls between the two.
@@ -120,7 +120,7 @@ async def follow_job(
                         return
                 # Back to the buffer: the hub asks to re-read it, or says the job is over.
                 finish, cursor.recheck = cursor.recheck, False
-                delay = 0.1
+                backoff.reset()
             except StreamClosed:
                 raise
             except Exception as exc:
@@ -128,8 +128,7 @@ async def follow_job(
                 if not redis_unavailable(exc):
                     raise
                 log.warning("following job %s: Redis unreachable (%s); retrying", job.id, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await backoff.wait()
 
 
 class _Cursor:

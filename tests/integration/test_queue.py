@@ -13,6 +13,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from tests.conftest import free_port
+from tierq import scripts
 from tierq.messages import JobMessage
 from tierq.queue import Enqueuer, _enqueue_part, _enqueue_parts, enqueue
 from tierq.redis_names import RedisNames
@@ -58,6 +59,12 @@ async def test_enqueue_writes_the_entry_and_every_mark_with_it(
     assert await r.exists(names.trace_context("j3")) == 0
     assert await r.smembers(names.tier_tenants(Tier.BATCH)) == {"t1"}
     assert await r.get(names.arrivals) == "2"
+
+
+async def test_every_script_compiles_on_redis(redis_client: aioredis.Redis) -> None:
+    for name in scripts.names():
+        sha = await redis_client.script_load(scripts.source(name))
+        assert (await redis_client.script_exists(sha)) == [True], name
 
 
 async def test_enqueue_after_redis_forgot_its_scripts(
