@@ -27,6 +27,7 @@ from tests.helpers import (
     read_sse,
     wait_for,
 )
+from tierq import scripts
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
 
@@ -315,9 +316,7 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
 async def test_a_lease_renewal_never_brings_back_a_slot_let_go(platform: Platform) -> None:
     """Renewal touches only the slots still in the set (a slot released while a renewal
     was in flight stays released), and re-adds them all only if the set itself is gone."""
-    from api.hub import _RENEW
-
-    renew = platform.r.register_script(_RENEW)
+    renew = platform.r.register_script(scripts.source("stream_slots_renew"))
     key = platform.dispatcher.names.tenant_streams("ten_lease")
     await platform.r.zadd(key, {"kept": 1.0})
     await renew(keys=[key], args=[30, "kept", "released"])
