@@ -192,10 +192,11 @@ class Platform:
     async def kill_worker(self, worker_id: str) -> None:
         """As SIGKILL would: no drain, no cleanup, entries left pending in the inbox."""
         worker, task, engine = self.workers.pop(worker_id)
-        for job_task in list(worker._tasks.values()):
+        runs = [run.task for run in worker._runs.values()]
+        for job_task in runs:
             job_task.cancel()
         task.cancel()
-        await asyncio.gather(task, *worker._tasks.values(), return_exceptions=True)
+        await asyncio.gather(task, *runs, return_exceptions=True)
         await engine.shutdown()
 
     async def stop(self) -> None:

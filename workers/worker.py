@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, TypeVar
 
 import redis
@@ -78,10 +79,66 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Outcomes after which no stream or inbox holds the job any more (its `inflight` mark goes).
-_GONE = frozenset({"succeeded", "failed", "cancelled", "skipped", "abandoned"})
-# Outcomes of an entry this run does not own: nothing is reported for the job.
-_NOT_OURS = frozenset({"superseded", "duplicate"})
+
+class Ending(StrEnum):
+    """How one run of a job ended: its Outcome's kind, and what its inbox entry reports."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"  # by its tenant or an operator
+    HANDED_BACK = "handed_back"  # by this worker: a drain, a dead engine, a stalled run
+    PREEMPTED = "preempted"  # by the dispatcher, for higher-tier work
+    RETRY = "retry"  # failed by the engine: another delivery, or failed past the limit
+    SKIPPED = "skipped"  # nothing to run: finished, cancelled or unreadable meanwhile
+    SUPERSEDED = "superseded"  # a later delivery of the job owns it
+    DUPLICATE = "duplicate"  # a second entry of a job that runs here
+    ABANDONED = "abandoned"  # its ending could not be written: the reconciler's now
+
+
+# Endings after which no stream or inbox holds the job any more (its `inflight` mark goes).
+_GONE = frozenset(
+    {Ending.SUCCEEDED, Ending.FAILED, Ending.CANCELLED, Ending.SKIPPED, Ending.ABANDONED}
+)
+# Endings of an entry this run does not own: nothing is reported for the job.
+_NOT_OURS = frozenset({Ending.SUPERSEDED, Ending.DUPLICATE})
+# Endings whose deltas reach Redis before the database takes the ending.
+_FLUSHED_FIRST = frozenset(
+    {Ending.SUCCEEDED, Ending.RETRY, Ending.FAILED, Ending.PREEMPTED, Ending.HANDED_BACK}
+)
+# Why a run the engine stopped early stopped, when more than one asked: the first here.
+_STOP_ORDER = (Ending.HANDED_BACK, Ending.PREEMPTED, Ending.CANCELLED)
+
+
+@dataclass(eq=False)
+class Run:
+    """One delivery of a job on this worker, from its inbox entry to its settling: its
+    task, the job's record once claimed, and why it was asked to stop. It ends with its
+    task; nothing of it outlives the run."""
+
+    msg: JobMessage
+    entry_id: str  # the inbox entry it settles (a duplicate entry may take its place)
+    task: asyncio.Task[None] = dataclasses.field(init=False)
+    job: JobRecord | None = None  # the delivery this worker runs, once claimed
+    # Asked of it while it ran: cancelled, handed back, preempted, superseded.
+    stops: set[Ending] = dataclasses.field(default_factory=set)
+    crash_charge: int = 0  # its share of the fault if the engine died running it
+    settling: bool = False  # its ending is being written; a new entry starts a new run
+
+    @property
+    def job_id(self) -> str:
+        return self.msg.job_id
+
+    def stop(self, why: Ending) -> bool:
+        """Note a reason to stop it; False when that reason was noted already."""
+        if why in self.stops:
+            return False
+        self.stops.add(why)
+        return True
+
+    def why_stopped(self) -> Ending:
+        """Why the engine stopped it before it finished: this worker's doing, its tenant's,
+        or (retry) a reason of the engine's own."""
+        return next((why for why in _STOP_ORDER if why in self.stops), Ending.RETRY)
 
 
 def replay_seed(job_id: str) -> int:
@@ -174,8 +231,7 @@ class Choice:
 class Outcome:
     """How one run of a job ended, before it is settled."""
 
-    # succeeded | failed | cancelled | handed_back | preempted | retry | skipped | superseded
-    kind: str
+    kind: Ending
     code: str | None = None
     message: str | None = None
     text: str = ""
@@ -251,18 +307,10 @@ class Worker:
         # them only interactive work may take (its ceiling for the lower tiers).
         self.capacity = slots + overflow
         self.reserve = overflow + min(settings.interactive_reserve, slots // 2)
-        self._tasks: dict[str, asyncio.Task[None]] = {}  # job id -> its task
+        self._runs: dict[str, Run] = {}  # job id -> its run here
         # Waits and TTFTs measured since the last heartbeat, (kind, tier) -> seconds: each
         # heartbeat hands them to Redis in its round trip's company (the operator console).
         self._latency: dict[tuple[str, str], list[float]] = {}
-        self._entries: dict[str, str] = {}  # job id -> inbox entry id
-        self._jobs: dict[str, JobRecord] = {}  # job id -> the delivery this worker runs
-        self._cancelled: set[str] = set()
-        self._handed_back: set[str] = set()
-        self._preempted: set[str] = set()
-        self._superseded: set[str] = set()
-        # The jobs that may have killed the engine when it died, each with its share.
-        self._crashed: dict[str, int] = {}
         self.first_steps = FirstSteps(SUSPECT_WAIT_S)
         self._settling: set[str] = set()  # entry ids whose run is being settled
         self._background: set[asyncio.Task[None]] = set()  # batch advance requests
@@ -307,7 +355,7 @@ class Worker:
         try:
             done, _ = await asyncio.wait([stop, dead, *tasks], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            for task in [stop, dead, *tasks, *self._tasks.values()]:
+            for task in [stop, dead, *tasks, *(run.task for run in self._runs.values())]:
                 task.cancel()
             raise
         for task in done:
@@ -355,11 +403,11 @@ class Worker:
 
     async def _drain(self) -> None:
         await self._retrying("heartbeat", lambda: self._heartbeat(draining=True))
-        if self._tasks and not self._stopped.is_set():
-            log.info("draining %d running jobs", len(self._tasks))
+        if self._runs and not self._stopped.is_set():
+            log.info("draining %d running jobs", len(self._runs))
             stop: asyncio.Future[Any] = asyncio.ensure_future(self._stopped.wait())
             running: asyncio.Future[Any] = asyncio.gather(
-                *self._tasks.values(), return_exceptions=True
+                *(run.task for run in self._runs.values()), return_exceptions=True
             )
             await asyncio.wait(
                 [stop, running],
@@ -367,18 +415,19 @@ class Worker:
                 return_when=asyncio.FIRST_COMPLETED,
             )
             stop.cancel()
-        if self._tasks:
+        if self._runs:
             # Past the drain: what still runs goes back, and outages are no longer waited
             # out for long (a supervisor is waiting for this process to end).
             self._stopped.set()
             self.publisher.abandon()
-            log.info("handing %d unfinished jobs back to their tiers", len(self._tasks))
-            self._handed_back.update(self._tasks)
-            for job_id in list(self._tasks):
+            log.info("handing %d unfinished jobs back to their tiers", len(self._runs))
+            for run in self._runs.values():
+                run.stop(Ending.HANDED_BACK)
+            for job_id in list(self._runs):
                 with contextlib.suppress(Exception):  # a dead engine may refuse even this
                     await self.engine.abort(job_id)
             _, stuck = await asyncio.wait(
-                list(self._tasks.values()), timeout=self.settings.drain_timeout_s
+                [run.task for run in self._runs.values()], timeout=self.settings.drain_timeout_s
             )
             for task in stuck:  # their entries stay pending: reclaimed once we are gone
                 task.cancel()
@@ -399,7 +448,7 @@ class Worker:
                     continue
                 msg = JobMessage.decode(fields)
                 await enqueue(self.r, self.names, msg, arrival=False)
-                await self._release(entry_id, msg, "handed_back")
+                await self._release(entry_id, msg, Ending.HANDED_BACK)
 
     async def _retire(self) -> None:
         """Leave the worker table — only with an empty inbox (checked and done at once, in
@@ -432,11 +481,11 @@ class Worker:
         hb = Heartbeat(
             self.worker_id,
             self.capacity,
-            len(self._tasks),
+            len(self._runs),
             await redis_now(self.r),
             draining or self._engine_dead.is_set(),
             self.reserve,
-            jobs=sorted(self._tasks),
+            jobs=sorted(self._runs),
             engine_ok=not self._engine_dead.is_set(),
             engine_preempts=self.engine_preempts,
             holder=self.holder,
@@ -491,11 +540,12 @@ class Worker:
     def _engine_died(self) -> None:
         """The engine is dead: every job it ran shares the fault (any may have caused it)."""
         if not self._engine_dead.is_set():
-            suspects = self.first_steps.suspects(self._tasks)
-            self._crashed = dict.fromkeys(suspects, fault_share(len(suspects)))
+            suspects = self.first_steps.suspects(self._runs)
+            for job_id in suspects:
+                self._runs[job_id].crash_charge = fault_share(len(suspects))
             log.error(
                 "the engine died running %d jobs; suspected: %s",
-                len(self._tasks),
+                len(self._runs),
                 ", ".join(sorted(suspects)) or "none",
             )
         self._engine_dead.set()
@@ -523,16 +573,17 @@ class Worker:
                 if msg is None:
                     continue
                 job_id = str(msg["data"])
-                if job_id not in self._tasks:
+                run = self._runs.get(job_id)
+                if run is None:
                     if msg["channel"] == preempt:  # addressed to this worker, yet not here
                         log.info("not preempting job %s: it does not run here", job_id)
                     continue
                 if msg["channel"] != preempt:
                     log.info("aborting cancelled job %s", job_id)
-                    await self._abort_cancelled(job_id, "notice")
+                    await self._abort_cancelled(run, "notice")
                     continue
                 log.info("preempting job %s", job_id)
-                self._preempted.add(job_id)
+                run.stop(Ending.PREEMPTED)
                 try:
                     await self.engine.abort(job_id)
                 except Exception:  # a dead engine refuses even this; the health loop acts
@@ -549,7 +600,11 @@ class Worker:
         notice would have."""
         while True:
             await asyncio.sleep(self.settings.cancel_check_interval_s)
-            claimed = [j for j in self._jobs if j in self._tasks and j not in self._cancelled]
+            claimed = [
+                job_id
+                for job_id, run in self._runs.items()
+                if run.job is not None and Ending.CANCELLED not in run.stops
+            ]
             if not claimed:
                 continue
             try:
@@ -561,25 +616,25 @@ class Worker:
                 log.warning("cancel watch: the database is unreachable (%s)", exc)
                 continue
             for job_id, status in now.items():
-                if status == JobStatus.CANCELLED and job_id in self._tasks:
+                run = self._runs.get(job_id)
+                if status == JobStatus.CANCELLED and run is not None:
                     log.info("aborting job %s: it was cancelled (seen in the database)", job_id)
-                    await self._abort_cancelled(job_id, "database")
+                    await self._abort_cancelled(run, "database")
 
-    async def _abort_cancelled(self, job_id: str, seen_by: str) -> None:
+    async def _abort_cancelled(self, run: Run, seen_by: str) -> None:
         """Stop the run of a job its tenant (or an operator) cancelled, once."""
-        if job_id in self._cancelled:
+        if not run.stop(Ending.CANCELLED):
             return
-        self._cancelled.add(job_id)
         metrics.CANCELS_SEEN.labels(seen_by).inc()
         try:
-            await self.engine.abort(job_id)
+            await self.engine.abort(run.job_id)
         except Exception:  # a dead engine refuses even this; the health loop acts
-            log.warning("aborting job %s failed", job_id, exc_info=True)
+            log.warning("aborting job %s failed", run.job_id, exc_info=True)
 
     def _superseded_elsewhere(self, job_id: str) -> None:
         """A later delivery of the job runs elsewhere: stop this one (its events are refused)."""
-        if job_id in self._tasks and job_id not in self._superseded:
-            self._superseded.add(job_id)
+        run = self._runs.get(job_id)
+        if run is not None and run.stop(Ending.SUPERSEDED):
             task = asyncio.create_task(self.engine.abort(job_id))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -589,7 +644,7 @@ class Worker:
         backoff = Backoff(0.1, self.settings.outage_retry_max_s)
         start = ">"
         while not self._stop_reading.is_set():
-            free = self.capacity - len(self._tasks)
+            free = self.capacity - len(self._runs)
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
@@ -636,7 +691,7 @@ class Worker:
         )
         # Every entry read is taken on before anything else is awaited: an error below
         # must not leave one pending with nobody running it.
-        done_with: list[tuple[str, JobMessage | None, str]] = []
+        done_with: list[tuple[str, JobMessage | None, Ending]] = []
         entries = got[0][1] if got else []
         if unsettled is None:
             unsettled = fault_share(sum(1 for _, fields in entries if fields))
@@ -649,23 +704,25 @@ class Worker:
                 log.exception("inbox entry %s is not a job; dropping it", entry_id)
                 msg = None
             if msg is None:  # deleted meanwhile, or unreadable: nothing to run
-                done_with.append((entry_id, None, "skipped"))
+                done_with.append((entry_id, None, Ending.SKIPPED))
                 continue
-            held = self._entries.get(msg.job_id)
-            if held is not None:
-                if held != entry_id:
+            held = self._runs.get(msg.job_id)
+            if held is not None and not held.settling:
+                if held.entry_id != entry_id:
                     # The same job dispatched here again (a duplicate enqueue): keep one
                     # entry for it, so it holds one slot, and let the other go.
-                    self._entries[msg.job_id] = entry_id
-                    done_with.append((held, msg, "duplicate"))
+                    done_with.append((held.entry_id, msg, Ending.DUPLICATE))
+                    held.entry_id = entry_id
                 continue
-            self._entries[msg.job_id] = entry_id
             if start != ">":
                 msg = dataclasses.replace(msg, unsettled_charge=unsettled)
-            self._tasks[msg.job_id] = asyncio.create_task(
-                tracing.run_job(self._run(msg), msg, self.worker_id), name=msg.job_id
+            # A run whose ending is being written keeps its own entry: this one (the job
+            # handed back and dispatched here again) starts a run of its own.
+            run = self._runs[msg.job_id] = Run(msg, entry_id)
+            run.task = asyncio.create_task(
+                tracing.run_job(self._run(run), msg, self.worker_id), name=msg.job_id
             )
-        metrics.WORKER_RUNNING.set(len(self._tasks))
+        metrics.WORKER_RUNNING.set(len(self._runs))
         for entry_id, maybe_msg, outcome in done_with:
             if maybe_msg is None:
                 await self._drop_entry(entry_id)
@@ -679,7 +736,9 @@ class Worker:
             pipe.xdel(self.inbox, entry_id)
             await pipe.execute()
 
-    async def _release(self, entry_id: str, msg: JobMessage, outcome: str, actual: int = 0) -> None:
+    async def _release(
+        self, entry_id: str, msg: JobMessage, outcome: Ending, actual: int = 0
+    ) -> None:
         """Let go of an inbox entry: acknowledge and delete it (which frees its slot), report
         what the job cost, and drop its `inflight` mark if nothing holds the job now."""
         async with self.r.pipeline(transaction=True) as pipe:
@@ -702,86 +761,76 @@ class Worker:
             task.add_done_callback(self._background.discard)
 
     # --- one job ----------------------------------------------------------------------
-    async def _run(self, msg: JobMessage) -> None:
-        me = asyncio.current_task()
+    async def _run(self, run: Run) -> None:
+        msg = run.msg
         entry_id: str | None = None
         try:
             try:
-                outcome = await self._execute(msg)
+                outcome = await self._execute(run)
             except Exception as exc:  # an unknown engine error, or a bug: another delivery
-                outcome = Outcome("retry", "engine_error", internal_error(msg.job_id, exc))
+                outcome = Outcome(Ending.RETRY, "engine_error", internal_error(msg.job_id, exc))
             # From here on the entry is this run's alone: an entry for the job read from now
             # on (the job handed back and dispatched here again) starts a run of its own.
-            job = self._jobs.get(msg.job_id)
-            entry_id = self._entries.pop(msg.job_id, None)
-            if entry_id is not None:
-                self._settling.add(entry_id)
+            run.settling = True
+            entry_id = run.entry_id
+            self._settling.add(entry_id)
             try:
-                await self._settle(msg, outcome, job, entry_id)
+                await self._settle(run, outcome, entry_id)
             except Exception:
                 # The database refused the outcome for good: let the entry go; the job, still
                 # unfinished there and held by nothing, is the reconciler's to put back.
                 log.exception("settling job %s failed; abandoning this run", msg.job_id)
-                if entry_id is not None:
-                    await self._retrying(
-                        "release", lambda: self._release(entry_id, msg, "abandoned")
-                    )
+                await self._retrying(
+                    "release", lambda: self._release(entry_id, msg, Ending.ABANDONED)
+                )
         finally:
             if entry_id is not None:
                 self._settling.discard(entry_id)
-            if self._tasks.get(msg.job_id) is me:  # unless a new run of the job took over
-                self._tasks.pop(msg.job_id, None)
-                self._entries.pop(msg.job_id, None)
-                self._jobs.pop(msg.job_id, None)
+            if self._runs.get(msg.job_id) is run:  # unless a new run of the job took over
+                del self._runs[msg.job_id]
                 self.publisher.forget(msg.job_id)
-                self._crashed.pop(msg.job_id, None)
-                for marks in (
-                    self._cancelled,
-                    self._handed_back,
-                    self._preempted,
-                    self._superseded,
-                ):
-                    marks.discard(msg.job_id)
             self._slot_freed.set()
-            metrics.WORKER_RUNNING.set(len(self._tasks))
+            metrics.WORKER_RUNNING.set(len(self._runs))
 
-    async def _start(self, msg: JobMessage) -> tuple[JobRecord | None, str]:
-        """Claim the job in the database; (job, "") to run it, else (None, outcome)."""
+    async def _start(self, msg: JobMessage) -> tuple[JobRecord | None, Ending | None]:
+        """Claim the job in the database; (job, None) to run it, else (None, why not)."""
         job = await self.claims.claim(msg.job_id, msg.unsettled_charge)
         if job is not None:
-            return job, ""
+            return job, None
         async with self.db.session() as s:
             current = await job_repo.get_job(s, msg.job_id)
         if current is not None and current.status in (JobStatus.QUEUED, JobStatus.RUNNING):
-            return None, "superseded"  # another delivery claimed it first
+            return None, Ending.SUPERSEDED  # another delivery claimed it first
         if current is not None and current.status == JobStatus.FAILED:
             await self.publisher.send(msg.job_id, JobEvent("error", current.to_api()))
-        return None, "skipped"  # finished, cancelled or dead-lettered meanwhile
+        return None, Ending.SKIPPED  # finished, cancelled or dead-lettered meanwhile
 
-    async def _execute(self, msg: JobMessage) -> Outcome:
+    async def _execute(self, run: Run) -> Outcome:
         """Claim the job, then generate it: the outcome of this run (settled by `_settle`)."""
-        claimed = await self._claim(msg)
-        if isinstance(claimed, str):
+        msg = run.msg
+        claimed = await self._claim(run)
+        if isinstance(claimed, Ending):
             return Outcome(claimed)
         job, already = claimed
         wait = clock.now() - msg.enqueued_at
         metrics.QUEUE_WAIT.labels(job.tier.value).observe(wait)
         self._sample("wait", job.tier.value, wait)
         observe.count_start(self.settings, job)
-        return await self._generate(job, msg, already)
+        return await self._generate(run, job, already)
 
-    async def _claim(self, msg: JobMessage) -> tuple[JobRecord, Streamed] | str:
+    async def _claim(self, run: Run) -> tuple[JobRecord, Streamed] | Ending:
         """This run's claim on the job (the database's, then the event stream's delivery
         fence) and how many characters earlier deliveries streamed of each choice; or why
         it does not run (superseded, skipped)."""
-        job, why_not = await self._retrying("start job", lambda: self._start(msg))
+        job, why_not = await self._retrying("start job", lambda: self._start(run.msg))
         if job is None:
+            assert why_not is not None
             return why_not
-        self._jobs[job.id] = job
+        run.job = job
         if not await self._retrying(
             "claim delivery", lambda: self.events.claim_delivery(job.id, job.deliveries)
         ):
-            return "superseded"
+            return Ending.SUPERSEDED
         # What earlier deliveries streamed (read after the claim: they can add no more).
         earlier = (
             await self._retrying("replay", lambda: self.events.since(job.id, 0))
@@ -791,7 +840,7 @@ class Worker:
         self.publisher.fence(job.id, job.deliveries, [event for _, event in earlier])
         return job, streamed_so_far([e for _, e in earlier])
 
-    async def _generate(self, job: JobRecord, msg: JobMessage, streamed: Streamed) -> Outcome:
+    async def _generate(self, run: Run, job: JobRecord, streamed: Streamed) -> Outcome:
         """Run the job in the engine, streaming of each choice what goes beyond the text
         and log probabilities followers have (`streamed`); the outcome says how it ended."""
         already = streamed.chars.get(0, 0)
@@ -799,7 +848,8 @@ class Worker:
         params: dict[str, Any] = dict(job.params)
         if params.get("seed") is None:
             params["seed"] = replay_seed(job.id)
-        out = Outcome("succeeded")
+        msg = run.msg
+        out = Outcome(Ending.SUCCEEDED)
         text_parts: list[str] = []
         produced = 0
         keep = resumable(job.params)
@@ -921,19 +971,22 @@ class Worker:
                         emitted = produced
                     pending = []
         except EngineRequestError as exc:
-            return dataclasses.replace(out, kind="failed", code=exc.code, message=str(exc))
+            return dataclasses.replace(out, kind=Ending.FAILED, code=exc.code, message=str(exc))
         except EngineDead:
             self._engine_died()
-            self._handed_back.add(job.id)
+            run.stop(Ending.HANDED_BACK)
         except Exception as exc:
             if watchdog.expired():  # the engine streamed nothing for JOB_STALL_S
-                await self._stalled(job, out.completion_tokens - out.resumed)
+                await self._stalled(run, job, out.completion_tokens - out.resumed)
             else:
                 # Unknown, perhaps transient: another delivery, resuming after what this
                 # one generated (kept with the job when it goes back).
                 out.text = "".join(text_parts)
                 return dataclasses.replace(
-                    out, kind="retry", code="engine_error", message=internal_error(job.id, exc)
+                    out,
+                    kind=Ending.RETRY,
+                    code="engine_error",
+                    message=internal_error(job.id, exc),
                 )
         finally:
             self.first_steps.passed(job.id)
@@ -955,21 +1008,21 @@ class Worker:
                 out.finish_reason = "error"
             elif any(r in (None, "abort") for r in reasons):
                 out.finish_reason = next(r for r in reasons if r in (None, "abort"))
-        if job.id in self._superseded:
-            out.kind = "superseded"
+        if Ending.SUPERSEDED in run.stops:
+            out.kind = Ending.SUPERSEDED
         elif out.finish_reason == "error":
             # vLLM ended the request itself (a request-level error, such as a grammar that
             # failed mid-run): not an answer; tried again, as a failed delivery.
-            out.kind, out.code = "retry", "engine_error"
+            out.kind, out.code = Ending.RETRY, "engine_error"
             out.message = "the engine ended the request with an error"
         elif out.finish_reason in (None, "abort"):
             # It stopped early (a finished one stays finished, whatever marks came late).
-            out.kind = self._why_stopped(job.id)
-            if out.kind == "retry":
+            out.kind = run.why_stopped()
+            if out.kind == Ending.RETRY:
                 out.code, out.message = "engine_error", "the engine aborted it"
         return out
 
-    async def _stalled(self, job: JobRecord, generated: int) -> None:
+    async def _stalled(self, run: Run, job: JobRecord, generated: int) -> None:
         """The watchdog's hand-back of a run the engine streamed nothing for in JOB_STALL_S:
         the request goes from the engine, the job back to its queue with what it generated,
         at no charge (the engine lost it; the job did nothing wrong)."""
@@ -981,76 +1034,63 @@ class Worker:
             self.settings.job_stall_s,
             generated,
         )
-        self._handed_back.add(job.id)
+        run.stop(Ending.HANDED_BACK)
         try:
             async with asyncio.timeout(ABORT_TIMEOUT_S):
                 await self.engine.abort(job.id)
         except Exception:  # a hung engine is the health check's to find
             log.warning("aborting stalled job %s failed", job.id, exc_info=True)
 
-    def _why_stopped(self, job_id: str) -> str:
-        """Why the engine stopped a job before it finished: this worker's own doing, or
-        (retry) a reason of the engine's own."""
-        if job_id in self._handed_back:
-            return "handed_back"
-        if job_id in self._preempted:
-            # What it generated goes back with it: the next run resumes after it, and a
-            # client following the job sees the text go on where it stopped.
-            return "preempted"
-        if job_id in self._cancelled:  # cancelled by its tenant (the API closed it)
-            return "cancelled"
-        return "retry"
-
-    async def _settle(
-        self, msg: JobMessage, out: Outcome, job: JobRecord | None, entry_id: str | None
-    ) -> None:
+    async def _settle(self, run: Run, out: Outcome, entry_id: str) -> None:
         """The one place a run of a job ends, whatever its outcome: the database, the final
         event, the bill of a cancelled run, the inbox entry and the slot."""
+        msg, job = run.msg, run.job
         delivery = job.deliveries if job is not None else None
         kind = out.kind
-        if kind in ("succeeded", "retry", "failed", "preempted", "handed_back"):
+        if kind in _FLUSHED_FIRST:
             # Its deltas reach Redis before the database calls it finished (a follower that
             # sees it finished there finds every delta in the replay buffer) or puts it back
             # (the next delivery finds what followers have, and resumes after it).
             await self.publisher.flush(msg.job_id)
-        if kind == "retry":
+        if kind == Ending.RETRY:
             # An error of the engine on this job's request: one whole failed delivery.
             out = dataclasses.replace(out, charge=FAULT_UNIT)
             limit = self.settings.max_deliveries * FAULT_UNIT
             if job is not None and job.fault_charge + out.charge < limit:
-                kind = "handed_back"
+                kind = Ending.HANDED_BACK
                 log.warning("job %s goes back for another delivery: %s", msg.job_id, out.message)
             else:
-                kind = "failed"
-        elif kind == "handed_back":
+                kind = Ending.FAILED
+        elif kind == Ending.HANDED_BACK:
             # A dead engine shares its fault among the jobs it ran; a drain costs nothing.
-            out = dataclasses.replace(out, charge=self._crashed.get(msg.job_id, 0))
+            out = dataclasses.replace(out, charge=run.crash_charge)
         settled = {
-            "succeeded": self._ended,
-            "failed": self._ended,
-            "handed_back": self._handed_back_to_queue,
-            "preempted": self._handed_back_to_queue,
+            Ending.SUCCEEDED: self._ended,
+            Ending.FAILED: self._ended,
+            Ending.HANDED_BACK: self._handed_back_to_queue,
+            Ending.PREEMPTED: self._handed_back_to_queue,
         }.get(kind)
         # True when the job's row took this run's outcome; else another ending got there
         # first (a cancel, a later delivery), and the kind says which.
         if settled is not None and not await settled(msg, out, kind, delivery):
             kind = await self._retrying("why not", lambda: self._why_not(msg.job_id, delivery))
-        if kind == "failed" and out.kind == "retry":  # its last delivery failed it
+        if kind == Ending.FAILED and out.kind == Ending.RETRY:  # its last delivery failed it
             metrics.DEAD_LETTERS.labels(msg.tier.value).inc()
         # Billed: what this run computed and what earlier runs generated that it resumed
         # after (no earlier run billed it), even if the cancel came before its first token.
-        if kind == "cancelled" and job is not None and (out.served > 0 or out.resumed > 0):
+        if kind == Ending.CANCELLED and job is not None and (out.served > 0 or out.resumed > 0):
             await self._retrying("bill cancelled", lambda: self._bill_cancelled(msg, out))
-        if entry_id is not None:
-            await self._retrying("release", lambda: self._release(entry_id, msg, kind, out.served))
+        await self._retrying("release", lambda: self._release(entry_id, msg, kind, out.served))
 
-    async def _ended(self, msg: JobMessage, out: Outcome, kind: str, delivery: int | None) -> bool:
+    async def _ended(
+        self, msg: JobMessage, out: Outcome, kind: Ending, delivery: int | None
+    ) -> bool:
         """Succeeded or failed: the job's row takes the outcome, then its final event."""
         code = out.code or "engine_error"
         message = out.message or "the engine failed"
 
         def end(s: Session) -> JobRecord | None:
-            if kind == "failed":
+            if kind == Ending.FAILED:
                 return job_repo.fail_job(s, msg.job_id, code, message, delivery=delivery)
             return job_repo.finish_job(
                 s,
@@ -1068,13 +1108,13 @@ class Worker:
         async def write() -> JobRecord | None:
             return await self.db.write(end)
 
-        ended = await self._retrying("fail job" if kind == "failed" else "finish job", write)
+        ended = await self._retrying("fail job" if kind == Ending.FAILED else "finish job", write)
         if ended is None:
             return False
         observe.count_end(
             msg.tier, msg.enqueued_at, out.first_token_at, out.completion_tokens - out.resumed
         )
-        if kind == "failed":
+        if kind == Ending.FAILED:
             metrics.JOBS_FINISHED.labels(msg.tier.value, "failed").inc()
         else:
             self._count_success(ended, out)
@@ -1084,10 +1124,10 @@ class Worker:
         return True
 
     async def _handed_back_to_queue(
-        self, msg: JobMessage, out: Outcome, kind: str, delivery: int | None
+        self, msg: JobMessage, out: Outcome, kind: Ending, delivery: int | None
     ) -> bool:
         """Back to its tier's queue for another delivery (at the head when preempted)."""
-        preempted = kind == "preempted"
+        preempted = kind == Ending.PREEMPTED
 
         progress = out.progress(self.progress_source)
 
@@ -1130,26 +1170,26 @@ class Worker:
             job_repo.bill_cancelled, msg.job_id, out.prompt_tokens, out.completion_tokens
         )
 
-    async def _why_not(self, job_id: str, delivery: int | None) -> str:
+    async def _why_not(self, job_id: str, delivery: int | None) -> Ending:
         """Why a run's final transition found the job elsewhere: a later delivery owns it
         (superseded), or it ended meanwhile (cancelled by its tenant, say)."""
         async with self.db.session() as s:
             current = await job_repo.get_job(s, job_id)
         if current is None:
-            return "skipped"
+            return Ending.SKIPPED
         if delivery is not None and current.deliveries != delivery:
-            return "superseded"
+            return Ending.SUPERSEDED
         if current.status in (JobStatus.QUEUED, JobStatus.RUNNING):
-            return "superseded"  # put back meanwhile (the reconciler): not this run's any more
+            return Ending.SUPERSEDED  # put back meanwhile (the reconciler): not this run's any more
         if current.status == JobStatus.CANCELLED:
-            return "cancelled"
+            return Ending.CANCELLED
         if current.worker_id == self.worker_id and current.status in (
             JobStatus.SUCCEEDED,
             JobStatus.FAILED,
         ):
             # This run's own commit, whose reply was lost: the final event is still owed.
             await self.publisher.send(job_id, _final_event(current))
-        return "skipped"
+        return Ending.SKIPPED
 
     def _count_success(self, job: JobRecord, out: Outcome) -> None:
         tier = job.tier.value

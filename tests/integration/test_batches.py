@@ -197,10 +197,10 @@ async def test_cancel_drops_queued_work_and_keeps_finished_results(
         counts = await batch_repo.job_counts(s, batch.id)
     assert counts.get("queued", 0) == counts.get("running", 0) == 0  # type: ignore[call-overload]
     for _ in range(50):  # the worker lets go of the aborted jobs
-        if not platform.workers["w1"][0]._tasks:
+        if not platform.workers["w1"][0]._runs:
             break
         await asyncio.sleep(0.1)
-    assert not platform.workers["w1"][0]._tasks
+    assert not platform.workers["w1"][0]._runs
     again = await client.batches.cancel(batch.id)  # harmless twice
     assert again.status == "cancelled"
 

@@ -60,7 +60,7 @@ async def test_a_cancel_whose_notice_is_lost_still_stops_the_run_and_bills_what_
         await asyncio.sleep(0.5)  # the notice went out meanwhile, to nobody
         stop.set()
         await storm
-        while job["id"] in worker._tasks:  # the run is still in the engine
+        while job["id"] in worker._runs:  # the run is still in the engine
             assert time.monotonic() - cancelled_at < bound_s + 5, "the run was never stopped"
             await asyncio.sleep(0.02)
         stopped_after = time.monotonic() - cancelled_at

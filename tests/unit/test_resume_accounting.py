@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from benchmarks.decode_ledger import DecodeLedger
 from models.records import Progress
 from workers.engine.base import Chunk, resumed_params
-from workers.worker import Outcome, resumable
+from workers.worker import Ending, Outcome, resumable
 
 
 def test_a_resumed_run_is_asked_for_what_is_left_with_the_same_sampling() -> None:
@@ -32,7 +32,7 @@ def test_structured_outputs_start_again() -> None:
 
 
 def test_a_run_keeps_progress_only_when_the_engine_named_every_token() -> None:
-    out = Outcome("preempted", text=" a b", prompt_tokens=9, completion_tokens=2)
+    out = Outcome(Ending.PREEMPTED, text=" a b", prompt_tokens=9, completion_tokens=2)
     assert out.progress("vllm:m") is None  # no ids: nothing to resume after
     out.token_ids = [5, 6]
     assert out.progress("vllm:m") == Progress((5, 6), " a b", 9, "vllm:m")
@@ -43,7 +43,7 @@ def test_a_run_keeps_progress_only_when_the_engine_named_every_token() -> None:
 
 
 def test_served_counts_this_runs_work_only() -> None:
-    out = Outcome("succeeded", prompt_tokens=9, completion_tokens=10, resumed=4)
+    out = Outcome(Ending.SUCCEEDED, prompt_tokens=9, completion_tokens=10, resumed=4)
     assert out.served == 9 + 6
 
 
@@ -69,8 +69,8 @@ def test_stop_strings_penalties_and_a_tenants_seed_with_sampling_start_again() -
 
 
 def test_a_run_that_resumed_and_generated_nothing_served_nothing() -> None:
-    assert Outcome("handed_back", prompt_tokens=9, completion_tokens=4, resumed=4).served == 0
-    assert Outcome("handed_back", prompt_tokens=9, completion_tokens=0).served == 9
+    assert Outcome(Ending.HANDED_BACK, prompt_tokens=9, completion_tokens=4, resumed=4).served == 0
+    assert Outcome(Ending.HANDED_BACK, prompt_tokens=9, completion_tokens=0).served == 9
 
 
 async def _chunks(*finishes: str | None) -> AsyncIterator[Chunk]:
