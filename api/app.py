@@ -15,13 +15,14 @@ from api.admin.router import router as admin_router
 from api.auth import KeyCache
 from api.batches.router import router as batches_router
 from api.console.router import router as console_router
-from api.deps import Door
+from api.deps import AppParts
 from api.files.router import router as files_router
 from api.gate import TenantGate
 from api.hub import EventHub
 from api.jobs.router import router as jobs_router
 from api.limits import BodySizeLimit, HostileInput
 from api.openai.router import router as openai_router
+from api.openai.serving import OpenAIServing
 from api.request_spans import RequestSpans
 from api.usage import router as usage_router
 from api.webhooks.router import router as webhooks_router
@@ -59,7 +60,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         app.state.hub = EventHub(app.state.redis, app.state.names, app.state.db, settings)
         app.state.hub.access_listeners.append(app.state.key_cache.forget)
         await app.state.hub.start()
-        app.state.door = Door(
+        app.state.parts = AppParts(
             settings,
             app.state.db,
             app.state.redis,
@@ -69,6 +70,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
             app.state.admission_gate,
             Enqueuer(app.state.redis, app.state.names),
         )
+        app.state.openai = OpenAIServing(app.state.parts)
         if freeze_gc:
             # What startup made lives as long as the process: out of the collector's
             # sight, so that its full collections stay short (they set the admission's
@@ -80,7 +82,8 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
             yield
         finally:
             try:
-                await app.state.door.enqueuer.aclose()  # bounded: its calls' deadline
+                await app.state.openai.aclose()
+                await app.state.parts.enqueuer.aclose()  # bounded: its calls' deadline
             finally:
                 await app.state.hub.stop()
                 await app.state.redis.aclose()

@@ -1,9 +1,9 @@
-"""Typed dependencies: route functions take these and nothing else.
+"""Typed dependencies: route functions take these and nothing else — the app's parts
+(`PartsDep`), the tenant a key names (`TenantDep`), a database session (`SessionDep`).
 
 Every dependency is a coroutine function, even where it only reads app.state: FastAPI
-runs a plain function in a worker thread, a hop that cost the hot path more than the
-lookup itself. FastAPI's resolution of a dependency costs more than what most of these do:
-the routes that admit jobs take the app's parts as one `Door`, not one dependency each."""
+runs a plain function in a worker thread, a hop that costs the hot path more than the
+lookup itself."""
 
 from __future__ import annotations
 
@@ -30,44 +30,11 @@ from tierq.redis_names import RedisNames
 from tierq.settings import Settings
 
 
-async def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
-
-
-async def get_db(request: Request) -> Database:
-    db: Database = request.app.state.db
-    return db
-
-
-async def get_session(db: Annotated[Database, Depends(get_db)]) -> AsyncIterator[AsyncSession]:
-    async with db.session() as s:
-        yield s
-
-
-async def get_redis(request: Request) -> aioredis.Redis:
-    r: aioredis.Redis = request.app.state.redis
-    return r
-
-
-async def get_names(request: Request) -> RedisNames:
-    names: RedisNames = request.app.state.names
-    return names
-
-
-async def get_events(request: Request) -> EventLog:
-    events: EventLog = request.app.state.events
-    return events
-
-
-async def get_hub(request: Request) -> EventHub:
-    hub: EventHub = request.app.state.hub
-    return hub
-
-
 @dataclass(frozen=True, slots=True)
-class Door:
-    """The parts of the app that admitting a job uses, made once at startup (api/app.py)."""
+class AppParts:
+    """The app's parts, made once at startup (api/app.py). Routes reach them through one
+    dependency, `PartsDep`: FastAPI's resolution of a dependency costs more than reading
+    app.state does, so a route pays for one."""
 
     settings: Settings
     db: Database
@@ -79,19 +46,20 @@ class Door:
     enqueuer: Enqueuer
 
 
-async def get_door(request: Request) -> Door:
-    door: Door = request.app.state.door
-    return door
+async def get_parts(request: Request) -> AppParts:
+    parts: AppParts = request.app.state.parts
+    return parts
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-DbDep = Annotated[Database, Depends(get_db)]
+PartsDep = Annotated[AppParts, Depends(get_parts)]
+
+
+async def get_session(parts: PartsDep) -> AsyncIterator[AsyncSession]:
+    async with parts.db.session() as s:
+        yield s
+
+
 SessionDep = Annotated[AsyncSession, Depends(get_session)]
-RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
-NamesDep = Annotated[RedisNames, Depends(get_names)]
-EventsDep = Annotated[EventLog, Depends(get_events)]
-HubDep = Annotated[EventHub, Depends(get_hub)]
-DoorDep = Annotated[Door, Depends(get_door)]
 
 
 def _bearer(request: Request) -> str:
@@ -165,15 +133,15 @@ async def stream_slot(hub: EventHub, settings: Settings, tenant: TenantRecord) -
         ) from None
 
 
-async def require_admin(request: Request, db: DbDep, settings: SettingsDep) -> None:
+async def require_admin(request: Request, parts: PartsDep) -> None:
     """ADMIN_API_KEY, compared in constant time: a tenant's key gets 403, none 401."""
     secret = _bearer(request)
-    configured = settings.admin_api_key
+    configured = parts.settings.admin_api_key
     if configured and hmac.compare_digest(secret.encode(), configured.encode()):
         return
     owner = None
     if well_formed(secret):  # a tenant's key, perhaps: say so (403), not merely 401
-        async with db.session() as s:
+        async with parts.db.session() as s:
             owner = await tenants.owner_of_key(s, secret)
     if owner is not None:
         raise APIError(

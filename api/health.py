@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.deps import DbDep, NamesDep, RedisDep, SettingsDep
+from api.deps import PartsDep
 from api.errors import documented
 from tierq import metrics as series
 from tierq.queue import live_workers
@@ -30,10 +30,7 @@ async def healthz() -> dict[str, str]:
     },
 )
 async def readyz(
-    db: DbDep,
-    r: RedisDep,
-    names: NamesDep,
-    settings: SettingsDep,
+    parts: PartsDep,
     min_workers: Annotated[int, Query(ge=0, le=100_000)] = 0,
 ) -> JSONResponse:
     """Whether this API replica can admit work: its database and Redis answer. What the
@@ -45,16 +42,16 @@ async def readyz(
     checks: dict[str, str] = {}
     body_extra: dict[str, list[str]] = {}
     try:
-        await db.ping()
+        await parts.db.ping()
         checks["database"] = "ok"
     except Exception as exc:  # any failure means not ready; say which
         checks["database"] = f"error: {type(exc).__name__}"
     workers = 0
     fleet = "unknown"
     try:
-        await r.ping()
+        await parts.redis.ping()
         checks["redis"] = "ok"
-        alive, _ = await live_workers(r, names, settings.worker_dead_after_s)
+        alive, _ = await live_workers(parts.redis, parts.names, parts.settings.worker_dead_after_s)
         dead_engines = sorted(w.worker_id for w in alive if not w.engine_ok)
         workers = len([w for w in alive if not w.draining and w.engine_ok])
         if workers:
@@ -83,8 +80,8 @@ async def readyz(
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(settings: SettingsDep) -> Response:
+async def metrics(parts: PartsDep) -> Response:
     """This process's series, or every API process's summed (`tierq api --workers N`)."""
-    folder = settings.prometheus_multiproc_dir
+    folder = parts.settings.prometheus_multiproc_dir
     registry = series.exposed(tenants=False, folder=str(folder) if folder else None)
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

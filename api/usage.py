@@ -8,8 +8,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from api.deps import DbDep, TenantDep
-from api.errors import APIError, documented
+from api.deps import PartsDep, TenantDep
+from api.errors import APIError
+from api.schemas import UsageReport, answered
 from models import billing
 from models.db import Database
 
@@ -102,13 +103,17 @@ async def usage_report(
     }
 
 
-@router.get("/v1/usage", responses=documented(400, 401, 503))
+@router.get(
+    "/v1/usage",
+    response_model=None,
+    responses=answered(UsageReport, 400, 401, 503),
+)
 async def own_usage(
     tenant: TenantDep,
-    db: DbDep,
+    parts: PartsDep,
     start: Since = None,
     end: Until = None,
     group_by: GroupBy = None,
 ) -> dict[str, Any]:
     """The caller's own usage: tokens and cost per day, tier or model."""
-    return await usage_report(db, tenant.id, start, end, group_by)
+    return await usage_report(parts.db, tenant.id, start, end, group_by)

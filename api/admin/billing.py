@@ -10,9 +10,11 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from api.admin.reports import invoices_to_csv
+from api.admin.schemas import InvoiceRollup
 from api.admin.tenants import tenant_or_404
-from api.deps import DbDep
-from api.errors import APIError, documented
+from api.deps import PartsDep
+from api.errors import APIError
+from api.schemas import UsageReport, answered
 from api.usage import GroupBy, Since, Until, usage_report
 from models import billing as billing_repo
 from tierq import clock
@@ -44,26 +46,30 @@ def _csv(rows: list[dict[str, Any]]) -> Response:
     )
 
 
-@router.get("/tenants/{tenant_id}/usage", responses=documented(404))
+@router.get(
+    "/tenants/{tenant_id}/usage",
+    response_model=None,
+    responses=answered(UsageReport, 404),
+)
 async def tenant_usage(
     tenant_id: str,
-    db: DbDep,
+    parts: PartsDep,
     start: Since = None,
     end: Until = None,
     group_by: GroupBy = None,
 ) -> dict[str, Any]:
-    await tenant_or_404(db, tenant_id)
-    return await usage_report(db, tenant_id, start, end, group_by)
+    await tenant_or_404(parts.db, tenant_id)
+    return await usage_report(parts.db, tenant_id, start, end, group_by)
 
 
 @router.get("/invoices", response_model=None, responses=CSV_RESPONSE)
 async def list_invoices(
-    db: DbDep,
+    parts: PartsDep,
     tenant: str | None = None,
     period: Period = None,
     format: Annotated[str, Query(json_schema_extra={"enum": ["json", "csv"]})] = "json",
 ) -> dict[str, Any] | Response:
-    async with db.session() as s:
+    async with parts.db.session() as s:
         rows = await billing_repo.invoices(s, tenant, _period(period))
     if format == "csv":
         return _csv(rows)
@@ -73,17 +79,19 @@ async def list_invoices(
 
 
 @router.get("/invoices.csv", response_model=None, responses=CSV_RESPONSE)
-async def invoices_csv(db: DbDep, tenant: str | None = None, period: Period = None) -> Response:
-    async with db.session() as s:
+async def invoices_csv(
+    parts: PartsDep, tenant: str | None = None, period: Period = None
+) -> Response:
+    async with parts.db.session() as s:
         rows = await billing_repo.invoices(s, tenant, _period(period))
     return _csv(rows)
 
 
-@router.post("/invoices/rollup")
-async def roll_up_invoices(db: DbDep, period: Period = None) -> dict[str, Any]:
+@router.post("/invoices/rollup", response_model=None, responses=answered(InvoiceRollup))
+async def roll_up_invoices(parts: PartsDep, period: Period = None) -> dict[str, Any]:
     """Roll the month's ledger up into invoices now (beat does it periodically)."""
     month = _period(period) or clock.utcnow().strftime("%Y-%m")
-    tenants = await billing_repo.roll_up_month(db, month)
-    async with db.session() as s:
+    tenants = await billing_repo.roll_up_month(parts.db, month)
+    async with parts.db.session() as s:
         rows = await billing_repo.invoices(s, None, month)
     return {"object": "list", "period": month, "tenants": tenants, "data": rows}

@@ -6,39 +6,49 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from api.admin.schemas import ApiKey, ApiKeyList
 from api.admin.tenants import announce, tenant_or_404
-from api.deps import DbDep, NamesDep, RedisDep
-from api.errors import documented, not_found
+from api.deps import PartsDep
+from api.errors import not_found
 from api.pages import list_page
+from api.schemas import answered
 from models import tenants as tenant_repo
 
 router = APIRouter()
 
 
-@router.post("/tenants/{tenant_id}/keys", responses=documented(404))
-async def create_key(tenant_id: str, db: DbDep) -> dict[str, Any]:
+@router.post(
+    "/tenants/{tenant_id}/keys",
+    response_model=None,
+    responses=answered(ApiKey, 404),
+)
+async def create_key(tenant_id: str, parts: PartsDep) -> dict[str, Any]:
     """The secret is in this answer only; the database keeps its hash."""
-    await tenant_or_404(db, tenant_id)
-    async with db.transaction() as s:
+    await tenant_or_404(parts.db, tenant_id)
+    async with parts.db.transaction() as s:
         issued = await tenant_repo.issue_key(s, tenant_id)
     return issued.to_api()
 
 
-@router.get("/tenants/{tenant_id}/keys", responses=documented(404))
-async def list_keys(tenant_id: str, db: DbDep) -> dict[str, Any]:
-    await tenant_or_404(db, tenant_id)
-    async with db.session() as s:
+@router.get(
+    "/tenants/{tenant_id}/keys",
+    response_model=None,
+    responses=answered(ApiKeyList, 404),
+)
+async def list_keys(tenant_id: str, parts: PartsDep) -> dict[str, Any]:
+    await tenant_or_404(parts.db, tenant_id)
+    async with parts.db.session() as s:
         keys = await tenant_repo.list_keys(s, tenant_id)
     return list_page([k.to_api() for k in keys], False)
 
 
-@router.delete("/keys/{key_id}", responses=documented(404))
-async def revoke_key(key_id: str, db: DbDep, r: RedisDep, names: NamesDep) -> dict[str, Any]:
+@router.delete("/keys/{key_id}", response_model=None, responses=answered(ApiKey, 404))
+async def revoke_key(key_id: str, parts: PartsDep) -> dict[str, Any]:
     """Effective at once: every request looks its key up in the database (no cache),
     admission looks again under the tenant's lock, and the key's open streams close."""
-    async with db.transaction() as s:
+    async with parts.db.transaction() as s:
         key = await tenant_repo.revoke_key(s, key_id)
     if key is None:
         raise not_found("key", key_id)
-    await announce(r, names, f"key:{key_id}")
+    await announce(parts.redis, parts.names, f"key:{key_id}")
     return {**key.to_api(), "revoked": True}

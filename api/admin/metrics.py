@@ -11,14 +11,14 @@ from fastapi import APIRouter, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.deps import SettingsDep
+from api.deps import PartsDep
 from tierq import metrics
 
 router = APIRouter()
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def tenant_metrics(settings: SettingsDep) -> Response:
-    folder = settings.prometheus_multiproc_dir
+async def tenant_metrics(parts: PartsDep) -> Response:
+    folder = parts.settings.prometheus_multiproc_dir
     registry = metrics.exposed(tenants=True, folder=str(folder) if folder else None)
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -8,26 +8,30 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from api.deps import DbDep, NamesDep, RedisDep, SettingsDep
-from api.errors import documented
+from api.admin.schemas import Overview
+from api.deps import PartsDep
+from api.openai.protocol import Batch
+from api.schemas import answered
 from services import cancellation, overview
 
 router = APIRouter()
 
 
-@router.get("/overview")
-async def get_overview(
-    db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep
-) -> dict[str, Any]:
+@router.get("/overview", response_model=None, responses=answered(Overview))
+async def get_overview(parts: PartsDep) -> dict[str, Any]:
     """Tiers (depth, wait and TTFT percentiles, served share against the minimum), workers
     (slots, load, heartbeat age), tenants (usage this month, quota headroom, status),
     batches (progress, estimated completion) and recent failures with their codes."""
-    return await overview.gather(db, r, names, settings)
+    return await overview.gather(parts.db, parts.redis, parts.names, parts.settings)
 
 
-@router.post("/batches/{batch_id}/cancel", responses=documented(404, 409))
-async def cancel_batch(
-    batch_id: str, db: DbDep, r: RedisDep, names: NamesDep, settings: SettingsDep
-) -> dict[str, Any]:
+@router.post(
+    "/batches/{batch_id}/cancel",
+    response_model=None,
+    responses=answered(Batch, 404, 409),
+)
+async def cancel_batch(batch_id: str, parts: PartsDep) -> dict[str, Any]:
     """Cancel any tenant's batch, as its tenant could (`POST /v1/batches/{id}/cancel`)."""
-    return await cancellation.cancel_batch(db, r, names, settings, batch_id, None)
+    return await cancellation.cancel_batch(
+        parts.db, parts.redis, parts.names, parts.settings, batch_id, None
+    )

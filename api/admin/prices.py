@@ -6,25 +6,26 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from api.admin.schemas import PriceSet
-from api.deps import DbDep
+from api.admin.schemas import Price, PriceList, PriceSet
+from api.deps import PartsDep
+from api.schemas import answered
 from models import prices as price_repo
 
 router = APIRouter()
 
 
-@router.put("/prices")
-async def set_price(body: PriceSet, db: DbDep) -> dict[str, Any]:
+@router.put("/prices", response_model=None, responses=answered(Price))
+async def set_price(body: PriceSet, parts: PartsDep) -> dict[str, Any]:
     """Applies to jobs admitted from now on; admitted jobs keep their price."""
-    async with db.transaction() as s:
+    async with parts.db.transaction() as s:
         price = await price_repo.set_price(
             s, body.model, body.tier.value, body.input_per_million, body.output_per_million
         )
     return price.to_api()
 
 
-@router.get("/prices")
-async def list_prices(db: DbDep) -> dict[str, Any]:
-    async with db.session() as s:
+@router.get("/prices", response_model=None, responses=answered(PriceList))
+async def list_prices(parts: PartsDep) -> dict[str, Any]:
+    async with parts.db.session() as s:
         prices = await price_repo.current_prices(s)
     return {"object": "list", "data": [p.to_api() for p in prices]}

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
+from api.schemas import Body, Page
 from services.requests import INT64_DOCUMENTED
 from tierq.tiers import Tier
 
@@ -133,3 +134,125 @@ class PriceSet(BaseModel):
     @classmethod
     def _money(cls, v: object) -> Decimal | None:
         return _decimal(v, "price")
+
+
+# --- response bodies (see api/schemas.py for how they are used) ----------------------------
+class Tenant(Body):
+    id: str
+    object: Literal["tenant"]
+    name: str
+    status: str
+    allowed_tiers: list[str]
+    default_tier: str
+    weight: float
+    created_at: int
+
+
+class TenantList(Page):
+    data: list[Tenant]
+
+
+class ApiKey(Body):
+    """A key as listed: its prefix alone (the whole key is shown once, when made)."""
+
+    id: str
+    object: Literal["api_key"]
+    prefix: str
+    created_at: int
+    last_used_at: int | None = None
+    revoked_at: int | None = None
+    key: str | None = None  # when made only
+    revoked: bool | None = None  # when revoked
+
+
+class ApiKeyList(Page):
+    data: list[ApiKey]
+
+
+class Quota(Body):
+    tier: str | None  # None: every tier
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_running: int | None
+    max_queued: int | None
+    token_budget: int | None
+    spend_budget: str | None  # a decimal string
+    budget_period: str | None
+
+
+class QuotaSetResult(Quota):
+    object: Literal["quota"]
+    tenant_id: str
+
+
+class QuotaUsage(Body):
+    requests_last_minute: int
+    tokens_last_minute: int
+    running: int
+    queued: int
+    period_start: int | None
+    tokens_this_period: int
+    spend_this_period: str
+
+
+class QuotaWithUsage(Quota):
+    usage: QuotaUsage
+
+
+class QuotaList(Body):
+    object: Literal["list"]
+    tenant_id: str
+    data: list[QuotaWithUsage]
+
+
+class Price(Body):
+    object: Literal["price"]
+    model: str
+    tier: str
+    input_per_million: str
+    output_per_million: str
+    effective_at: int | None
+    derived_from_standard: bool
+
+
+class PriceList(Body):
+    object: Literal["list"]
+    data: list[Price]
+
+
+class Invoice(Body):
+    id: str
+    object: Literal["invoice"]
+    tenant_id: str
+    period: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost: str
+    lines: list[dict[str, Any]]
+    updated_at: int | None
+
+
+class InvoiceList(Body):
+    object: Literal["list"]
+    data: list[Invoice]
+
+
+class InvoiceRollup(InvoiceList):
+    period: str
+    tenants: list[str]  # the tenants whose invoices it wrote
+
+
+class Overview(Body):
+    """What the console shows: each tier, worker, tenant and batch now, and failures."""
+
+    object: Literal["overview"]
+    at: float
+    share_window_s: float
+    dispatcher_leader: str | None
+    tiers: list[dict[str, Any]]
+    workers: list[dict[str, Any]]
+    tenants: dict[str, Any]
+    batches: list[dict[str, Any]]
+    failures: dict[str, Any]
+    webhooks: dict[str, Any]

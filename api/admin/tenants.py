@@ -12,20 +12,19 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from sqlalchemy.exc import IntegrityError
 
-from api.admin.schemas import TenantCreate, TenantUpdate
+from api.admin.schemas import Tenant, TenantCreate, TenantList, TenantUpdate
 from api.auth import forget_in_process
-from api.deps import DbDep, EventsDep, NamesDep, RedisDep, SettingsDep
-from api.errors import APIError, documented, not_found
+from api.deps import AppParts, PartsDep
+from api.errors import APIError, not_found
 from api.pages import list_page
+from api.schemas import Deleted, answered
 from models import batches as batch_repo
 from models import jobs as job_repo
 from models import tenants as tenant_repo
 from models.db import Database
 from models.records import TenantRecord
 from services import batch_signal, cancellation, tenant_policy
-from tierq.queue import EventLog
 from tierq.redis_names import RedisNames
-from tierq.settings import Settings
 from tierq.states import TenantStatus
 
 router = APIRouter()
@@ -52,34 +51,25 @@ async def announce(r: Any, names: RedisNames, what: str) -> None:
     await r.publish(names.access_channel, what)
 
 
-async def _stop_work(
-    db: Database,
-    r: Any,
-    names: RedisNames,
-    events: EventLog,
-    settings: Settings,
-    tenant_id: str,
-    why: str,
-) -> None:
+async def _stop_work(parts: AppParts, tenant_id: str, why: str) -> None:
     """A tenant stopped (suspended or deleted, as committed): cancel its queued and running
     jobs (running ones are aborted in their engines, every follower gets the final event)
     and its active batches, then tell the dispatcher and every API process."""
+    db, r, names, settings = parts.db, parts.redis, parts.names, parts.settings
     async with db.transaction() as s:
         stopped = await job_repo.cancel_tenant_jobs(s, tenant_id, "tenant_suspended", why)
         batches = await batch_repo.cancel_tenant_batches(s, tenant_id)
-    await cancellation.announce(r, names, events, stopped)
+    await cancellation.announce(r, names, parts.events, stopped)
     for batch_id in batches:
         await batch_signal.poke(settings, r, names, batch_id)
     await policy_changed(db, r, names, tenant_id)
     await announce(r, names, f"tenant:{tenant_id}")  # its open streams close
 
 
-@router.post("/tenants", responses=documented(409))
-async def create_tenant(
-    body: TenantCreate, db: DbDep, r: RedisDep, names: NamesDep
-) -> dict[str, Any]:
+@router.post("/tenants", response_model=None, responses=answered(Tenant, 409))
+async def create_tenant(body: TenantCreate, parts: PartsDep) -> dict[str, Any]:
     try:
-        async with db.transaction() as s:
+        async with parts.db.transaction() as s:
             tenant = await tenant_repo.create_tenant(
                 s,
                 body.name,
@@ -89,37 +79,41 @@ async def create_tenant(
             )
     except IntegrityError:
         raise APIError(409, f"A tenant named '{body.name}' exists.", "tenant_exists") from None
-    await policy_changed(db, r, names, tenant.id)
+    await policy_changed(parts.db, parts.redis, parts.names, tenant.id)
     return tenant.to_api()
 
 
-@router.get("/tenants")
+@router.get("/tenants", response_model=None, responses=answered(TenantList))
 async def list_tenants(
-    db: DbDep,
+    parts: PartsDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1)] = 100,
 ) -> dict[str, Any]:
-    async with db.session() as s:
+    async with parts.db.session() as s:
         page, more = await tenant_repo.list_tenants(s, after, min(limit, 1000))
     return list_page([t.to_api() for t in page], more)
 
 
-@router.get("/tenants/{tenant_id}", responses=documented(404))
-async def get_tenant(tenant_id: str, db: DbDep) -> dict[str, Any]:
-    return (await tenant_or_404(db, tenant_id)).to_api()
+@router.get(
+    "/tenants/{tenant_id}",
+    response_model=None,
+    responses=answered(Tenant, 404),
+)
+async def get_tenant(tenant_id: str, parts: PartsDep) -> dict[str, Any]:
+    return (await tenant_or_404(parts.db, tenant_id)).to_api()
 
 
-@router.patch("/tenants/{tenant_id}", responses=documented(404, 409))
+@router.patch(
+    "/tenants/{tenant_id}",
+    response_model=None,
+    responses=answered(Tenant, 404, 409),
+)
 async def update_tenant(
     tenant_id: str,
     body: TenantUpdate,
-    db: DbDep,
-    r: RedisDep,
-    names: NamesDep,
-    events: EventsDep,
-    settings: SettingsDep,
+    parts: PartsDep,
 ) -> dict[str, Any]:
-    current = await tenant_or_404(db, tenant_id)
+    current = await tenant_or_404(parts.db, tenant_id)
     values = body.model_dump(exclude_unset=True, exclude_none=True)
     allowed = body.allowed_tiers or list(current.allowed_tiers)
     default = body.default_tier or current.default_tier
@@ -136,62 +130,66 @@ async def update_tenant(
         values["default_tier"] = default.value
     status = values.pop("status", None)
     try:
-        async with db.transaction() as s:
+        async with parts.db.transaction() as s:
             updated = await tenant_repo.update_tenant(s, tenant_id, **values)
     except IntegrityError:
         raise APIError(409, f"A tenant named '{body.name}' exists.", "tenant_exists") from None
     if updated is None:
         raise not_found("tenant", tenant_id)
     if status == TenantStatus.SUSPENDED and updated.status != TenantStatus.SUSPENDED:
-        return await suspend_tenant(tenant_id, db, r, names, events, settings)
+        return await suspend_tenant(tenant_id, parts)
     if status == TenantStatus.ACTIVE and updated.status != TenantStatus.ACTIVE:
-        return await resume_tenant(tenant_id, db, r, names)
-    await policy_changed(db, r, names, tenant_id)
+        return await resume_tenant(tenant_id, parts)
+    await policy_changed(parts.db, parts.redis, parts.names, tenant_id)
     return updated.to_api()
 
 
-@router.post("/tenants/{tenant_id}/suspend", responses=documented(404))
+@router.post(
+    "/tenants/{tenant_id}/suspend",
+    response_model=None,
+    responses=answered(Tenant, 404),
+)
 async def suspend_tenant(
     tenant_id: str,
-    db: DbDep,
-    r: RedisDep,
-    names: NamesDep,
-    events: EventsDep,
-    settings: SettingsDep,
+    parts: PartsDep,
 ) -> dict[str, Any]:
     """Its keys stop working at once; its queued and running jobs and batches are cancelled."""
-    await tenant_or_404(db, tenant_id)
-    async with db.transaction() as s:
+    await tenant_or_404(parts.db, tenant_id)
+    async with parts.db.transaction() as s:
         tenant = await tenant_repo.update_tenant(s, tenant_id, status=TenantStatus.SUSPENDED)
     assert tenant is not None
-    await _stop_work(db, r, names, events, settings, tenant_id, "the tenant was suspended")
+    await _stop_work(parts, tenant_id, "the tenant was suspended")
     return tenant.to_api()
 
 
-@router.post("/tenants/{tenant_id}/resume", responses=documented(404))
-async def resume_tenant(tenant_id: str, db: DbDep, r: RedisDep, names: NamesDep) -> dict[str, Any]:
-    await tenant_or_404(db, tenant_id)
-    async with db.transaction() as s:
+@router.post(
+    "/tenants/{tenant_id}/resume",
+    response_model=None,
+    responses=answered(Tenant, 404),
+)
+async def resume_tenant(tenant_id: str, parts: PartsDep) -> dict[str, Any]:
+    await tenant_or_404(parts.db, tenant_id)
+    async with parts.db.transaction() as s:
         tenant = await tenant_repo.update_tenant(s, tenant_id, status=TenantStatus.ACTIVE)
     assert tenant is not None
-    await policy_changed(db, r, names, tenant_id)
+    await policy_changed(parts.db, parts.redis, parts.names, tenant_id)
     return tenant.to_api()
 
 
-@router.delete("/tenants/{tenant_id}", responses=documented(404))
+@router.delete(
+    "/tenants/{tenant_id}",
+    response_model=None,
+    responses=answered(Deleted, 404),
+)
 async def delete_tenant(
     tenant_id: str,
-    db: DbDep,
-    r: RedisDep,
-    names: NamesDep,
-    events: EventsDep,
-    settings: SettingsDep,
+    parts: PartsDep,
 ) -> dict[str, Any]:
     """Keys revoked, work cancelled, the tenant gone from every listing; its ledger and
     invoices stay (billing history is not deleted)."""
-    await tenant_or_404(db, tenant_id)
-    async with db.transaction() as s:
+    await tenant_or_404(parts.db, tenant_id)
+    async with parts.db.transaction() as s:
         await tenant_repo.update_tenant(s, tenant_id, status=TenantStatus.DELETED)
         await tenant_repo.revoke_all_keys(s, tenant_id)
-    await _stop_work(db, r, names, events, settings, tenant_id, "the tenant was deleted")
+    await _stop_work(parts, tenant_id, "the tenant was deleted")
     return {"id": tenant_id, "object": "tenant", "deleted": True}

@@ -14,13 +14,15 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from api.deps import DbDep, NamesDep, RedisDep, SettingsDep, TenantDep, api_key_id
+from api.deps import PartsDep, TenantDep, api_key_id
 from api.errors import APIError, documented, not_found
 from api.files.lingering import LingeringRefusal, Unread
 from api.files.multipart import Form, read_form
 from api.files.part_writer import PartWriter
 from api.files.upload_lease import UploadLease
+from api.openai.protocol import FileList, FileObject
 from api.pages import list_page
+from api.schemas import Deleted, answered
 from models import batches as batch_repo
 from models import files as file_repo
 from models.db import Database
@@ -87,14 +89,16 @@ _UPLOAD = {
 }
 
 
-@router.post("", openapi_extra=_UPLOAD, response_model=None, responses=documented(413, 415, 429))
+@router.post(
+    "",
+    openapi_extra=_UPLOAD,
+    response_model=None,
+    responses=answered(FileObject, 413, 415, 429),
+)
 async def create_file(
     request: Request,
     tenant: TenantDep,
-    db: DbDep,
-    settings: SettingsDep,
-    r: RedisDep,
-    names: NamesDep,
+    parts: PartsDep,
 ) -> dict[str, Any] | Response:
     """multipart/form-data with `file`, `purpose` and optionally `expires_after[anchor]`
     and `expires_after[seconds]` (OpenAI's contract). The file part is written to the file
@@ -108,24 +112,31 @@ async def create_file(
             "Upload a file as multipart/form-data with 'file' and 'purpose'.",
             "invalid_content_type",
         )
-    lease = UploadLease(r, names, tenant.id)
+    lease = UploadLease(parts.redis, parts.names, tenant.id)
     file_id = new_id("file")
-    store = file_store(settings)
-    writer = PartWriter(store, file_id, settings, db, tenant.id, lease, _filename)
+    store = file_store(parts.settings)
+    writer = PartWriter(store, file_id, parts.settings, parts.db, tenant.id, lease, _filename)
     try:
-        async with _slot(lease, settings) as committed:
+        async with _slot(lease, parts.settings) as committed:
             stored = False
             try:
-                form = await _receive(request, db, settings, lease, writer)
-                purpose, expires_after_s = _purpose(form), _expires_after(form, settings)
+                form = await _receive(request, parts.db, parts.settings, lease, writer)
+                purpose, expires_after_s = _purpose(form), _expires_after(form, parts.settings)
                 await writer.commit()
                 stored = True
                 record = await _add(
-                    request, tenant.id, db, settings, file_id, purpose, writer, expires_after_s
+                    request,
+                    tenant.id,
+                    parts.db,
+                    parts.settings,
+                    file_id,
+                    purpose,
+                    writer,
+                    expires_after_s,
                 )
                 committed.set()
             except BaseException:
-                await forget(store, db, writer.writes, [file_id] if stored else [])
+                await forget(store, parts.db, writer.writes, [file_id] if stored else [])
                 raise
     except Unread as unread:
         return LingeringRefusal(unread.refusal)
@@ -310,18 +321,17 @@ async def _refuse_early(request: Request, tenant_id: str, db: Database, settings
     _check_room(used, max(0, size - FRAMING_BYTES), settings)
 
 
-@router.get("")
+@router.get("", response_model=None, responses=answered(FileList))
 async def list_files(
     tenant: TenantDep,
-    db: DbDep,
-    settings: SettingsDep,
+    parts: PartsDep,
     purpose: str | None = None,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1)] = 20,
     order: Literal["asc", "desc"] = "desc",
 ) -> dict[str, Any]:
-    limit = min(limit, settings.list_page_max)
-    async with db.session() as s:
+    limit = min(limit, parts.settings.list_page_max)
+    async with parts.db.session() as s:
         page, has_more = await file_repo.list_files(
             s, tenant.id, purpose=purpose, after=after, limit=limit, newest_first=order == "desc"
         )
@@ -329,9 +339,9 @@ async def list_files(
     return list_page(data, has_more)
 
 
-@router.get("/{file_id}", responses=documented(404))
-async def get_file(file_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]:
-    async with db.session() as s:
+@router.get("/{file_id}", response_model=None, responses=answered(FileObject, 404))
+async def get_file(file_id: str, tenant: TenantDep, parts: PartsDep) -> dict[str, Any]:
+    async with parts.db.session() as s:
         record = await file_repo.get_file(s, file_id, tenant.id)
     if record is None:
         raise not_found("file", file_id)
@@ -347,15 +357,13 @@ async def get_file(file_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]
         **documented(404),
     },
 )
-async def file_content(
-    file_id: str, tenant: TenantDep, db: DbDep, settings: SettingsDep
-) -> StreamingResponse:
+async def file_content(file_id: str, tenant: TenantDep, parts: PartsDep) -> StreamingResponse:
     """The file's bytes, streamed from the file store as they are read."""
-    async with db.session() as s:
+    async with parts.db.session() as s:
         record = await file_repo.get_file(s, file_id, tenant.id)
     if record is None:
         raise not_found("file", file_id)
-    store = file_store(settings)
+    store = file_store(parts.settings)
     try:
         reader = await asyncio.to_thread(store.open, file_id)
     except FileNotFoundError:
@@ -386,11 +394,9 @@ async def _streamed(reader: BinaryIO) -> AsyncIterator[bytes]:
         await asyncio.to_thread(reader.close)
 
 
-@router.delete("/{file_id}", responses=documented(404, 409))
-async def delete_file(
-    file_id: str, tenant: TenantDep, db: DbDep, settings: SettingsDep
-) -> dict[str, Any]:
-    async with db.transaction() as s:
+@router.delete("/{file_id}", response_model=None, responses=answered(Deleted, 404, 409))
+async def delete_file(file_id: str, tenant: TenantDep, parts: PartsDep) -> dict[str, Any]:
+    async with parts.db.transaction() as s:
         if await file_repo.get_file(s, file_id, tenant.id) is None:
             raise not_found("file", file_id)
         in_use = await batch_repo.active_batch_reading(s, file_id)
@@ -401,5 +407,5 @@ async def delete_file(
                 "file_in_use",
             )
         await file_repo.delete_file(s, file_id, tenant.id)
-    await asyncio.to_thread(file_store(settings).delete, [file_id])
+    await asyncio.to_thread(file_store(parts.settings).delete, [file_id])
     return {"id": file_id, "object": "file", "deleted": True}

@@ -9,21 +9,12 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from api.deps import (
-    DbDep,
-    DoorDep,
-    EventsDep,
-    HubDep,
-    NamesDep,
-    RedisDep,
-    SettingsDep,
-    TenantDep,
-    api_key_id,
-    stream_slot,
-)
+from api.deps import PartsDep, TenantDep, api_key_id, stream_slot
 from api.errors import APIError, documented, not_found
 from api.jobs.events import EVENT_STREAM, FINAL_AFTER_EXPIRY, job_event_stream
+from api.jobs.schemas import Job, JobList
 from api.pages import list_page
+from api.schemas import answered
 from models import jobs as job_repo
 from services import admission, cancellation
 from services.requests import JobCreate
@@ -40,42 +31,46 @@ _EVENTS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("", status_code=202, responses=documented(403, 404, 409, 413, 429))
+@router.post(
+    "",
+    status_code=202,
+    response_model=None,
+    responses=answered(Job, 403, 404, 409, 413, 429, status=202),
+)
 async def create_job(
     body: JobCreate,
     request: Request,
     tenant: TenantDep,
-    door: DoorDep,
+    parts: PartsDep,
     idempotency_key: Annotated[
         str | None,
         Header(alias="Idempotency-Key", json_schema_extra={"minLength": 1, "maxLength": 255}),
     ] = None,
 ) -> JSONResponse:
     job, _created = await admission.submit(
-        door.db,
-        door.enqueuer,
-        door.settings,
+        parts.db,
+        parts.enqueuer,
+        parts.settings,
         tenant,
         body,
         idempotency_key,
         key_id=api_key_id(request),
-        gate=door.gate.enter,
+        gate=parts.gate.enter,
     )
     return JSONResponse(job.to_api(), status_code=202)
 
 
-@router.get("")
+@router.get("", response_model=None, responses=answered(JobList))
 async def list_jobs(
     tenant: TenantDep,
-    db: DbDep,
-    settings: SettingsDep,
+    parts: PartsDep,
     status: JobStatus | None = None,
     tier: Tier | None = None,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1)] = 20,
 ) -> dict[str, Any]:
-    limit = min(limit, settings.list_page_max)
-    async with db.session() as s:
+    limit = min(limit, parts.settings.list_page_max)
+    async with parts.db.session() as s:
         page, has_more = await job_repo.list_jobs(
             s, tenant.id, status=status, tier=tier, after=after, limit=limit
         )
@@ -83,20 +78,20 @@ async def list_jobs(
     return list_page(data, has_more)
 
 
-@router.get("/{job_id}", responses=documented(404))
-async def get_job(job_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]:
-    async with db.session() as s:
+@router.get("/{job_id}", response_model=None, responses=answered(Job, 404))
+async def get_job(job_id: str, tenant: TenantDep, parts: PartsDep) -> dict[str, Any]:
+    async with parts.db.session() as s:
         job = await job_repo.get_job(s, job_id, tenant.id)
     if job is None:
         raise not_found("job", job_id)
     return job.to_api()
 
 
-@router.post("/{job_id}/cancel", responses=documented(404, 409))
-async def cancel_job(
-    job_id: str, tenant: TenantDep, db: DbDep, r: RedisDep, names: NamesDep, events: EventsDep
-) -> dict[str, Any]:
-    job = await cancellation.cancel_job(db, r, names, events, tenant.id, job_id)
+@router.post("/{job_id}/cancel", response_model=None, responses=answered(Job, 404, 409))
+async def cancel_job(job_id: str, tenant: TenantDep, parts: PartsDep) -> dict[str, Any]:
+    job = await cancellation.cancel_job(
+        parts.db, parts.redis, parts.names, parts.events, tenant.id, job_id
+    )
     return job.to_api()
 
 
@@ -114,13 +109,10 @@ async def job_events(
     job_id: str,
     request: Request,
     tenant: TenantDep,
-    db: DbDep,
-    hub: HubDep,
-    events: EventsDep,
-    settings: SettingsDep,
+    parts: PartsDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> Response:
-    job = await job_repo.job_head(db, job_id, tenant.id)
+    job = await job_repo.job_head(parts.db, job_id, tenant.id)
     if job is None:
         raise not_found("job", job_id)
     last_seq = 0
@@ -129,12 +121,18 @@ async def job_events(
         if not (last_event_id.isascii() and last_event_id.isdigit() and len(last_event_id) < 19):
             raise APIError(400, "Last-Event-ID must be an event id.", "invalid_last_event_id")
         last_seq = int(last_event_id)
-    if last_seq > 0 and job.status in TERMINAL and await _has_the_end(events, job.id, last_seq):
+    if (
+        last_seq > 0
+        and job.status in TERMINAL
+        and await _has_the_end(parts.events, job.id, last_seq)
+    ):
         # 204 is what ends EventSource's reconnecting (another final event would have it
         # reconnect forever).
         return Response(status_code=204)
-    slot = await stream_slot(hub, settings, tenant)
-    stream = job_event_stream(hub, db, events, job, last_seq, api_key_id(request), slot)
+    slot = await stream_slot(parts.hub, parts.settings, tenant)
+    stream = job_event_stream(
+        parts.hub, parts.db, parts.events, job, last_seq, api_key_id(request), slot
+    )
     # The stream lets its slot go when it ends; the background task covers a response
     # that never started streaming.
     return EventSourceResponse(stream, ping=15, background=BackgroundTask(slot.release))

@@ -14,9 +14,18 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 
-from api.deps import DbDep, SettingsDep, TenantDep, api_key_id
+from api.deps import PartsDep, TenantDep, api_key_id
 from api.errors import APIError, documented, not_found
 from api.pages import list_page
+from api.schemas import answered
+from api.webhooks.schemas import (
+    WebhookDeliveryList,
+    WebhookEndpoint,
+    WebhookEndpointDeleted,
+    WebhookEndpointList,
+    WebhookEventTypes,
+    WebhookTestResult,
+)
 from models import tenants as tenant_repo
 from models import webhooks as repo
 from models.db import Database
@@ -152,57 +161,68 @@ async def _endpoint(db: Database, tenant_id: str, endpoint_id: str) -> EndpointR
     return found
 
 
-@router.get("/webhook_event_types")
+@router.get("/webhook_event_types", response_model=None, responses=answered(WebhookEventTypes))
 async def list_event_types(_: TenantDep) -> dict[str, Any]:
     """The events this deployment sends: OpenAI's batch events."""
     return {"object": "list", "data": list(EVENT_TYPES)}
 
 
-@router.post("/webhook_endpoints", responses=documented(403, 409))
+@router.post(
+    "/webhook_endpoints",
+    response_model=None,
+    responses=answered(WebhookEndpoint, 403, 409),
+)
 async def create(
     body: WebhookEndpointCreate,
     request: Request,
     tenant: TenantDep,
-    db: DbDep,
-    settings: SettingsDep,
+    parts: PartsDep,
 ) -> dict[str, Any]:
     """Register a URL for the given batch events; the answer carries its signing secret,
     which no later answer shows again (rotate it to get a new one)."""
-    _tenant_may_change(settings)
-    made = await create_endpoint(db, settings, tenant.id, body, "tenant", api_key_id(request))
+    _tenant_may_change(parts.settings)
+    made = await create_endpoint(
+        parts.db, parts.settings, tenant.id, body, "tenant", api_key_id(request)
+    )
     return made.to_api(with_secret=True)
 
 
-@router.get("/webhook_endpoints")
+@router.get("/webhook_endpoints", response_model=None, responses=answered(WebhookEndpointList))
 async def list_endpoints(
     tenant: TenantDep,
-    db: DbDep,
-    settings: SettingsDep,
+    parts: PartsDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1)] = 20,
 ) -> dict[str, Any]:
-    return await endpoints_page(db, settings, tenant.id, after, limit)
+    return await endpoints_page(parts.db, parts.settings, tenant.id, after, limit)
 
 
-@router.get("/webhook_endpoints/{endpoint_id}", responses=documented(404))
-async def retrieve(endpoint_id: str, tenant: TenantDep, db: DbDep) -> dict[str, Any]:
-    return (await _endpoint(db, tenant.id, endpoint_id)).to_api()
+@router.get(
+    "/webhook_endpoints/{endpoint_id}",
+    response_model=None,
+    responses=answered(WebhookEndpoint, 404),
+)
+async def retrieve(endpoint_id: str, tenant: TenantDep, parts: PartsDep) -> dict[str, Any]:
+    return (await _endpoint(parts.db, tenant.id, endpoint_id)).to_api()
 
 
-@router.post("/webhook_endpoints/{endpoint_id}", responses=documented(403, 404))
+@router.post(
+    "/webhook_endpoints/{endpoint_id}",
+    response_model=None,
+    responses=answered(WebhookEndpoint, 403, 404),
+)
 async def update(
     endpoint_id: str,
     body: WebhookEndpointUpdate,
     tenant: TenantDep,
-    db: DbDep,
-    settings: SettingsDep,
+    parts: PartsDep,
 ) -> dict[str, Any]:
     """Change the name, URL or event types; what is left out stays."""
-    _tenant_may_change(settings)
-    url = None if body.url is None else await checked_url(body.url, settings)
+    _tenant_may_change(parts.settings)
+    url = None if body.url is None else await checked_url(body.url, parts.settings)
     name = None if body.name is None else body.name.strip()
     types = None if body.event_types is None else tuple(body.event_types)
-    async with db.transaction() as s:
+    async with parts.db.transaction() as s:
         changed = await repo.update_endpoint(
             s, endpoint_id, tenant.id, name=name, url=url, event_types=types
         )
@@ -211,27 +231,32 @@ async def update(
     return changed.to_api()
 
 
-@router.delete("/webhook_endpoints/{endpoint_id}", responses=documented(403, 404))
-async def delete(
-    endpoint_id: str, tenant: TenantDep, db: DbDep, settings: SettingsDep
-) -> dict[str, Any]:
+@router.delete(
+    "/webhook_endpoints/{endpoint_id}",
+    response_model=None,
+    responses=answered(WebhookEndpointDeleted, 403, 404),
+)
+async def delete(endpoint_id: str, tenant: TenantDep, parts: PartsDep) -> dict[str, Any]:
     """Stop sending to the endpoint: what it still had to receive fails as such."""
-    _tenant_may_change(settings)
-    return await delete_endpoint(db, tenant.id, endpoint_id)
+    _tenant_may_change(parts.settings)
+    return await delete_endpoint(parts.db, tenant.id, endpoint_id)
 
 
-@router.post("/webhook_endpoints/{endpoint_id}/rotate_secret", responses=documented(403, 404))
+@router.post(
+    "/webhook_endpoints/{endpoint_id}/rotate_secret",
+    response_model=None,
+    responses=answered(WebhookEndpoint, 403, 404),
+)
 async def rotate_secret(
     endpoint_id: str,
     tenant: TenantDep,
-    db: DbDep,
-    settings: SettingsDep,
+    parts: PartsDep,
     body: RotateSecret | None = None,
 ) -> dict[str, Any]:
     """A new signing secret; the old one signs beside it for 24 hours if asked."""
-    _tenant_may_change(settings)
+    _tenant_may_change(parts.settings)
     keep = body is not None and body.keep_old_secret_active_for_24_hours
-    async with db.transaction() as s:
+    async with parts.db.transaction() as s:
         rotated = await repo.rotate_secret(
             s, endpoint_id, tenant.id, webhooks.new_secret(), KEEP_OLD_SECRET if keep else None
         )
@@ -240,19 +265,22 @@ async def rotate_secret(
     return rotated.to_api(with_secret=True)
 
 
-@router.post("/webhook_endpoints/{endpoint_id}/test", responses=documented(403, 404))
+@router.post(
+    "/webhook_endpoints/{endpoint_id}/test",
+    response_model=None,
+    responses=answered(WebhookTestResult, 403, 404),
+)
 async def test(
     endpoint_id: str,
     body: WebhookTest,
     tenant: TenantDep,
-    db: DbDep,
-    settings: SettingsDep,
+    parts: PartsDep,
 ) -> dict[str, Any]:
     """Send a sample event (about a batch that does not exist) now, once, signed like any;
     the answer is the endpoint's status code. A URL that cannot be reached is a 400 saying
     why. Not recorded as a delivery."""
-    _tenant_may_change(settings)
-    endpoint = await _endpoint(db, tenant.id, endpoint_id)
+    _tenant_may_change(parts.settings)
+    endpoint = await _endpoint(parts.db, tenant.id, endpoint_id)
     event_id = new_id("evt")
     payload = repo.event_body(
         event_id, body.event_type, new_id("batch"), unix(clock.utcnow()) or 0
@@ -260,7 +288,7 @@ async def test(
     headers = webhooks.signed_headers(
         event_id, payload, endpoint.signing_secrets(clock.utcnow()), int(clock.now())
     )
-    outcome = await webhooks.send(endpoint.url, payload, headers, settings)
+    outcome = await webhooks.send(endpoint.url, payload, headers, parts.settings)
     if outcome.status_code is None:
         raise APIError(
             400, f"The endpoint could not be reached: {outcome.error}", "webhook_unreachable"
@@ -274,22 +302,25 @@ async def test(
     }
 
 
-@router.get("/webhook_endpoints/{endpoint_id}/deliveries", responses=documented(404))
+@router.get(
+    "/webhook_endpoints/{endpoint_id}/deliveries",
+    response_model=None,
+    responses=answered(WebhookDeliveryList, 404),
+)
 async def list_deliveries(
     endpoint_id: str,
     tenant: TenantDep,
-    db: DbDep,
-    settings: SettingsDep,
+    parts: PartsDep,
     status: Annotated[str | None, Query(pattern="^(pending|delivered|failed)$")] = None,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1)] = 20,
 ) -> dict[str, Any]:
     """What was sent to the endpoint, newest first: each event's status, attempts and the
     last answer (tierq's; OpenAI has no such route)."""
-    await _endpoint(db, tenant.id, endpoint_id)
+    await _endpoint(parts.db, tenant.id, endpoint_id)
     return await deliveries_page(
-        db,
-        settings,
+        parts.db,
+        parts.settings,
         tenant_id=tenant.id,
         endpoint_id=endpoint_id,
         status=status,
