@@ -242,7 +242,7 @@ async def run_admission(base: Settings, cfg: AdmissionConfig) -> dict[str, Any]:
         log.info("jobs: %s", jobs)
         chat = await phase("chat", host, port, keys, cfg, pids, model)
         log.info("chat: %s", chat)
-        sup.stop_all()
+        sup.kill_all()
         p.completed = True
     return {
         "bench": "admission",

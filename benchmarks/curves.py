@@ -342,7 +342,7 @@ async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
                 }
                 log.info("ledger: %s", row)
                 rows.append(row)
-        sup.stop_all()
+        sup.kill_all()
         p.completed = True
     x = "ledger_records"
     largest = rows[-1] if rows else {}
@@ -609,7 +609,7 @@ async def _streams(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
         await r.aclose()
-        sup.stop_all()
+        sup.kill_all()
         p.completed = True
     (rss0, mem0), (rss1, mem1) = marks
     added = cfg.streams - half

@@ -25,7 +25,6 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +33,16 @@ from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
+from httpx_sse import EventSource
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import migrations
 from launch.supervisor import Child, components
+from launch.supervisor import Supervisor as PlatformSupervisor
 from models.db import Database
 from models.tables import Job
+from tierq.retry import Backoff
 from tierq.settings import Settings
 
 log = logging.getLogger("tierq.bench")
@@ -163,122 +165,67 @@ class RedisServer:
             return int(await r.execute_command("CLIENT", "KILL", "TYPE", kind))
 
 
-class Supervisor:
-    """Starts every component, restarts any that exits, and kills process groups on demand.
+class Supervisor(PlatformSupervisor):
+    """The platform's own supervisor (launch/supervisor.py) with a bench's accounting.
 
-    A child the bench killed is restarted at once; any other exit (a worker whose engine
-    died, a crash) is recorded as a fault of its own and restarted after a backoff that
-    doubles while it keeps failing quickly.
+    A child the bench killed is started again at once; any other exit (a worker whose
+    engine died, a crash) is recorded as a fault of its own (`exits`) and the child
+    started again after a backoff: half a second, doubling while it keeps exiting within
+    QUICK_EXIT_S of its start. A worker's next life draws another (seeded) sequence of
+    injected engine faults.
     """
 
     def __init__(self, children: list[Child], envs: dict[str, dict[str, str]]) -> None:
-        self.children = {c.name: c for c in children}
-        self.envs = envs
-        self.planned: set[str] = set()
-        self.restarts: Counter[str] = Counter()
-        self.unplanned: Counter[str] = Counter()
+        super().__init__(
+            children,
+            envs,
+            backoff=Backoff(0.5, 5.0, jitter=False),
+            healthy_s=QUICK_EXIT_S,
+            on_exit=self._exited,
+            before_restart=_next_fault_seed,
+        )
         self.exits: list[Fault] = []
-        self._due: dict[str, float] = {}  # name -> when to start it again (monotonic)
-        self._backoff: dict[str, float] = {}
 
-    def names(self, prefix: str) -> list[str]:
-        return [n for n in self.children if n == prefix or n.startswith(prefix + "-")]
-
-    def start_all(self) -> None:
-        for c in self.children.values():
-            self._start(c)
-
-    def _start(self, c: Child) -> None:
-        c.start(self.envs[c.name])
-        log.info("started %s (pid %s)", c.name, c.proc.pid if c.proc else "?")
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send `sig` (SIGKILL: a crash; SIGTERM: a planned restart) to the child's
-        process group; it is started again as soon as it has exited."""
-        c = self.children[name]
-        if c.proc is not None and c.proc.poll() is None:
-            self.planned.add(name)
-            c.signal_group(sig)
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        for name, c in self.children.items():
-            if c.proc is None or name in self._due or c.proc.poll() is None:
-                continue
-            kill_group(c)  # whatever is left of its group (vLLM's engine core, say)
-            if name in self.planned:
-                self.planned.discard(name)
-                self._due[name] = now
-                continue
-            self.unplanned[name] += 1
-            self.exits.append(Fault(time.time(), "exit", name, f"exit code {c.proc.returncode}"))
-            quick = now - c.started_at < QUICK_EXIT_S
-            backoff = min(5.0, 2 * self._backoff.get(name, 0.25)) if quick else 0.5
-            self._backoff[name] = backoff
-            self._due[name] = now + backoff
-            log.warning(
-                "%s exited with %s (not killed by the bench); restarting in %.1f s; see %s",
-                name,
-                c.proc.returncode,
-                backoff,
-                c.log_path,
-            )
-        for name, due in list(self._due.items()):
-            if now >= due:
-                del self._due[name]
-                c = self.children[name]
-                c.restarts += 1
-                self.restarts[name] += 1
-                env = self.envs[name]
-                if name.startswith("worker") and "ENGINE_FAULT_SEED" in env:
-                    # Another fault sequence for each life of a worker, still seeded.
-                    env["ENGINE_FAULT_SEED"] = str(int(env["ENGINE_FAULT_SEED"]) + 7919)
-                self._start(c)
-                log.info("restarted %s (restart %d)", name, c.restarts)
+    def _exited(self, c: Child) -> None:
+        code = c.proc.returncode if c.proc is not None else None
+        self.exits.append(Fault(time.time(), "exit", c.name, f"exit code {code}"))
 
     async def watch(self) -> None:
         while True:
             self.tick()
             await asyncio.sleep(SUPERVISE_TICK_S)
 
-    def stop_all(self) -> None:
-        """SIGKILL every process group and reap it: nothing is left behind."""
-        for c in self.children.values():
-            c.signal_group(signal.SIGKILL)
-        for c in self.children.values():
-            if c.proc is not None:
-                c.proc.wait()
-                kill_group(c)
-            c.pid_path.unlink(missing_ok=True)
 
-
-def kill_group(c: Child) -> None:
-    """SIGKILL what is left of an exited child's process group (Child.signal_group only
-    signals a child that is still running)."""
-    if c.proc is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(c.proc.pid, signal.SIGKILL)
+def _next_fault_seed(c: Child, env: dict[str, str]) -> None:
+    """Another fault sequence for each life of a worker, still seeded."""
+    if c.name.startswith("worker") and "ENGINE_FAULT_SEED" in env:
+        env["ENGINE_FAULT_SEED"] = str(int(env["ENGINE_FAULT_SEED"]) + 7919)
 
 
 # --- the client's side -----------------------------------------------------------------------
 
 
 async def sse_events(resp: httpx.Response) -> AsyncIterator[dict[str, str]]:
-    """The events of a Server-Sent Events response, each as {field: value} (the lines of
-    a multi-line `data` joined with newlines); comments are skipped."""
-    event: dict[str, str] = {}
-    async for line in resp.aiter_lines():
-        line = line.rstrip("\r")
-        if not line:
-            if event:
-                yield event
-            event = {}
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        event[name] = event[name] + "\n" + value if name == "data" and name in event else value
+    """The events of a Server-Sent Events response (httpx-sse's parser), each as
+    {field: value}: `data` (a multi-line one joined with newlines), `event` where the
+    event names one, and `id`, the last event id so far, once there is one. Comments and
+    keep-alives are skipped; an answer that is not an event stream (a refusal's JSON
+    error) has no events."""
+    if not is_event_stream(resp):
+        return
+    async for sse in EventSource(resp).aiter_sse():
+        event = {"data": sse.data}
+        if sse.event != "message":
+            event["event"] = sse.event
+        elif not sse.data:
+            continue  # a keep-alive after an event with an id: nothing of the stream's
+        if sse.id:
+            event["id"] = sse.id
+        yield event
+
+
+def is_event_stream(resp: httpx.Response) -> bool:
+    return resp.headers.get("content-type", "").partition(";")[0].strip() == "text/event-stream"
 
 
 def as_json(raw: str) -> dict[str, Any]:
@@ -539,7 +486,7 @@ class ScratchPlatform:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
         if self.sup is not None:
-            self.sup.stop_all()
+            self.sup.kill_all()
         self.redis.kill()
         if self._db is not None:
             await self._db.close()

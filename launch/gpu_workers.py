@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from launch.exits import EXIT_REFUSED, EXIT_WORKER_ID_TAKEN
-from launch.supervisor import Child, StopSignals, restart_exited, stop_all
+from launch.supervisor import Child, StopSignals, Supervisor
 from tierq.settings import Settings
 
 log = logging.getLogger("tierq.gpus")
@@ -205,18 +205,18 @@ def run_gpu_workers(
     stopping = StopSignals()
     env = dict(os.environ)
     status = 0
+    sup = Supervisor(children, {c.name: env for c in children})
     try:
         for c in children:
-            c.start(env)
-            pid = c.proc.pid if c.proc else "?"
-            log.info("started %s on GPUs %s (pid %s)", c.name, c.env["CUDA_VISIBLE_DEVICES"], pid)
+            log.info("%s runs on GPUs %s", c.name, c.env["CUDA_VISIBLE_DEVICES"])
+        sup.start_all()
         while not stopping and not status:
             time.sleep(0.5)
             status = _fatal_exit(children)
             if not stopping and not status:
-                restart_exited(children, env)
+                sup.tick()
     finally:
-        killed = stop_all(children, settings.drain_timeout_s + STOP_MARGIN_S)
+        killed = sup.stop_all(settings.drain_timeout_s + STOP_MARGIN_S)
     return status or (1 if killed else 0)
 
 

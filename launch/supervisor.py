@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
@@ -64,7 +65,6 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
-    restart_at: float | None = None  # when an exited child starts again (its backoff)
     # Run in the child before it executes its command (the parent-death signal).
     preexec: Callable[[], None] | None = None
 
@@ -366,14 +366,8 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
         (state / PROMETHEUS_KEY_COPY).unlink(missing_ok=True)
     children = components(settings, logs)
     stopping = StopSignals()
-    for c in children:
-        c.start(env)
-        log.info(
-            "started %s (pid %s)%s",
-            c.name,
-            c.proc.pid if c.proc else "?",
-            f", log {c.log_path}" if c.log_path else "",
-        )
+    sup = Supervisor(children, {c.name: env for c in children})
+    sup.start_all()
     base = f"http://{settings.api_host}:{settings.api_port}"
     announced = False
     ready_deadline = time.monotonic() + READY_TIMEOUT_S
@@ -381,7 +375,7 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
         while not stopping:
             time.sleep(0.5)
             if not stopping:
-                restart_exited(children, env)
+                sup.tick()
             if not announced and _ready(base):
                 announced = True
                 _announce(base, key, key_file)
@@ -395,7 +389,7 @@ def run_platform(settings: Settings, verbose: bool = False) -> int:
                 )
                 ready_deadline = float("inf")
     finally:
-        stop_all(children)
+        sup.stop_all()
         if embedded_redis is not None:
             stop_embedded_redis(embedded_redis)
     return 0
@@ -504,31 +498,116 @@ class StopSignals:
         return self.received
 
 
-def restart_exited(children: list[Child], env: dict[str, str]) -> None:
-    """Start again each child that exited, after a backoff that doubles with its restarts
-    in a row (at most 30 s). Called every tick; it never sleeps, so a stop is not held up."""
-    now = time.monotonic()
-    for c in children:
-        if c.proc is None or c.proc.poll() is None:
-            continue
-        if c.restart_at is None:
-            if now - c.started_at > HEALTHY_RUN_S:
-                c.restarts = 0
-            c.restarts += 1
+class Supervisor:
+    """Children started, watched and started again: the one supervisor of `tierq run`,
+    `tierq worker --gpus` (launch/gpu_workers.py) and the benchmarks' scratch platforms
+    (benchmarks/harness.py).
+
+    A child that exits is started again after a backoff that doubles with its exits in a
+    row (a run longer than `healthy_s` starts the count over), or at once when this
+    supervisor stopped it (`kill`: a bench's fault); what it left in its process group
+    (vLLM's engine core, holding memory — on a GPU, the GPU's) is killed first. `tick`
+    never sleeps, so a stop is not held up. Exits it did not cause are counted
+    (`unplanned`) and told to `on_exit`; `before_restart` may change a child's
+    environment for its next life."""
+
+    def __init__(
+        self,
+        children: list[Child],
+        envs: dict[str, dict[str, str]],
+        *,
+        backoff: Backoff = RESTART_BACKOFF,
+        healthy_s: float = HEALTHY_RUN_S,
+        on_exit: Callable[[Child], None] | None = None,
+        before_restart: Callable[[Child, dict[str, str]], None] | None = None,
+    ) -> None:
+        self.children = {c.name: c for c in children}
+        self.envs = envs
+        self.backoff = backoff
+        self.healthy_s = healthy_s
+        self.on_exit = on_exit
+        self.before_restart = before_restart
+        self.planned: set[str] = set()  # stopped by this supervisor: started again at once
+        self.restarts: Counter[str] = Counter()
+        self.unplanned: Counter[str] = Counter()
+        self._in_a_row: Counter[str] = Counter()  # exits after short runs, one after another
+        self._due: dict[str, float] = {}  # name -> when to start it again (monotonic)
+
+    def names(self, prefix: str) -> list[str]:
+        return [n for n in self.children if n == prefix or n.startswith(prefix + "-")]
+
+    def start_all(self) -> None:
+        for c in self.children.values():
+            self._start(c)
+
+    def _start(self, c: Child) -> None:
+        c.start(self.envs[c.name])
+        log.info(
+            "started %s (pid %s)%s",
+            c.name,
+            c.proc.pid if c.proc else "?",
+            f", log {c.log_path}" if c.log_path else "",
+        )
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` (SIGKILL: a crash; SIGTERM: a planned restart) to the child's
+        process group; it is started again as soon as it has exited."""
+        c = self.children[name]
+        if c.proc is not None and c.proc.poll() is None:
+            self.planned.add(name)
+            c.signal_group(sig)
+
+    def tick(self) -> None:
+        """Note the children that exited and start again those whose time has come."""
+        now = time.monotonic()
+        for name, c in self.children.items():
+            if c.proc is None or name in self._due or c.proc.poll() is None:
+                continue
+            c.signal_group(signal.SIGKILL)  # whatever is left of its group
+            if name in self.planned:
+                self.planned.discard(name)
+                self._due[name] = now
+                continue
+            self.unplanned[name] += 1
+            if now - c.started_at > self.healthy_s:
+                self._in_a_row[name] = 0
+            self._in_a_row[name] += 1
+            wait = self.backoff.delay_s(self._in_a_row[name])
+            self._due[name] = now + wait
             log.error(
-                "%s exited with %s; restarting (restart %d)%s",
-                c.name,
+                "%s exited with %s; restarting in %.1f s (exit %d in a row)%s",
+                name,
                 c.proc.returncode,
-                c.restarts,
+                wait,
+                self._in_a_row[name],
                 f"; see {c.log_path}" if c.log_path else "",
             )
-            # Whatever it left in its group (vLLM's engine core, holding memory — on a
-            # GPU, the GPU's) goes before a new one starts.
+            if self.on_exit is not None:
+                self.on_exit(c)
+        for name, due in list(self._due.items()):
+            if now >= due:
+                del self._due[name]
+                c = self.children[name]
+                c.restarts += 1
+                self.restarts[name] += 1
+                if self.before_restart is not None:
+                    self.before_restart(c, self.envs[name])
+                self._start(c)
+
+    def stop_all(self, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
+        """SIGTERM to every child's group, SIGKILL to what is left after `timeout_s`; the
+        names of the children that had to be killed."""
+        return stop_all(list(self.children.values()), timeout_s)
+
+    def kill_all(self) -> None:
+        """SIGKILL every child's group at once and reap it: nothing is left behind."""
+        for c in self.children.values():
             c.signal_group(signal.SIGKILL)
-            c.restart_at = now + RESTART_BACKOFF.delay_s(c.restarts)
-        elif now >= c.restart_at:
-            c.restart_at = None
-            c.start(env)
+        for c in self.children.values():
+            if c.proc is not None:
+                c.proc.wait()
+                c.signal_group(signal.SIGKILL)  # what the child's death left in its group
+            c.pid_path.unlink(missing_ok=True)
 
 
 def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S) -> list[str]:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -102,25 +103,20 @@ async def wait_for(
 async def read_sse(
     c: httpx.AsyncClient, path: str, headers: dict[str, str] | None = None, limit: int | None = None
 ) -> list[dict[str, Any]]:
-    """Every event of an SSE response until it ends (or `limit` events): id, event, data."""
+    """Every event of an SSE response until it ends (or `limit` events): id, event, data
+    (its JSON read). Keep-alives and events without a name are not the job's: skipped."""
     events: list[dict[str, Any]] = []
-    current: dict[str, Any] = {}
     async with c.stream("GET", path, headers=headers or {}) as resp:
         assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            line = line.rstrip("\r")
-            if not line:
-                if "event" in current:
-                    current["data"] = json.loads(current.get("data", "null"))
-                    events.append(current)
-                    if limit is not None and len(events) >= limit:
-                        break
-                current = {}
+        async for sse in EventSource(resp).aiter_sse():
+            if sse.event == "message":
                 continue
-            if line.startswith(":"):
-                continue
-            field, _, value = line.partition(":")
-            current[field] = value[1:] if value.startswith(" ") else value
+            event: dict[str, Any] = {"event": sse.event, "data": json.loads(sse.data or "null")}
+            if sse.id:
+                event["id"] = sse.id
+            events.append(event)
+            if limit is not None and len(events) >= limit:
+                break
     return events
 
 
