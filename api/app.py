@@ -82,8 +82,10 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
             yield
         finally:
             try:
-                await app.state.openai.aclose()
-                await app.state.parts.enqueuer.aclose()  # bounded: its calls' deadline
+                try:
+                    await app.state.openai.aclose()  # bounded: CANCELS_STOP_S
+                finally:
+                    await app.state.parts.enqueuer.aclose()  # bounded: its calls' deadline
             finally:
                 await app.state.hub.stop()
                 await app.state.redis.aclose()

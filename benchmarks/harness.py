@@ -208,19 +208,23 @@ def _next_fault_seed(c: Child, env: dict[str, str]) -> None:
 async def sse_events(resp: httpx.Response) -> AsyncIterator[dict[str, str]]:
     """The events of a Server-Sent Events response (httpx-sse's parser), each as
     {field: value}: `data` (a multi-line one joined with newlines), `event` where the
-    event names one, and `id`, the last event id so far, once there is one. Comments and
-    keep-alives are skipped; an answer that is not an event stream (a refusal's JSON
-    error) has no events."""
+    event names one, and `id` where the event set one. httpx-sse keeps the last id for
+    every later event, as the spec's lastEventId: an id equal to the previous event's is
+    taken as not set (the platform numbers a job's events and never sends one number
+    twice in a connection; an event without a number is a closed stream's error).
+    Comments and keep-alives are skipped; an answer that is not an event stream (a
+    refusal's JSON error) has no events."""
     if not is_event_stream(resp):
         return
+    last_id = ""
     async for sse in EventSource(resp).aiter_sse():
         event = {"data": sse.data}
         if sse.event != "message":
             event["event"] = sse.event
         elif not sse.data:
             continue  # a keep-alive after an event with an id: nothing of the stream's
-        if sse.id:
-            event["id"] = sse.id
+        if sse.id and sse.id != last_id:
+            event["id"] = last_id = sse.id
         yield event
 
 

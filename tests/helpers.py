@@ -103,17 +103,19 @@ async def wait_for(
 async def read_sse(
     c: httpx.AsyncClient, path: str, headers: dict[str, str] | None = None, limit: int | None = None
 ) -> list[dict[str, Any]]:
-    """Every event of an SSE response until it ends (or `limit` events): id, event, data
-    (its JSON read). Keep-alives and events without a name are not the job's: skipped."""
+    """Every event of an SSE response until it ends (or `limit` events): id (where the
+    event set one: httpx-sse repeats the last for later events), event, data (its JSON
+    read). Keep-alives and events without a name are not the job's: skipped."""
     events: list[dict[str, Any]] = []
+    last_id = ""
     async with c.stream("GET", path, headers=headers or {}) as resp:
         assert resp.status_code == 200, await resp.aread()
         async for sse in EventSource(resp).aiter_sse():
             if sse.event == "message":
                 continue
             event: dict[str, Any] = {"event": sse.event, "data": json.loads(sse.data or "null")}
-            if sse.id:
-                event["id"] = sse.id
+            if sse.id and sse.id != last_id:
+                event["id"] = last_id = sse.id
             events.append(event)
             if limit is not None and len(events) >= limit:
                 break

@@ -700,6 +700,7 @@ class Settings(BaseSettings):
     # (up to this long between tries) rather than exit, keeping its generations running.
     outage_retry_max_s: float = Field(
         default=2.0,
+        gt=0,
         description=(
             "the longest backoff between retries while the database or Redis is unreachable "
             "(workers and the dispatcher wait outages out; they never exit for one)"

@@ -20,6 +20,7 @@ import functools
 import logging
 from datetime import timedelta
 
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import LockNotOwnedError
 
@@ -51,7 +52,8 @@ async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list
     try:
         return await _reconcile(settings, db, r, names)
     finally:
-        with contextlib.suppress(LockNotOwnedError):
+        # Lost meanwhile, or Redis unreachable: it expires on its own.
+        with contextlib.suppress(LockNotOwnedError, redis.RedisError, OSError):
             await lock.release()
 
 

@@ -718,10 +718,11 @@ class Worker:
                 msg = dataclasses.replace(msg, unsettled_charge=unsettled)
             # A run whose ending is being written keeps its own entry: this one (the job
             # handed back and dispatched here again) starts a run of its own.
-            run = self._runs[msg.job_id] = Run(msg, entry_id)
+            run = Run(msg, entry_id)
             run.task = asyncio.create_task(
                 tracing.run_job(self._run(run), msg, self.worker_id), name=msg.job_id
             )
+            self._runs[msg.job_id] = run
         metrics.WORKER_RUNNING.set(len(self._runs))
         for entry_id, maybe_msg, outcome in done_with:
             if maybe_msg is None:

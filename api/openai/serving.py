@@ -65,9 +65,12 @@ class OpenAIServing:
     async def aclose(self) -> None:
         """Let the cancels of jobs whose clients left finish (within a bound): a job whose
         cancel was cut short would run, and be billed, for nobody."""
-        if self._cancels:
-            _, late = await asyncio.wait(set(self._cancels), timeout=CANCELS_STOP_S)
-            await cancel_and_wait(late, 1.0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CANCELS_STOP_S
+        # Streams that end meanwhile may start more: waited for too, within the bound.
+        while self._cancels and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._cancels), timeout=left)
+        await cancel_and_wait(set(self._cancels), 1.0)
 
     async def complete(
         self,

@@ -1,5 +1,5 @@
-"""A job's run on a worker (workers/worker.py `Run`): why the engine stopped it early, once
-per reason, and nothing carried from one run of a job to the next."""
+"""A job's run on a worker (workers/worker.py `Run`): why the engine stopped it early, and
+each reason acted on once."""
 
 from __future__ import annotations
 
@@ -22,15 +22,6 @@ def test_a_run_stopped_for_several_reasons_ends_as_the_first_of_them() -> None:
     assert run.why_stopped() == Ending.PREEMPTED  # its tokens go back with it
     run.stop(Ending.HANDED_BACK)
     assert run.why_stopped() == Ending.HANDED_BACK  # a drain or a dead engine: back to queue
-
-
-def test_a_new_run_of_the_same_job_starts_with_nothing_of_the_last() -> None:
-    first = _run("1-0")
-    first.stop(Ending.HANDED_BACK)
-    first.crash_charge = 500
-    again = _run("2-0")
-    assert (again.stops, again.crash_charge, again.job, again.settling) == (set(), 0, None, False)
-    assert again.why_stopped() == Ending.RETRY
 
 
 def test_each_ending_is_reported_as_the_dispatcher_reads_it() -> None:
