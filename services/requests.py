@@ -88,6 +88,20 @@ def blank(text: str) -> bool:
     return _NOT_BLANK.search(text) is None
 
 
+# The same whitespace as characters (str.strip's argument).
+ECMA_SPACE_CHARS = (
+    "\t\n\v\f\r \u00a0\u1680"
+    + "".join(map(chr, range(0x2000, 0x200B)))
+    + "\u2028\u2029\u202f\u205f\u3000\ufeff"
+)
+
+
+def strip_blank(text: str) -> str:
+    """`text` without the whitespace NOT_BLANK stands for at either end (str.strip() would
+    also take U+001C..U+001F and U+0085, and make a name the document takes empty)."""
+    return text.strip(ECMA_SPACE_CHARS)
+
+
 # The 64-bit range as the document states it: bounds a double holds exactly (2**63 - 1 does
 # not: a client comparing in doubles would take 2**63 + 511 as within it).
 INT64_DOCUMENTED = 2**63 - 1024

@@ -31,8 +31,16 @@ from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+)
 
+from services.requests import NOT_BLANK, blank
 from tierq.aio import raise_if_cancelled
 from tierq.settings import Settings
 
@@ -44,7 +52,21 @@ MAX_URL = 2048
 ERROR_EXCERPT = 200  # bytes of a failed answer's body kept in the delivery's record
 USER_AGENT = "tierq-webhooks/1"
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"\S")]
+
+def _not_blank(v: str) -> str:
+    if blank(v):
+        raise ValueError("a name must hold more than whitespace")
+    return v
+
+
+# Not blank as the document's pattern says it (ECMA-262's whitespace): Python's `\S`
+# refused U+0085, which the document took (found by the OpenAPI fuzz).
+Name = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=200),
+    AfterValidator(_not_blank),
+    Field(json_schema_extra={"pattern": NOT_BLANK}),
+]
 Url = Annotated[
     str,
     StringConstraints(min_length=1, max_length=MAX_URL, pattern="^https?://"),

@@ -33,6 +33,7 @@ from models.records import unix
 from models.webhooks import EndpointRecord
 from services import webhooks
 from services.admission import refuse_unless_active
+from services.requests import strip_blank
 from services.webhooks import (
     EVENT_TYPES,
     RotateSecret,
@@ -85,7 +86,7 @@ async def create_endpoint(
         return await repo.create_endpoint(
             s,
             tenant_id,
-            body.name.strip(),
+            strip_blank(body.name),
             url,
             list(body.event_types),
             webhooks.new_secret(),
@@ -220,7 +221,7 @@ async def update(
     """Change the name, URL or event types; what is left out stays."""
     _tenant_may_change(parts.settings)
     url = None if body.url is None else await checked_url(body.url, parts.settings)
-    name = None if body.name is None else body.name.strip()
+    name = None if body.name is None else strip_blank(body.name)
     types = None if body.event_types is None else tuple(body.event_types)
     async with parts.db.transaction() as s:
         changed = await repo.update_endpoint(

@@ -243,3 +243,20 @@ def test_backoff_doubles_to_its_cap_with_jitter() -> None:
         for n in range(1, STRICT.webhook_max_attempts)
     )
     assert 18 * 3600 < total < 24 * 3600
+
+
+def test_a_name_is_blank_as_the_document_says_whitespace() -> None:
+    """The document's pattern is ECMA-262's: U+0085 is not whitespace there, so a name of
+    it is taken (Python's `\\S` had refused it: the fuzz found a conforming body refused),
+    and kept whole; a name of ECMA whitespace alone is refused."""
+    from services.requests import strip_blank
+    from services.webhooks import WebhookEndpointCreate
+
+    made = WebhookEndpointCreate(
+        name="\u0085", url="https://8.8.8.8/hook", event_types=["batch.completed"]
+    )
+    assert strip_blank(f" {made.name}\u3000") == "\u0085"
+    with pytest.raises(ValueError):
+        WebhookEndpointCreate(
+            name=" \u3000\ufeff", url="https://8.8.8.8/hook", event_types=["batch.completed"]
+        )
