@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
-from httpx_sse import EventSource
+
+from benchmarks.harness import sse_events
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -103,20 +104,16 @@ async def wait_for(
 async def read_sse(
     c: httpx.AsyncClient, path: str, headers: dict[str, str] | None = None, limit: int | None = None
 ) -> list[dict[str, Any]]:
-    """Every event of an SSE response until it ends (or `limit` events): id (where the
-    event set one: httpx-sse repeats the last for later events), event, data (its JSON
-    read). Keep-alives and events without a name are not the job's: skipped."""
+    """Every event of an SSE response until it ends (or `limit` events), as the benchmarks'
+    reader gives them (its id only where the event set one), with its data's JSON read.
+    Events without a name are not the job's: skipped."""
     events: list[dict[str, Any]] = []
-    last_id = ""
     async with c.stream("GET", path, headers=headers or {}) as resp:
         assert resp.status_code == 200, await resp.aread()
-        async for sse in EventSource(resp).aiter_sse():
-            if sse.event == "message":
+        async for event in sse_events(resp):
+            if "event" not in event:
                 continue
-            event: dict[str, Any] = {"event": sse.event, "data": json.loads(sse.data or "null")}
-            if sse.id and sse.id != last_id:
-                event["id"] = last_id = sse.id
-            events.append(event)
+            events.append({**event, "data": json.loads(event["data"] or "null")})
             if limit is not None and len(events) >= limit:
                 break
     return events
