@@ -597,7 +597,23 @@ class Supervisor:
     def stop_all(self, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
         """SIGTERM to every child's group, SIGKILL to what is left after `timeout_s`; the
         names of the children that had to be killed."""
-        return stop_all(list(self.children.values()), timeout_s)
+        children = list(self.children.values())
+        for c in children:
+            c.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        killed = []
+        for c in children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", c.name)
+                killed.append(c.name)
+            c.signal_group(signal.SIGKILL)  # whatever is left of its group (vLLM's engine core)
+            c.proc.wait()
+            c.pid_path.unlink(missing_ok=True)
+        return killed
 
     def kill_all(self) -> None:
         """SIGKILL every child's group at once and reap it: nothing is left behind."""
@@ -608,24 +624,3 @@ class Supervisor:
                 c.proc.wait()
                 c.signal_group(signal.SIGKILL)  # what the child's death left in its group
             c.pid_path.unlink(missing_ok=True)
-
-
-def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
-    """SIGTERM to every child's group, SIGKILL to what is left after `timeout_s`; the names
-    of the children that had to be killed."""
-    for c in children:
-        c.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    killed = []
-    for c in children:
-        if c.proc is None:
-            continue
-        try:
-            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in time; killing it", c.name)
-            killed.append(c.name)
-        c.signal_group(signal.SIGKILL)  # whatever is left of its group (vLLM's engine core)
-        c.proc.wait()
-        c.pid_path.unlink(missing_ok=True)
-    return killed
