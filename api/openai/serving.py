@@ -237,6 +237,24 @@ class OpenAIServing:
         # With `logprobs` asked for, every content chunk carries its tokens' (maybe none).
         wants = job.params.get("logprobs") is not None
         final: JobRecord | None = None
+
+        def role(i: int) -> bytes:
+            return _data(oa.chunk(job, chat, role=True, include_usage=include_usage, index=i))
+
+        def content(i: int, text: str, scores: list[dict[str, Any]] | None) -> bytes:
+            """Choice i's text after the characters of it sent so far."""
+            return _data(
+                oa.chunk(
+                    job,
+                    chat,
+                    text=text,
+                    include_usage=include_usage,
+                    logprobs=scores,
+                    offset=sent.get(i, 0),
+                    index=i,
+                )
+            )
+
         try:
             async with contextlib.aclosing(self._follow(caller, job)) as events:
                 async for _seq, event in events:
@@ -248,23 +266,9 @@ class OpenAIServing:
                         if text:
                             if chat and i not in roles:
                                 roles.add(i)
-                                yield _data(
-                                    oa.chunk(
-                                        job, chat, role=True, include_usage=include_usage, index=i
-                                    )
-                                )
+                                yield role(i)
                             scores = event.data.get("logprobs", []) if wants else None
-                            yield _data(
-                                oa.chunk(
-                                    job,
-                                    chat,
-                                    text=text,
-                                    include_usage=include_usage,
-                                    logprobs=scores,
-                                    offset=sent.get(i, 0),
-                                    index=i,
-                                )
-                            )
+                            yield content(i, text, scores)
                             sent[i] = sent.get(i, 0) + len(text)
                             scored[i] = scored.get(i, 0) + len(scores or ())
                         continue
@@ -279,24 +283,12 @@ class OpenAIServing:
                 for choice in final.choices():
                     i = choice["index"]
                     if chat and i not in roles:  # nothing was streamed: the role still opens it
-                        yield _data(
-                            oa.chunk(job, chat, role=True, include_usage=include_usage, index=i)
-                        )
+                        yield role(i)
                     # What followed text the replay buffer no longer held: from the result.
                     rest = choice["text"][sent.get(i, 0) :]
                     rest_scores = (choice["logprobs"] or [])[scored.get(i, 0) :] if wants else None
                     if rest or rest_scores:
-                        yield _data(
-                            oa.chunk(
-                                job,
-                                chat,
-                                text=rest,
-                                include_usage=include_usage,
-                                logprobs=rest_scores,
-                                offset=sent.get(i, 0),
-                                index=i,
-                            )
-                        )
+                        yield content(i, rest, rest_scores)
                     yield _data(
                         oa.chunk(
                             final,
