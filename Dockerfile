@@ -30,16 +30,6 @@ WORKDIR /app
 COPY pyproject.toml README.md alembic.ini ./
 COPY deploy/gpu/constraints.txt deploy/gpu/constraints.txt
 COPY tierq tierq
-COPY models models
-COPY dispatcher dispatcher
-COPY services services
-COPY migrations migrations
-COPY api api
-COPY workers workers
-COPY launch launch
-COPY client client
-COPY benchmarks benchmarks
-COPY cli cli
 RUN if [ "$ENGINE" = gpu ]; then \
       pip install --no-cache-dir -c deploy/gpu/constraints.txt ".[gpu,otel]"; \
     else \

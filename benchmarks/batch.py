@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from client.batches import BatchClient
-from tierq.settings import Settings
-from workers.engine.vllm_args import command_line, engine_environment, engine_kwargs
+from tierq.client.batches import BatchClient
+from tierq.core.settings import Settings
+from tierq.workers.engine.vllm_args import command_line, engine_environment, engine_kwargs
 
 SUBJECTS = (
     "a robot who learns to paint",

@@ -1,10 +1,10 @@
-"""`tierq calibrate`: fit the simulated engine's cost model to the real vLLM engine here.
+"""`tierq bench calibrate`: fit the simulated engine's cost model to the real vLLM engine here.
 
 Decode step time is measured at several batch sizes as the difference between two runs
 that differ only in generated tokens (so prefill and start-up cancel out), then fitted
 by least squares to `base + per_seq * batch`. Prefill cost per token is the difference
 between a long and a short prompt generating one token. The result is a small JSON file
-in the repository (`workers/engine/calibration.json`) that `CostModel.load()` reads.
+in the repository (`tierq/workers/engine/calibration.json`) that `CostModel.load()` reads.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierq.settings import Settings
-from workers.engine.simulated_engine import CALIBRATION_FILE
-from workers.engine.vllm_args import engine_kwargs, set_engine_environment
+from tierq.core.settings import Settings
+from tierq.workers.engine.simulated_engine import CALIBRATION_FILE
+from tierq.workers.engine.vllm_args import engine_kwargs, set_engine_environment
 
 BATCH_SIZES = (1, 8, 16, 32, 64)
 SHORT, LONG = 4, 12  # generated tokens of the two runs per batch size

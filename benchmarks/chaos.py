@@ -10,7 +10,8 @@ after a connection error or a 5xx) runs for `duration` seconds, while a seeded s
 (one fault every `fault_every` seconds, each kind once per round of six) SIGKILLs the API,
 the dispatcher, a worker or a Celery process, cuts every Redis client connection
 (`CLIENT KILL TYPE normal`), or restarts Redis empty; the workers' engines also
-fail a fraction of requests (workers/engine/faulty_engine.py), including dying outright. A sample
+fail a fraction of requests (tierq/workers/engine/faulty_engine.py), including dying outright. A
+sample
 of jobs is followed over SSE as a browser would (reconnecting with Last-Event-ID).
 
 Measured, from the client's answers and then the database:
@@ -68,11 +69,11 @@ from benchmarks.harness import (
     sse_events,
     wait_terminal,
 )
-from launch.supervisor import Child
-from models.db import Database
-from models.tables import Job, JobTransition, UsageRecord
-from services.bootstrap import ensure_tenant_key
-from tierq.settings import Settings
+from tierq.core.settings import Settings
+from tierq.launch.supervisor import Child
+from tierq.models.db import Database
+from tierq.models.tables import Job, JobTransition, UsageRecord
+from tierq.services.bootstrap import ensure_tenant_key
 
 REDIS_PREFIX = "tierq-chaos"
 

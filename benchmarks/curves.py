@@ -15,7 +15,7 @@ these costs is the engine's:
   hour (the edge days' whole hours from their sums) and, apart, cutting an hour (whose
   records are read); and the admin usage report (by model).
 - `dispatch`: the real dispatcher (dispatcher.loop.Dispatcher) against batch-tier queues
-  filled through the API's own enqueuer (tierq.queue.Enqueuer): at each number of tenants
+  filled through the API's own enqueuer (tierq.core.queue.Enqueuer): at each number of tenants
   with queued work (`tenant_counts`, `tenants_queue` jobs among them) and each queue length
   (`queue_lengths` jobs, `queue_tenants` tenants): a read round (the read-ahead topped up
   by XREADGROUP) after a round's hand-out of 256 jobs, taken shard after shard, and after
@@ -55,14 +55,14 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from benchmarks.admission import AdmissionConfig, make_tenants, phase, start_api
 from benchmarks.harness import ScratchPlatform
-from dispatcher.loop import Dispatcher
-from dispatcher.policy import WorkerSlots
-from models import billing
-from tierq.messages import JobMessage
-from tierq.queue import Enqueuer
-from tierq.redis_names import DISPATCH_GROUP, RedisNames
-from tierq.settings import Settings
-from tierq.tiers import Tier
+from tierq.core.messages import JobMessage
+from tierq.core.queue import Enqueuer
+from tierq.core.redis_names import DISPATCH_GROUP, RedisNames
+from tierq.core.settings import Settings
+from tierq.core.tiers import Tier
+from tierq.dispatcher.loop import Dispatcher
+from tierq.dispatcher.policy import WorkerSlots
+from tierq.models import billing
 
 log = logging.getLogger("tierq.bench")
 

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from workers.engine.base import Chunk
+from tierq.workers.engine.base import Chunk
 
 
 @dataclass

@@ -37,13 +37,13 @@ from httpx_sse import EventSource
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-import migrations
-from launch.supervisor import Child, components
-from launch.supervisor import Supervisor as PlatformSupervisor
-from models.db import Database
-from models.tables import Job
-from tierq.retry import Backoff
-from tierq.settings import Settings
+from tierq import migrations
+from tierq.core.retry import Backoff
+from tierq.core.settings import Settings
+from tierq.launch.supervisor import Child, components
+from tierq.launch.supervisor import Supervisor as PlatformSupervisor
+from tierq.models.db import Database
+from tierq.models.tables import Job
 
 log = logging.getLogger("tierq.bench")
 
@@ -166,7 +166,7 @@ class RedisServer:
 
 
 class Supervisor(PlatformSupervisor):
-    """The platform's own supervisor (launch/supervisor.py) with a bench's accounting.
+    """The platform's own supervisor (tierq/launch/supervisor.py) with a bench's accounting.
 
     A child the bench killed is started again at once; any other exit (a worker whose
     engine died, a crash) is recorded as a fault of its own (`exits`) and the child
@@ -452,7 +452,7 @@ class ScratchPlatform:
                 }
             )
             if self.engine == "vllm" and not self.settings.model_path:
-                from workers.engine.bundled_model import prepare_bundled_model
+                from tierq.workers.engine.bundled_model import prepare_bundled_model
 
                 await asyncio.to_thread(prepare_bundled_model, self.settings)
         except BaseException:

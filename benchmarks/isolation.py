@@ -85,9 +85,9 @@ from benchmarks.harness import (
     sse_events,
 )
 from benchmarks.qos_report import p95
-from models.db import Database
-from models.tables import Batch, Job, UsageRecord
-from tierq.settings import Settings
+from tierq.core.settings import Settings
+from tierq.models.db import Database
+from tierq.models.tables import Batch, Job, UsageRecord
 
 REDIS_PREFIX = "tierq-isolation"
 QUIET, NOISY = "isolation-quiet", "isolation-noisy"
@@ -570,7 +570,7 @@ def _noise_process(
 ) -> None:
     """The other tenant's process: ready once imported, from `go` a good neighbour for
     neighbour_s, then noisy for noise_s."""
-    from tierq.logs import setup
+    from tierq.core.logs import setup
 
     setup("INFO")
     logging.getLogger("httpx").setLevel(logging.WARNING)

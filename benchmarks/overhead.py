@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
-from tierq.settings import Settings
-from workers.engine.vllm_args import engine_kwargs, set_engine_environment
+from tierq.core.settings import Settings
+from tierq.workers.engine.vllm_args import engine_kwargs, set_engine_environment
 
 PROMPT = "Write a short story about a robot who learns to paint."
 SENTENCE = "Add one more detail about the colours, the brushes and the light. "

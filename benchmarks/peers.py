@@ -65,7 +65,7 @@ import httpx
 
 from benchmarks.harness import as_json, sse_events
 from benchmarks.serve import ServeConfig, Server, start_tierq, start_vllm
-from tierq.settings import Settings
+from tierq.core.settings import Settings
 
 SERVERS = ("vllm-fcfs", "vllm-priority", "tierq")
 BASELINE = "vllm-priority"
@@ -678,7 +678,7 @@ async def run_one(
 
 
 async def run_peers(settings: Settings, cfg: PeersConfig) -> dict[str, Any]:
-    from workers.engine.bundled_model import resolve_model_path
+    from tierq.workers.engine.bundled_model import resolve_model_path
 
     resolve_model_path(settings)  # prepared once, before anything is timed
     with tempfile.TemporaryDirectory(prefix="tierq-peers-") as tmp:

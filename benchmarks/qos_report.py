@@ -17,9 +17,9 @@ from typing import Any
 
 from benchmarks.decode_ledger import DecodeLedger
 from benchmarks.qos_workload import Arrival, Shape
-from tierq.settings import Settings
-from tierq.tiers import TIER_ORDER, Tier
-from workers.engine.simulated_engine import CostModel
+from tierq.core.settings import Settings
+from tierq.core.tiers import TIER_ORDER, Tier
+from tierq.workers.engine.simulated_engine import CostModel
 
 
 @dataclass

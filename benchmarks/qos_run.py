@@ -20,21 +20,21 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-import migrations
 from benchmarks.harness import drop_scratch_database, scratch_database
 from benchmarks.qos_report import Recorded, Trace
 from benchmarks.qos_workload import Arrival, Shape
-from dispatcher.loop import Dispatcher, policy_from_settings
-from models import jobs as job_repo
-from models import tenants as tenant_repo
-from models.db import Database
-from models.records import JobRecord
-from tierq.queue import enqueue
-from tierq.settings import Settings
-from workers.engine.base import Chunk, Engine, EngineWrapper
-from workers.engine.simulated_engine import CostModel, SimulatedEngine
-from workers.engine.vllm_scheduler import Tiering
-from workers.worker import Worker
+from tierq import migrations
+from tierq.core.queue import enqueue
+from tierq.core.settings import Settings
+from tierq.dispatcher.loop import Dispatcher, policy_from_settings
+from tierq.models import jobs as job_repo
+from tierq.models import tenants as tenant_repo
+from tierq.models.db import Database
+from tierq.models.records import JobRecord
+from tierq.workers.engine.base import Chunk, Engine, EngineWrapper
+from tierq.workers.engine.simulated_engine import CostModel, SimulatedEngine
+from tierq.workers.engine.vllm_scheduler import Tiering
+from tierq.workers.worker import Worker
 
 SAMPLE_S = 0.02  # how often the engine's occupancy is sampled, wall clock
 

@@ -12,8 +12,8 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
-from tierq.tiers import Tier
-from workers.engine.simulated_engine import CostModel
+from tierq.core.tiers import Tier
+from tierq.workers.engine.simulated_engine import CostModel
 
 
 @dataclass(frozen=True)

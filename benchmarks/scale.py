@@ -3,8 +3,8 @@ signal, with many workers on real Redis and PostgreSQL (issue 13).
 
 Everything but the engine is tierq's own code, in this one process: a redis-server of the
 bench's own (no persistence) and a scratch PostgreSQL database (dropped at the end), two
-dispatchers sharing the lease (`dispatcher/leadership.py`), and `--workers` workers, each
-hosting a SIMULATED engine (`workers/engine/simulated_engine.py`, the cost model `tierq
+dispatchers sharing the lease (`tierq/dispatcher/leadership.py`), and `--workers` workers, each
+hosting a SIMULATED engine (`tierq/workers/engine/simulated_engine.py`, the cost model `tierq
 calibrate` fitted to vLLM on this machine, time compressed by `--speedup`) with its
 simulated prefix cache on: an LRU of `--cache-entries` prefix keys, a hit skipping the
 prefill of the first PREFIX_CHARS / 4 prompt tokens.
@@ -42,7 +42,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-import migrations
 from benchmarks.decode_ledger import DecodeLedger
 from benchmarks.harness import (
     RedisServer,
@@ -51,20 +50,21 @@ from benchmarks.harness import (
     postgres_server_url,
     scratch_database,
 )
-from dispatcher.loop import Dispatcher, policy_from_settings
-from models import jobs as job_repo
-from models import tenants as tenant_repo
-from models.db import Database
-from tierq.messages import PREFIX_CHARS
-from tierq.queue import enqueue
-from tierq.redis_conn import connect
-from tierq.settings import Settings
-from tierq.tiers import TIER_ORDER, Tier
-from workers.engine.base import Chunk, Engine, EngineWrapper
-from workers.engine.simulated_engine import CostModel, SimulatedEngine
-from workers.engine.vllm_args import step_token_budget
-from workers.engine.vllm_scheduler import Tiering
-from workers.worker import Worker
+from tierq import migrations
+from tierq.core.messages import PREFIX_CHARS
+from tierq.core.queue import enqueue
+from tierq.core.redis_conn import connect
+from tierq.core.settings import Settings
+from tierq.core.tiers import TIER_ORDER, Tier
+from tierq.dispatcher.loop import Dispatcher, policy_from_settings
+from tierq.models import jobs as job_repo
+from tierq.models import tenants as tenant_repo
+from tierq.models.db import Database
+from tierq.workers.engine.base import Chunk, Engine, EngineWrapper
+from tierq.workers.engine.simulated_engine import CostModel, SimulatedEngine
+from tierq.workers.engine.vllm_args import step_token_budget
+from tierq.workers.engine.vllm_scheduler import Tiering
+from tierq.workers.worker import Worker
 
 log = logging.getLogger("tierq.bench.scale")
 
@@ -275,7 +275,7 @@ def _engine(cfg: ScaleConfig, cost: CostModel, settings: Settings) -> Engine:
     """A worker's engine: simulated (its prefix cache an LRU of prefix keys), or vLLM with
     the bundled model and its own automatic prefix cache."""
     if cfg.engine == "vllm":
-        from workers.engine.vllm_engine import VllmEngine
+        from tierq.workers.engine.vllm_engine import VllmEngine
 
         return VllmEngine(settings)
     return SimulatedEngine(

@@ -11,7 +11,7 @@ burst (every request at once, `--request-rate inf`).
 
 - `vllm serve`: vLLM's OpenAI server (`vllm.entrypoints.launchers.api_server`'s
   `run_server`) in a child process, with the AsyncEngineArgs the worker builds from
-  Settings (workers.engine.vllm_args.worker_engine_args), vLLM's stock scheduler by default.
+  Settings (tierq.workers.engine.vllm_args.worker_engine_args), vLLM's stock scheduler by default.
 - the platform: `tierq run` (what `make run` runs) on its embedded default (SQLite and an
   embedded Redis) in a scratch state folder, on a free port; the client uses the dev
   tenant's key. OpenAI requests without `service_tier` run in the tenant's default tier.
@@ -41,8 +41,8 @@ from typing import IO, Any
 
 import httpx
 
-from services.hostile import unstorable
-from tierq.settings import Settings
+from tierq.core.settings import Settings
+from tierq.services.hostile import unstorable
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
@@ -142,7 +142,7 @@ def summarize(
     """The figures of one scenario from the client's result (`--save-detailed`): times in
     ms; `all_complete` when every request succeeded with exactly output_len tokens.
     `refused_unstorable` counts the requests that did not, whose prompt carries what tierq
-    refuses by contract (services/hostile.py: a NUL, say — vLLM's random dataset draws control
+    refuses by contract (tierq/services/hostile.py: a NUL, say — vLLM's random dataset draws control
     characters too); `lost` the others."""
     lens = [int(n) for n in result.get("output_lens") or []]
     errors = [e for e in result.get("errors") or [] if e]
@@ -317,7 +317,7 @@ def start_tierq(state_dir: Path, settings: dict[str, str] | None = None) -> tupl
         env.pop(name, None)
     env.update({"STATE_DIR": str(state_dir), "API_HOST": "127.0.0.1", "API_PORT": str(port)})
     env.update(settings or {})
-    argv = [sys.executable, "-m", "cli.main", "run"]
+    argv = [sys.executable, "-m", "tierq", "run"]
     server = Server("tierq run", argv, env, f"http://127.0.0.1:{port}")
     _ready_or_stop(server, "/readyz?min_workers=1")
     key = (state_dir / "dev-api-key").read_text().strip()
@@ -396,7 +396,7 @@ def _run_server(
 
 
 def run_serve(settings: Settings, cfg: ServeConfig) -> dict[str, Any]:
-    from workers.engine.bundled_model import resolve_model_path
+    from tierq.workers.engine.bundled_model import resolve_model_path
 
     model_dir = resolve_model_path(settings)  # prepared once, before anything is timed
     figures: dict[str, dict[str, dict[str, Any]]] = {}
@@ -417,7 +417,8 @@ def run_serve(settings: Settings, cfg: ServeConfig) -> dict[str, Any]:
 
 def _serve_child(host: str, port: int, scheduler: str, policy: str) -> None:
     """`vllm serve` with the worker's engine args: vLLM's own parser for the server's
-    options, then every AsyncEngineArgs field from workers.engine.vllm_args.worker_engine_args,
+    options, then every AsyncEngineArgs field from
+    tierq.workers.engine.vllm_args.worker_engine_args,
     with `policy` as its scheduling policy (`--scheduling-policy`: priority or fcfs)."""
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
@@ -425,9 +426,9 @@ def _serve_child(host: str, port: int, scheduler: str, policy: str) -> None:
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from tierq.settings import get_settings
-    from workers.engine.vllm_args import worker_engine_args
-    from workers.engine.vllm_scheduler import Tiering
+    from tierq.core.settings import get_settings
+    from tierq.workers.engine.vllm_args import worker_engine_args
+    from tierq.workers.engine.vllm_scheduler import Tiering
 
     settings = get_settings()
     engine = worker_engine_args(settings, Tiering.from_settings(settings), scheduler != "tierq")

@@ -72,10 +72,10 @@ from benchmarks.harness import (
     sse_events,
     wait_terminal,
 )
-from models.db import Database
-from models.tables import Batch, Job, UsageRecord
-from services.bootstrap import ensure_tenant_key
-from tierq.settings import Settings
+from tierq.core.settings import Settings
+from tierq.models.db import Database
+from tierq.models.tables import Batch, Job, UsageRecord
+from tierq.services.bootstrap import ensure_tenant_key
 
 log = logging.getLogger("tierq.bench.soak")
 

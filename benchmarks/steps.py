@@ -17,15 +17,15 @@ import statistics
 import time
 from typing import Any
 
-from tierq.settings import Settings
-from workers.engine.vllm_args import step_token_budget
+from tierq.core.settings import Settings
+from tierq.workers.engine.vllm_args import step_token_budget
 
 BATCH_PROMPT = "Tell me about the history of bridges and rivers. "
 QUESTION = "What is the capital of France? Answer briefly please now. "
 
 
 async def _measure(settings: Settings, interactive: int, prompt_repeat: int) -> dict[str, Any]:
-    from workers.engine.vllm_engine import VllmEngine
+    from tierq.workers.engine.vllm_engine import VllmEngine
 
     engine = VllmEngine(settings)
     await engine.start()

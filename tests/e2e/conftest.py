@@ -18,8 +18,8 @@ import httpx
 import psutil
 import pytest
 
-import migrations
 from tests.conftest import PG_ADMIN_URL, REDIS_TEST_URL, free_port, free_ports, pg_admin_sql
+from tierq import migrations
 
 READY_TIMEOUT_S = 420
 
@@ -86,7 +86,7 @@ def start_platform(tmp: Path, env_extra: dict[str, str]) -> LivePlatform:
     output = tmp / "tierq-run.out"
     with open(output, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "run"],
+            [sys.executable, "-m", "tierq", "run"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -135,7 +135,7 @@ def pg_live(tmp: Path, env_extra: dict[str, str] | None = None) -> Iterator[Live
         [
             sys.executable,
             "-m",
-            "cli.main",
+            "tierq",
             "create-tenant",
             "dev",
             "--key-file",

@@ -13,8 +13,8 @@ import pytest
 
 from tests.e2e.conftest import LivePlatform, start_platform
 from tests.helpers import client, wait_for
-from workers.engine.cpu_placement import thread_cores
-from workers.engine.vllm_build import vllm_cpu_build
+from tierq.workers.engine.cpu_placement import thread_cores
+from tierq.workers.engine.vllm_build import vllm_cpu_build
 
 pytestmark = pytest.mark.e2e
 
@@ -110,7 +110,7 @@ def _check_placement(
     """On the CPU build vLLM binds its model worker process to its compute cores; every
     other thread of the platform (the worker's front end, vLLM's engine core, the API, the
     dispatcher, Celery, the embedded Redis; the supervisor apart) runs on the cores left
-    over, never beside the engine's compute (workers/engine/cpu_placement.py, launch/supervisor.py)."""
+    over, never beside the engine's compute (tierq/workers/engine/cpu_placement.py, tierq/launch/supervisor.py)."""
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2 or not vllm_cpu_build():
         return  # one core, or a GPU build: nothing to keep apart

@@ -34,7 +34,6 @@ from openai import AsyncOpenAI
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
-from launch.supervisor import default_worker_id
 from tests.browser import (
     errors_in,
     follow_batch,
@@ -50,7 +49,8 @@ from tests.dashboards import dashboard_metric_names
 from tests.e2e.conftest import LivePlatform, metrics_ports, pg_live
 from tests.helpers import client, wait_for
 from tests.integration.batch_helpers import finished, jsonl, line, submit
-from tierq.settings import Settings
+from tierq.core.settings import Settings
+from tierq.launch.supervisor import default_worker_id
 
 pytestmark = pytest.mark.e2e
 
@@ -258,7 +258,7 @@ class Terminal:
 async def test_tierq_top_refreshes_in_a_terminal_and_stops_on_ctrl_c(ops: LivePlatform) -> None:
     env = {**os.environ, "ADMIN_API_KEY": ADMIN_KEY, "TERM": "xterm-256color"}
     env.pop("STATE_DIR", None)
-    argv = [sys.executable, "-m", "cli.main", "top", "--url", ops.url, "--interval", "0.5"]
+    argv = [sys.executable, "-m", "tierq", "top", "--url", ops.url, "--interval", "0.5"]
     term = Terminal(argv, env)
     try:
         frames = "Workers (dispatcher leader:"

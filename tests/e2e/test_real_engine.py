@@ -30,13 +30,13 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 from sqlalchemy import text
 
-from models.db import Database
 from tests.conftest import REDIS_TEST_URL
 from tests.e2e.conftest import PG_ADMIN_KEY, LivePlatform
 from tests.helpers import client, read_sse, wait_for
-from tierq import token_count
-from tierq.redis_names import RedisNames
-from tierq.settings import Settings
+from tierq.core import token_count
+from tierq.core.redis_names import RedisNames
+from tierq.core.settings import Settings
+from tierq.models.db import Database
 
 pytestmark = pytest.mark.e2e
 
@@ -122,7 +122,7 @@ async def test_the_engine_core_waits_for_each_step_without_spinning(
 ) -> None:
     """vLLM's engine core reads each step's result from its model worker through a
     shared-memory ring; left alone it spins on sched_yield() meanwhile (half a core or more
-    here). On the CPU build the worker has it block instead (workers/engine/quiet_waits.py):
+    here). On the CPU build the worker has it block instead (tierq/workers/engine/quiet_waits.py):
     while one long job decodes, the engine core's process takes a small part of a core."""
     (core,) = [
         p for p in _engine_processes(pg_platform.pid_of("worker")) if "EngineCor" in p.name()
@@ -298,7 +298,8 @@ async def test_an_interactive_job_behind_a_full_engine_of_batch_work_starts_at_o
     # The worker's vLLM ran tierq's scheduler throughout, and never fell back to its own.
     worker_log = (pg_platform.state_dir / "logs" / "worker.log").read_text()
     assert (
-        "Using custom scheduler class workers.engine.vllm_scheduler.TieredScheduler" in worker_log
+        "Using custom scheduler class tierq.workers.engine.vllm_scheduler.TieredScheduler"
+        in worker_log
     )
     assert "tierq's scheduler does not fit this vLLM" not in worker_log
 

@@ -19,9 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
-from models.db import Database
 from tests.e2e.conftest import LivePlatform, metrics_ports, pg_live
 from tests.helpers import client, read_sse, wait_for
+from tierq.models.db import Database
 
 pytestmark = pytest.mark.e2e
 

@@ -28,7 +28,7 @@ from tests.fleet.hosts import Host, Network
 from tests.pgbouncer_server import PgBouncer
 from tests.redis_sentinel import SentinelRedis
 from tests.s3_server import BUCKET, SeaweedS3
-from workers.celery_flags import QUIET_WORKER_FLAGS
+from tierq.workers.celery_flags import QUIET_WORKER_FLAGS
 
 VARIANTS = os.environ.get("TIERQ_FLEET_VARIANTS", "direct").split(",")
 ADMIN_KEY = "fleet-admin-" + uuid.uuid4().hex
@@ -224,7 +224,7 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
         celery.start(
             "celery",
             [
-                *(sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-B"),
+                *(sys.executable, "-m", "celery", "-A", "tierq.workers.celery_app", "worker", "-B"),
                 *QUIET_WORKER_FLAGS,
                 "--pool=solo",
                 *("-Q", "fleet-celery,fleet-celery-reconcile", "--loglevel=INFO"),

@@ -17,9 +17,9 @@ import pytest
 from openai import AsyncOpenAI
 from sqlalchemy import text
 
-from models.db import Database
 from tests.fleet.conftest import Fleet
 from tests.helpers import admit_retrying, wait_for
+from tierq.models.db import Database
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_bench(command: str, *args: str, timeout_s: float = 300) -> dict[str, Any]:
     env = {**os.environ, "DATABASE_URL": PG_ADMIN_URL}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "bench", command, *args],
+        [sys.executable, "-m", "tierq", "bench", command, *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tierq.settings import Settings
-from workers.celery_flags import QUIET_WORKER_FLAGS
+from tierq.core.settings import Settings
+from tierq.workers.celery_flags import QUIET_WORKER_FLAGS
 
 
 def child_env(settings: Settings, **extra: str) -> dict[str, str]:
@@ -35,7 +35,7 @@ class CeleryWorker:
         self.pool = pool
         self.name = name
         # BEAT_LEASE_S: a worker started after another one was killed (its beat holding the
-        # lease) takes the beat over within 3 s (workers/beat.py).
+        # lease) takes the beat over within 3 s (tierq/workers/beat.py).
         defaults = {
             "RECONCILE_GRACE_S": "2",
             "RECONCILE_INTERVAL_S": "2",
@@ -54,7 +54,7 @@ class CeleryWorker:
                     "-m",
                     "celery",
                     "-A",
-                    "workers.celery_app",
+                    "tierq.workers.celery_app",
                     "worker",
                     *QUIET_WORKER_FLAGS,
                     "-B",

@@ -15,9 +15,6 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from api.app import build_app
-from models import billing
-from models.tables import UsageDay, UsageHour, UsageRecord
 from tests.conftest import Platform
 from tests.helpers import (
     admin,
@@ -28,7 +25,10 @@ from tests.helpers import (
     new_tenant,
     wait_for,
 )
-from workers.engine.simulated_engine import CostModel
+from tierq.api.app import build_app
+from tierq.models import billing
+from tierq.models.tables import UsageDay, UsageHour, UsageRecord
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +39,7 @@ JOB = {"prompt": "hi", "max_tokens": 5}
 def reserved(settings: Any) -> int:
     """What JOB reserves at admission: its prompt's bound (the tokenizer's count, plus a
     BOS and an EOS it may get) plus max_tokens."""
-    from tierq.token_count import for_settings
+    from tierq.core.token_count import for_settings
 
     return for_settings(settings).reserve(None, JOB["prompt"], JOB["max_tokens"])  # type: ignore[arg-type]
 
@@ -419,7 +419,7 @@ async def test_the_batch_tier_pays_the_standard_price_less_the_discount(platform
 async def test_operators_use_the_admin_cli(platform: Platform) -> None:
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from tierq.cli.main import app
 
     runner = CliRunner()
     args = ["--url", platform.url, "--admin-key", platform.settings.admin_api_key or ""]
@@ -466,8 +466,8 @@ async def test_a_suspension_committed_after_authentication_still_refuses_the_job
 ) -> None:
     """Admission reads the tenant's status under a lock on its row, in the transaction that
     inserts the job — not the snapshot authentication took a moment earlier."""
-    from models import tenants as tenant_repo
-    from services.requests import JobCreate, Refused
+    from tierq.models import tenants as tenant_repo
+    from tierq.services.requests import JobCreate, Refused
 
     tenant_id, key = await new_tenant(platform)
     if with_quota:

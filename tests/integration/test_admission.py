@@ -1,6 +1,6 @@
-"""Admission's one-round-trip paths on PostgreSQL (models/admission.py: one statement for
+"""Admission's one-round-trip paths on PostgreSQL (tierq/models/admission.py: one statement for
 a tenant without quotas, the function of migration 0007 for one with quotas) against the
-exact path (services/admission.py `_admit_exact`, the ORM): the same jobs, prices, figures,
+exact path (tierq/services/admission.py `_admit_exact`, the ORM): the same jobs, prices, figures,
 refusals and idempotency, on real PostgreSQL and Redis."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from decimal import Decimal
 import pytest
 from sqlalchemy import text, update
 
-from models import admission, spend
-from models import jobs as job_repo
-from models import prices as price_repo
-from models import quotas as quota_repo
-from models.tables import Batch, Job, utcnow
 from tests.conftest import Platform
 from tests.helpers import admin, admit_as, client, new_tenant
-from tierq import metrics
-from tierq.tiers import Tier
+from tierq.core import metrics
+from tierq.core.tiers import Tier
+from tierq.models import admission, spend
+from tierq.models import jobs as job_repo
+from tierq.models import prices as price_repo
+from tierq.models import quotas as quota_repo
+from tierq.models.tables import Batch, Job, utcnow
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
@@ -111,8 +111,8 @@ async def test_a_tenant_suspended_after_authentication_is_refused_with_nothing_w
 ) -> None:
     """The fast path reads the tenant's status under its lock, not the authenticated
     record's: a suspension or deletion that committed a moment before is refused (403)."""
-    from models import tenants as tenant_repo
-    from services.requests import JobCreate, Refused
+    from tierq.models import tenants as tenant_repo
+    from tierq.services.requests import JobCreate, Refused
 
     tenant_id, key = await new_tenant(platform)
     async with platform.db.session() as s:

@@ -1,4 +1,4 @@
-"""Admission of batch lines (services/admission.py): the one parse of a line, what it
+"""Admission of batch lines (tierq/services/admission.py): the one parse of a line, what it
 reserves, and what a whole file reserves — with the bundled model's tokenizer, as the
 batch runner counts. The online half is test_admission.py (PostgreSQL)."""
 
@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from models.quotas import reservation_cost
-from services import admission
-from services.batch_input import RawLine
-from tierq import token_count
-from tierq.file_store import LocalStore
-from tierq.settings import Settings
-from workers.engine.bundled_model import prepare_bundled_model
+from tierq.core import token_count
+from tierq.core.file_store import LocalStore
+from tierq.core.settings import Settings
+from tierq.models.quotas import reservation_cost
+from tierq.services import admission
+from tierq.services.batch_input import RawLine
+from tierq.workers.engine.bundled_model import prepare_bundled_model
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def test_a_line_reserves_its_prompt_and_max_tokens_as_an_online_job_does() -> No
     assert line.error_code is None and line.model == "SmolLM2-135M-Instruct"
     assert line.params["max_tokens"] == 8
     # What the online path reserves for the same request: the served model's tokenizer's
-    # bound on the prompt, plus max_tokens (services/admission.py `_counted`).
+    # bound on the prompt, plus max_tokens (tierq/services/admission.py `_counted`).
     counter = token_count.for_settings(_settings())
     online = counter.reserve([{"role": "user", "content": "Hi."}], None, 8)
     assert line.reserved_tokens == online > 8

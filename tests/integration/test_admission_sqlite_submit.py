@@ -13,19 +13,19 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-import migrations
-from models import jobs as job_repo
-from models import quotas as quota_repo
-from models import tenants as tenant_repo
-from models.db import Database
-from models.records import TenantRecord
-from services import admission
-from services.requests import JobCreate, Refused
 from tests.conftest import REDIS_TEST_URL
-from tierq import metrics
-from tierq.queue import Enqueuer
-from tierq.redis_names import RedisNames
-from tierq.settings import Settings
+from tierq import migrations
+from tierq.core import metrics
+from tierq.core.queue import Enqueuer
+from tierq.core.redis_names import RedisNames
+from tierq.core.settings import Settings
+from tierq.models import jobs as job_repo
+from tierq.models import quotas as quota_repo
+from tierq.models import tenants as tenant_repo
+from tierq.models.db import Database
+from tierq.models.records import TenantRecord
+from tierq.services import admission
+from tierq.services.requests import JobCreate, Refused
 
 pytestmark = pytest.mark.integration
 

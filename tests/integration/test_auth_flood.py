@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from models import tenants
 from tests.conftest import Platform
 from tests.helpers import client
+from tierq.models import tenants
 
 pytestmark = pytest.mark.integration
 

@@ -19,11 +19,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import text
 
-from models import batches as batch_repo
 from tests.conftest import Platform
 from tests.helpers import client, new_tenant
 from tests.integration.celery_proc import CeleryWorker
-from tierq.states import BatchStatus
+from tierq.core.states import BatchStatus
+from tierq.models import batches as batch_repo
 
 pytestmark = pytest.mark.integration
 

@@ -14,14 +14,14 @@ import openai
 import pytest
 from sqlalchemy import update
 
-from api.app import build_app
-from models import batches as batch_repo
-from models.tables import Batch
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error
 from tests.integration.batch_helpers import CHAT, finished, jsonl, line, lines_of, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
-from workers.engine.simulated_engine import CostModel
+from tierq.api.app import build_app
+from tierq.models import batches as batch_repo
+from tierq.models.tables import Batch
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 
@@ -333,7 +333,7 @@ async def test_the_batch_cli_submits_waits_and_downloads(
 ) -> None:
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from tierq.cli.main import app
 
     requests = tmp_path / "requests.jsonl"
     requests.write_bytes(

@@ -17,12 +17,12 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from models import spend
-from models.tables import Batch, Job, SpendCounter, UsageRecord
 from tests.conftest import ADMIN_KEY, Platform
 from tests.helpers import client
 from tests.integration.batch_helpers import finished, jsonl, line, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
+from tierq.models import spend
+from tierq.models.tables import Batch, Job, SpendCounter, UsageRecord
 
 pytestmark = pytest.mark.integration
 
@@ -194,8 +194,8 @@ async def test_a_job_cancelled_while_it_ran_holds_its_reservation_until_billed(
     holds its reservation: a job admitted in that window cannot take the budget past it."""
     from datetime import UTC, datetime, timedelta
 
-    from models import jobs as job_repo
-    from models import quotas as quota_repo
+    from tierq.models import jobs as job_repo
+    from tierq.models import quotas as quota_repo
 
     tenant_id, key = await budgeted_tenant(platform, token_budget=10_000, budget_period="total")
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client
 from tests.integration.celery_proc import CeleryWorker
+from tierq.models import jobs as job_repo
 
 pytestmark = pytest.mark.integration
 

@@ -13,11 +13,11 @@ import httpx
 import pytest
 from rich.console import Console
 
-from cli.top import fetch, render
 from tests.conftest import Platform
 from tests.helpers import admin, assert_openai_error, client, new_tenant, wait_for
 from tests.integration.batch_helpers import jsonl, line, sdk, submit
-from workers.engine.simulated_engine import CostModel
+from tierq.cli.top import fetch, render
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

@@ -32,7 +32,7 @@ from tests.conftest import Platform
 from tests.helpers import admin, new_tenant
 from tests.integration.batch_helpers import jsonl, line, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
-from workers.engine.simulated_engine import CostModel
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

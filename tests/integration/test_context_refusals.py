@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error, client, jobs_of
-from tierq import token_count
-from workers.engine.bundled_model import prepare_bundled_model
+from tierq.core import token_count
+from tierq.models import jobs as job_repo
+from tierq.workers.engine.bundled_model import prepare_bundled_model
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +75,7 @@ async def test_a_long_prompt_that_fits_is_admitted(
 
 
 async def _tenant_of(platform: Platform, key: str) -> str:
-    from models import tenants
+    from tierq.models import tenants
 
     async with platform.db.session() as s:
         owner = await tenants.owner_of_key(s, key)

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from dispatcher.leadership import LeaseLost
-from dispatcher.loop import Dispatcher
-from tierq.messages import JobMessage
-from tierq.queue import Enqueuer, enqueue
-from tierq.redis_names import DISPATCH_GROUP, RedisNames
-from tierq.settings import Settings
-from tierq.tiers import Tier
+from tierq.core.messages import JobMessage
+from tierq.core.queue import Enqueuer, enqueue
+from tierq.core.redis_names import DISPATCH_GROUP, RedisNames
+from tierq.core.settings import Settings
+from tierq.core.tiers import Tier
+from tierq.dispatcher.leadership import LeaseLost
+from tierq.dispatcher.loop import Dispatcher
 
 pytestmark = pytest.mark.integration
 

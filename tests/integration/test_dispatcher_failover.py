@@ -19,12 +19,12 @@ import httpx
 import pytest
 
 from benchmarks.harness import free_port
-from dispatcher.loop import Dispatcher
 from tests.conftest import Platform
 from tests.helpers import client, jobs_of, wait_for
 from tests.integration.celery_proc import child_env
-from tierq.redis_names import DISPATCH_GROUP, RedisNames
-from workers.engine.simulated_engine import CostModel
+from tierq.core.redis_names import DISPATCH_GROUP, RedisNames
+from tierq.dispatcher.loop import Dispatcher
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,10 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from models import jobs as job_repo
 from tests.conftest import REDIS_TEST_URL, Platform
 from tests.helpers import client, wait_for
-from workers.engine.simulated_engine import CostModel
+from tierq.models import jobs as job_repo
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """Every failure ends a job or hands it back, on real PostgreSQL and Redis.
 
 The engine is the simulated one wrapped in the fault-injecting engine
-(workers/engine/faulty_engine.py), which raises each class of failure an engine raises — the
+(tierq/workers/engine/faulty_engine.py), which raises each class of failure an engine raises — the
 request refused, vLLM's own validation error, an unknown error, the engine dying. Redis
 faults are real: `CLIENT KILL` of every connection, keys deleted under running workers.
 After each: every job ends `succeeded` or `failed` with a clear code, every inbox is empty
@@ -23,18 +23,18 @@ import pytest
 import redis.asyncio as aioredis
 from sqlalchemy import exc as sa_exc
 
-from dispatcher.loop import Dispatcher
-from models import jobs as job_repo
 from tests.conftest import REDIS_TEST_URL, Platform
 from tests.helpers import client, jobs_of, read_sse, wait_for
-from tierq import metrics
-from tierq.queue import enqueue
-from tierq.redis_names import DISPATCH_GROUP, WORKER_GROUP
-from workers import worker as worker_mod
-from workers.engine.base import Engine, EngineWrapper
-from workers.engine.faulty_engine import FaultyEngine
-from workers.engine.simulated_engine import CostModel
-from workers.reconcile import reconcile
+from tierq.core import metrics
+from tierq.core.queue import enqueue
+from tierq.core.redis_names import DISPATCH_GROUP, WORKER_GROUP
+from tierq.dispatcher.loop import Dispatcher
+from tierq.models import jobs as job_repo
+from tierq.workers import worker as worker_mod
+from tierq.workers.engine.base import Engine, EngineWrapper
+from tierq.workers.engine.faulty_engine import FaultyEngine
+from tierq.workers.engine.simulated_engine import CostModel
+from tierq.workers.reconcile import reconcile
 
 pytestmark = pytest.mark.integration
 
@@ -258,9 +258,9 @@ async def test_a_cancelled_job_is_billed_for_what_the_engine_generated_and_once(
 
 
 async def test_readyz_names_a_worker_whose_engine_died(platform: Platform) -> None:
-    from tierq.messages import Heartbeat
-    from tierq.queue import write_heartbeat
-    from tierq.redis_conn import redis_now
+    from tierq.core.messages import Heartbeat
+    from tierq.core.queue import write_heartbeat
+    from tierq.core.redis_conn import redis_now
 
     names = platform.dispatcher.names
     now = await redis_now(platform.r)
@@ -561,7 +561,7 @@ async def test_max_running_holds_across_a_dispatcher_restart(platform: Platform)
 async def test_the_api_answers_503_with_retry_after_while_the_database_is_unreachable(
     platform: Platform, tenant_key: str
 ) -> None:
-    from api.app import build_app
+    from tierq.api.app import build_app
 
     down = platform.settings.model_copy(
         update={"database_url": "postgresql+asyncpg://postgres@127.0.0.1:1/nowhere"}
@@ -673,7 +673,7 @@ async def test_an_internal_error_reaches_the_tenant_as_a_code_and_a_reference(
     platform.settings.max_deliveries = 1
     platform.start_dispatcher()
     await platform.start_worker("w1", wrap=leaky)
-    caplog.set_level("ERROR", logger="workers.worker")
+    caplog.set_level("ERROR", logger="tierq.workers.worker")
     async with client(platform.url, tenant_key) as c:
         (job_id,) = await submit(c, 1)
         final = await wait_for(c, job_id, timeout=30)

@@ -15,15 +15,15 @@ import pytest
 from openai import AsyncOpenAI
 from sqlalchemy import func, select, update
 
-from models import batches as batch_repo
-from models.tables import File, utcnow
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error
 from tests.integration.batch_helpers import finished, jsonl, line, lines_of, submit
 from tests.integration.celery_proc import CeleryWorker
-from tierq.settings import Settings
-from tierq.states import BatchStatus
-from workers.files_expiry import remove_expired_files
+from tierq.core.settings import Settings
+from tierq.core.states import BatchStatus
+from tierq.models import batches as batch_repo
+from tierq.models.tables import File, utcnow
+from tierq.workers.files_expiry import remove_expired_files
 
 pytestmark = pytest.mark.integration
 

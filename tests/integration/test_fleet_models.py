@@ -1,4 +1,4 @@
-"""The fleet publishes what it serves (tierq/fleet.py): an API whose own settings disagree
+"""The fleet publishes what it serves (tierq/core/fleet.py): an API whose own settings disagree
 with its workers' — a longer MAX_MODEL_LEN, no model folder on its host — validates
 against the context length the live workers announce, and counts prompts with the
 tokenizer a worker published, exactly as a host with the folder would."""
@@ -12,11 +12,11 @@ import pytest
 
 from tests.conftest import Platform, base_settings
 from tests.helpers import assert_openai_error, client, until
-from tierq import fleet, token_count
-from tierq.redis_names import RedisNames
-from tierq.settings import Settings
-from workers.engine.simulated_engine import CostModel, SimulatedEngine
-from workers.worker import Worker
+from tierq.core import fleet, token_count
+from tierq.core.redis_names import RedisNames
+from tierq.core.settings import Settings
+from tierq.workers.engine.simulated_engine import CostModel, SimulatedEngine
+from tierq.workers.worker import Worker
 
 pytestmark = pytest.mark.integration
 

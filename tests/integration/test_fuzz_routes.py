@@ -38,8 +38,8 @@ from tests.conftest import ADMIN_KEY, REDIS_TEST_URL, Platform
 from tests.helpers import assert_openai_error, client, error_code, new_tenant, wait_for
 from tests.integration.batch_helpers import finished, jsonl, line, lines_of, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
-from tierq.redis_names import RedisNames
-from tierq.tiers import Tier
+from tierq.core.redis_names import RedisNames
+from tierq.core.tiers import Tier
 
 pytestmark = pytest.mark.integration
 

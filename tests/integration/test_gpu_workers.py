@@ -28,12 +28,12 @@ import httpx
 import psutil
 import pytest
 
-from models import jobs as job_repo
 from tests.conftest import Platform, free_ports
 from tests.helpers import client, until, wait_for
 from tests.integration.worker_proc import WorkerProcess, registered
 from tests.unit.test_gpu_workers import fake_nvidia_smi
-from tierq.messages import Heartbeat
+from tierq.core.messages import Heartbeat
+from tierq.models import jobs as job_repo
 
 pytestmark = pytest.mark.integration
 

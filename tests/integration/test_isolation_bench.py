@@ -16,9 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks.isolation import IsolationConfig, run_isolation
-from cli.main import app
 from tests.conftest import PG_ADMIN_URL
-from tierq.settings import Settings
+from tierq.cli.main import app
+from tierq.core.settings import Settings
 
 pytestmark = pytest.mark.integration
 

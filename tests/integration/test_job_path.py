@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error, client, read_sse, wait_for
-from workers.engine.base import Chunk, Engine, EngineWrapper
-from workers.engine.simulated_engine import CostModel
+from tierq.models import jobs as job_repo
+from tierq.workers.engine.base import Chunk, Engine, EngineWrapper
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

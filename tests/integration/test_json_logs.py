@@ -1,4 +1,4 @@
-"""LOG_FORMAT=json on the platform (tierq/logs.py): one JSON object a line, and the lines
+"""LOG_FORMAT=json on the platform (tierq/core/logs.py): one JSON object a line, and the lines
 logged where a job is handled — admission, the dispatcher's hand-off, the worker's run —
 carry its job_id, tenant_id, tier and trace_id. In-process platform: real PostgreSQL and
 Redis, the simulated engine."""
@@ -20,15 +20,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from tests.conftest import Platform
 from tests.integration.test_tracing import JOB_BODY
 from tests.integration.test_tracing import spans as spans  # the in-memory exporter
-from tierq import logs
+from tierq.core import logs
 
 pytestmark = pytest.mark.integration
 
 # Where a job is handled, and what each logs about it (admission and the hand-off at DEBUG).
 PLACES = {
-    "services.admission": "job admitted",
-    "tierq.tracing": "handing job to w1",
-    "workers.worker": "the engine generated",
+    "tierq.services.admission": "job admitted",
+    "tierq.core.tracing": "handing job to w1",
+    "tierq.workers.worker": "the engine generated",
 }
 
 

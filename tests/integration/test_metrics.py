@@ -24,20 +24,20 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
-from models.db import Database
-from models.tables import Job, Tenant
-from services.bootstrap import ensure_tenant_key
 from tests.conftest import ADMIN_KEY, Platform, free_port
 from tests.dashboards import dashboard_metric_names
 from tests.helpers import admin, client, new_tenant, wait_for
 from tests.integration.batch_helpers import finished, jsonl, line, sdk, submit
 from tests.integration.celery_proc import CeleryWorker, child_env
 from tests.integration.test_dispatcher_failover import DispatcherProc
-from tierq.metrics import summed_registry
-from tierq.settings import Settings
-from workers.engine.base import Engine
-from workers.engine.faulty_engine import FaultyEngine
-from workers.engine.simulated_engine import CostModel
+from tierq.core.metrics import summed_registry
+from tierq.core.settings import Settings
+from tierq.models.db import Database
+from tierq.models.tables import Job, Tenant
+from tierq.services.bootstrap import ensure_tenant_key
+from tierq.workers.engine.base import Engine
+from tierq.workers.engine.faulty_engine import FaultyEngine
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

@@ -17,10 +17,10 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 
-import migrations
-from models.db import make_engine
-from models.tables import Base
 from tests.conftest import PG_ADMIN_URL, pg_admin_sql
+from tierq import migrations
+from tierq.models.db import make_engine
+from tierq.models.tables import Base
 
 pytestmark = pytest.mark.integration
 
@@ -82,9 +82,9 @@ def _backfill(url: str) -> None:
 
     from sqlalchemy import insert
 
-    from models import billing, spend
-    from models.db import Database
-    from models.tables import Job, Tenant, UsageRecord
+    from tierq.models import billing, spend
+    from tierq.models.db import Database
+    from tierq.models.tables import Job, Tenant, UsageRecord
 
     migrations.upgrade(url, "0005")
     days = [datetime(2026, 10, 31, 23, 0, tzinfo=UTC), datetime(2026, 11, 1, 1, 0, tzinfo=UTC)]
@@ -199,7 +199,7 @@ def _four_hosts_at_once(url: str) -> None:
                 await holder.execute(text(lock))  # in holder's transaction, until commit
                 procs = [
                     subprocess.Popen(
-                        [sys.executable, "-m", "cli.main", "migrate"],
+                        [sys.executable, "-m", "tierq", "migrate"],
                         cwd=root,
                         env=env,
                         stdout=subprocess.PIPE,

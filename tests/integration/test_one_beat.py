@@ -1,4 +1,4 @@
-"""One beat across hosts (workers/beat.py): real `celery beat` processes, as each host of a
+"""One beat across hosts (tierq/workers/beat.py): real `celery beat` processes, as each host of a
 fleet starts one, of which only the lease holder sends the periodic tasks; SIGKILL of the
 holder, a planned stop and the lease lost with a Redis flush each leave one beat sending."""
 
@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 
 from tests.helpers import until
 from tests.integration.celery_proc import child_env
-from tierq.redis_names import RedisNames
-from tierq.settings import Settings
+from tierq.core.redis_names import RedisNames
+from tierq.core.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,7 @@ class Beat:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [
-                    *(sys.executable, "-m", "celery", "-A", "workers.celery_app", "beat"),
+                    *(sys.executable, "-m", "celery", "-A", "tierq.workers.celery_app", "beat"),
                     *("--loglevel=INFO", "-s", str(schedule)),
                 ],
                 env=env,

@@ -1,4 +1,4 @@
-"""One clock across hosts (tierq/clock.py): a real `tierq api` process whose host clock is
+"""One clock across hosts (tierq/core/clock.py): a real `tierq api` process whose host clock is
 five minutes fast (libfaketime, Debian's faketime) stamps the jobs it admits with the
 deployment's time — Redis' — not its own, so the dispatcher, the workers and the
 reconciler of other hosts compare them with theirs."""
@@ -18,11 +18,11 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from models.db import Database
 from tests.conftest import ADMIN_KEY, free_port
 from tests.helpers import stop_group
 from tests.integration.celery_proc import child_env
-from tierq.settings import Settings
+from tierq.core.settings import Settings
+from tierq.models.db import Database
 
 pytestmark = pytest.mark.integration
 

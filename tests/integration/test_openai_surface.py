@@ -15,12 +15,12 @@ import pytest
 from openai import AsyncOpenAI
 from sqlalchemy import text
 
-from models import jobs as job_repo
-from models import tenants as tenant_repo
 from tests.conftest import Platform
 from tests.helpers import assert_openai_error
-from tierq.messages import Served
-from workers.engine.simulated_engine import CostModel
+from tierq.core.messages import Served
+from tierq.models import jobs as job_repo
+from tierq.models import tenants as tenant_repo
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

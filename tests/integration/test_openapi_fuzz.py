@@ -28,13 +28,13 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from sqlalchemy import text
 
-from api.app import build_app
-from models.db import Database
-from models.tables import Base
 from tests.conftest import ADMIN_KEY, REDIS_TEST_URL, Platform, base_settings
 from tests.helpers import error_code
-from tierq.settings import Settings
-from workers.engine.simulated_engine import CostModel
+from tierq.api.app import build_app
+from tierq.core.settings import Settings
+from tierq.models.db import Database
+from tierq.models.tables import Base
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 
@@ -164,9 +164,9 @@ def fit(body: dict[str, Any], path: str) -> None:
 # (operation, status, error code) of every request whose body conformed to the document.
 CONFORMING: list[tuple[str, int, str | None]] = []
 # What no JSON Schema states: a model's context is counted in tokens, after its chat
-# template; a response_format's schema must compile (services/structured.py); logit_bias
+# template; a response_format's schema must compile (tierq/services/structured.py); logit_bias
 # ids must be in the served model's vocabulary; a webhook URL's host must resolve, to public
-# addresses (services/webhooks.py).
+# addresses (tierq/services/webhooks.py).
 BEYOND_THE_DOCUMENT = (
     "context_length_exceeded",
     "invalid_response_format",

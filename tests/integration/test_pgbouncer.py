@@ -13,13 +13,13 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from models.db import Database
 from tests.conftest import Platform, base_settings
 from tests.helpers import client, wait_for
 from tests.integration.batch_helpers import finished, jsonl, line, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
 from tests.pgbouncer_server import PgBouncer
-from tierq.settings import Settings
+from tierq.core.settings import Settings
+from tierq.models.db import Database
 
 pytestmark = pytest.mark.integration
 

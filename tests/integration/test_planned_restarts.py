@@ -18,17 +18,17 @@ from typing import Any
 
 import pytest
 
-from dispatcher.leadership import Leadership
-from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client, wait_for
 from tests.integration.worker_proc import WorkerProcess, registered
-from tierq.messages import FAULT_UNIT, Heartbeat, JobMessage
-from tierq.queue import write_heartbeat
-from tierq.redis_names import DISPATCH_GROUP, RedisNames
-from tierq.tiers import Tier
-from workers.engine.base import Chunk, Engine, EngineDead, EngineWrapper
-from workers.engine.simulated_engine import CostModel
+from tierq.core.messages import FAULT_UNIT, Heartbeat, JobMessage
+from tierq.core.queue import write_heartbeat
+from tierq.core.redis_names import DISPATCH_GROUP, RedisNames
+from tierq.core.tiers import Tier
+from tierq.dispatcher.leadership import Leadership
+from tierq.models import jobs as job_repo
+from tierq.workers.engine.base import Chunk, Engine, EngineDead, EngineWrapper
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

@@ -13,12 +13,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from tests.conftest import free_port
-from tierq import scripts
-from tierq.messages import JobMessage
-from tierq.queue import Enqueuer, _enqueue_part, _enqueue_parts, enqueue
-from tierq.redis_names import RedisNames
-from tierq.settings import Settings
-from tierq.tiers import Tier
+from tierq.core import scripts
+from tierq.core.messages import JobMessage
+from tierq.core.queue import Enqueuer, _enqueue_part, _enqueue_parts, enqueue
+from tierq.core.redis_names import RedisNames
+from tierq.core.settings import Settings
+from tierq.core.tiers import Tier
 
 SAMPLED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 UNSAMPLED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"

@@ -1,4 +1,4 @@
-"""The hot path's connections (models/db.py RawPool) on the real PostgreSQL: a request
+"""The hot path's connections (tierq/models/db.py RawPool) on the real PostgreSQL: a request
 that finds every connection taken waits at most the pool's timeout and is answered 503
 (Unavailable), and a waiter that goes away (its client hung up) takes no slot with it."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from models.db import RawPool, Unavailable
-from tierq.settings import Settings
+from tierq.core.settings import Settings
+from tierq.models.db import RawPool, Unavailable
 
 
 async def test_a_full_pool_refuses_after_its_timeout_and_a_gone_waiter_keeps_no_slot(

@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 
 from benchmarks.harness import RedisServer
 from tests.conftest import free_port
-from tierq.redis_conn import EvictingRedis, connect
-from tierq.settings import Settings
+from tierq.core.redis_conn import EvictingRedis, connect
+from tierq.core.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ async def test_an_evicting_redis_is_refused_at_start(tmp_path: Path) -> None:
         env = {**os.environ, "REDIS_URL": server.url, "STATE_DIR": str(tmp_path)}
         done = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "cli.main", "dispatcher"],
+            [sys.executable, "-m", "tierq", "dispatcher"],
             cwd=ROOT,
             env=env,
             capture_output=True,

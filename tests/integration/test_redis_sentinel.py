@@ -18,8 +18,8 @@ from tests.conftest import Platform, base_settings
 from tests.helpers import admit_retrying, client, wait_for
 from tests.integration.celery_proc import CeleryWorker
 from tests.redis_sentinel import SentinelRedis
-from tierq.redis_conn import connect
-from tierq.settings import Settings
+from tierq.core.redis_conn import connect
+from tierq.core.settings import Settings
 
 pytestmark = pytest.mark.integration
 

@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
-from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client, read_sse, wait_for
-from tierq.messages import Served
-from tierq.queue import enqueue
-from tierq.redis_names import WORKER_GROUP
-from workers.engine.simulated_engine import CostModel
-from workers.reconcile import reconcile
+from tierq.core.messages import Served
+from tierq.core.queue import enqueue
+from tierq.core.redis_names import WORKER_GROUP
+from tierq.models import jobs as job_repo
+from tierq.workers.engine.simulated_engine import CostModel
+from tierq.workers.reconcile import reconcile
 
 pytestmark = pytest.mark.integration
 

@@ -15,13 +15,13 @@ import pytest
 from sqlalchemy import select, update
 
 from benchmarks.decode_ledger import DecodeLedger
-from models import jobs as job_repo
-from models.records import Progress
-from models.tables import Job
 from tests.conftest import Platform
 from tests.helpers import admin, client, read_sse, wait_for
-from workers.engine.base import Chunk, Engine, EngineWrapper
-from workers.engine.simulated_engine import CostModel, SimulatedEngine
+from tierq.models import jobs as job_repo
+from tierq.models.records import Progress
+from tierq.models.tables import Job
+from tierq.workers.engine.base import Chunk, Engine, EngineWrapper
+from tierq.workers.engine.simulated_engine import CostModel, SimulatedEngine
 
 pytestmark = pytest.mark.integration
 

@@ -20,13 +20,13 @@ import httpx
 import pytest
 import uvicorn
 
-from api.app import build_app
 from tests.conftest import ADMIN_KEY, Platform, base_settings, free_port
 from tests.helpers import client, until
 from tests.integration.batch_helpers import finished, jsonl, line, lines_of, sdk, submit
 from tests.integration.celery_proc import CeleryWorker, child_env
 from tests.s3_server import READER_KEY, READER_SECRET, SeaweedS3
-from tierq.file_store import (
+from tierq.api.app import build_app
+from tierq.core.file_store import (
     PART_BYTES,
     FileStore,
     LocalStore,
@@ -34,8 +34,8 @@ from tierq.file_store import (
     S3Store,
     StoreUnavailable,
 )
-from tierq.settings import Settings
-from workers.files_expiry import remove_stale_parts
+from tierq.core.settings import Settings
+from tierq.workers.files_expiry import remove_stale_parts
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 
-from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import (
     admin,
@@ -27,7 +26,8 @@ from tests.helpers import (
     read_sse,
     wait_for,
 )
-from tierq import scripts
+from tierq.core import scripts
+from tierq.models import jobs as job_repo
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
 
@@ -211,7 +211,7 @@ async def test_a_revoked_stream_is_closed_even_if_the_message_was_lost(
 ) -> None:
     """The access message is published once; the hub's periodic look finds a revocation
     whose message never arrived (here: revoked in the database behind the API's back)."""
-    from models import tenants as tenant_repo
+    from tierq.models import tenants as tenant_repo
 
     _tenant_id, key = await new_tenant(platform)
     async with client(platform.url, key) as c:
@@ -230,8 +230,8 @@ async def test_a_revocation_committed_after_authentication_refuses_the_job(
 ) -> None:
     """Admission reads the key's state under the tenant's lock, in the transaction that
     inserts the job — not the snapshot authentication took."""
-    from models import tenants as tenant_repo
-    from services.requests import JobCreate, Refused
+    from tierq.models import tenants as tenant_repo
+    from tierq.services.requests import JobCreate, Refused
 
     tenant_id, key = await new_tenant(platform)
     async with platform.db.session() as s:
@@ -244,7 +244,7 @@ async def test_a_revocation_committed_after_authentication_refuses_the_job(
         await admit_as(platform, owner.tenant, body, key_id=owner.key_id)
     assert refused.value.status == 401 and refused.value.code == "invalid_api_key"
     async with platform.db.session() as s:
-        from models import jobs as job_repo
+        from tierq.models import jobs as job_repo
 
         page, _ = await job_repo.list_jobs(s, tenant_id)
     assert page == []
@@ -286,9 +286,9 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
     """An admission waiting on the tenant's row lock sees a revocation that committed
     while it waited (PostgreSQL re-reads only the locked row: the key is read after it),
     on the exact path (a quota) and on the one-statement fast path (none) alike."""
-    from models import tenants as tenant_repo
-    from models.tables import ApiKey, utcnow
-    from services.requests import JobCreate, Refused
+    from tierq.models import tenants as tenant_repo
+    from tierq.models.tables import ApiKey, utcnow
+    from tierq.services.requests import JobCreate, Refused
 
     tenant_id, key = await new_tenant(platform)
     if path == "exact":
@@ -395,7 +395,7 @@ async def test_a_revocation_whose_message_was_lost_holds_within_the_cache_ttl(
 ) -> None:
     """Revoked behind the API's back (no message): admission refuses it at once (it reads
     the key again under the lock); reads are refused once the cache entry expires."""
-    from models import tenants as tenant_repo
+    from tierq.models import tenants as tenant_repo
 
     _tenant_id, key = await new_tenant(platform)
     async with client(platform.url, key) as c:
@@ -412,7 +412,7 @@ async def test_a_revocation_whose_message_was_lost_holds_within_the_cache_ttl(
 async def test_a_follower_of_a_job_cancelled_by_a_suspension_gets_its_final_event_at_once(
     platform: Platform,
 ) -> None:
-    """The cancel path ends every cancelled job's event stream (services/cancellation.py):
+    """The cancel path ends every cancelled job's event stream (tierq/services/cancellation.py):
     a follower hears `done` with the job cancelled within 1 s of the suspension's answer,
     before the suspension closes its stream, not at the hub's periodic recheck."""
     tenant_id, key = await new_tenant(platform)
@@ -438,8 +438,8 @@ async def test_the_hub_stops_at_one_cancel_when_a_read_reports_it_as_an_error(
     the cancel into a ConnectionError, on real Redis and PostgreSQL."""
     import redis
 
-    from api import hub as hub_module
-    from tierq.redis_names import RedisNames
+    from tierq.api import hub as hub_module
+    from tierq.core.redis_names import RedisNames
 
     monkeypatch.setattr(hub_module, "RECHECK_S", 0.1)
     hub = hub_module.EventHub(redis_client, RedisNames(settings.redis_prefix), db, settings)

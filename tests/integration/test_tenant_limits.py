@@ -23,7 +23,7 @@ from tests.helpers import (
     wait_for,
 )
 from tests.integration.batch_helpers import jsonl, line, sdk
-from tierq.states import BatchStatus
+from tierq.core.states import BatchStatus
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +86,7 @@ async def test_a_tenant_may_have_only_so_many_batches_unfinished(platform: Platf
         # a cancelled batch no longer counts once it is cancelled
         await api.batches.cancel(listed[0]["id"])
         async with platform.db.transaction() as s:
-            from models import batches as batch_repo
+            from tierq.models import batches as batch_repo
 
             await batch_repo.transition(
                 s, listed[0]["id"], BatchStatus.CANCELLED, (BatchStatus.CANCELLING,)
@@ -128,7 +128,7 @@ async def test_one_tenants_burst_cannot_take_every_database_connection(
 ) -> None:
     """A tenant with quotas is admitted one request at a time (its row lock). Its burst
     waits at the gate, not on pooled connections: another tenant is still served."""
-    from models import tenants as tenant_repo
+    from tierq.models import tenants as tenant_repo
 
     noisy, noisy_key = await new_tenant(platform)
     _quiet, quiet_key = await new_tenant(platform)
@@ -166,8 +166,8 @@ async def test_a_batch_line_leaves_only_its_final_event_in_redis(running: Platfo
     streams no deltas, so its replay buffer holds the final event alone (with the result)."""
     from datetime import UTC, datetime, timedelta
 
-    from models import batches as batch_repo
-    from tierq.queue import enqueue
+    from tierq.core.queue import enqueue
+    from tierq.models import batches as batch_repo
 
     tenant_id, key = await new_tenant(running)
     async with running.db.transaction() as s:

@@ -9,11 +9,11 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from models.db import Database
 from tests.conftest import Platform
 from tests.helpers import admin, assert_openai_error, client, new_tenant, wait_for
-from tierq.metrics import OTHER_TENANT
-from tierq.settings import Settings
+from tierq.core.metrics import OTHER_TENANT
+from tierq.core.settings import Settings
+from tierq.models.db import Database
 
 pytestmark = pytest.mark.integration
 

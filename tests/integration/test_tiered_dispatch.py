@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from models import jobs as job_repo
 from tests.conftest import Platform
 from tests.helpers import client, read_sse, wait_for
-from workers.engine.simulated_engine import CostModel
+from tierq.models import jobs as job_repo
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

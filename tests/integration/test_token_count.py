@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.requests import JobCreate, Refused, check
-from tierq import token_count
-from tierq.settings import Settings
-from tierq.token_count import PromptCounter
-from workers.engine.bundled_model import prepare_bundled_model
+from tierq.core import token_count
+from tierq.core.settings import Settings
+from tierq.core.token_count import PromptCounter
+from tierq.services.requests import JobCreate, Refused, check
+from tierq.workers.engine.bundled_model import prepare_bundled_model
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Traces across the platform (tierq/tracing.py), with the SDK's in-memory exporter: one
+"""Traces across the platform (tierq/core/tracing.py), with the SDK's in-memory exporter: one
 trace per job from the HTTP request through admission, the queue wait, the dispatch, the
 worker's run and the engine to the last SSE event; a batch line's trace linked to its
 batch's. In-process platform: real PostgreSQL and Redis, the simulated engine."""
@@ -18,9 +18,9 @@ from opentelemetry.trace import SpanKind
 
 from tests.conftest import Platform
 from tests.integration.batch_helpers import jsonl, line, sdk
-from tierq import tracing
-from workers.batches import BatchRunner
-from workers.reconcile import reconcile
+from tierq.core import tracing
+from tierq.workers.batches import BatchRunner
+from tierq.workers.reconcile import reconcile
 
 pytestmark = pytest.mark.integration
 

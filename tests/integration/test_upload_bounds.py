@@ -22,8 +22,8 @@ from tests.helpers import assert_openai_error, client
 from tests.integration.batch_helpers import finished, jsonl, line, lines_of, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
 from tests.integration.test_file_quotas import limit, on_disk, rows, upload
-from tierq.settings import Settings
-from workers.files_expiry import remove_expired_files
+from tierq.core.settings import Settings
+from tierq.workers.files_expiry import remove_expired_files
 
 pytestmark = pytest.mark.integration
 

@@ -24,12 +24,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from models.tables import Batch
 from tests.conftest import ADMIN_KEY, Platform, free_port
 from tests.helpers import assert_openai_error
 from tests.integration.batch_helpers import finished, jsonl, line, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
-from workers.engine.simulated_engine import CostModel
+from tierq.models.tables import Batch
+from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from launch.supervisor import default_worker_id
 from tests.conftest import Platform
 from tests.integration.worker_proc import WorkerProcess, registered
-from tierq.messages import Heartbeat
-from tierq.queue import write_heartbeat
-from tierq.redis_conn import redis_now
-from workers import identity
+from tierq.core.messages import Heartbeat
+from tierq.core.queue import write_heartbeat
+from tierq.core.redis_conn import redis_now
+from tierq.launch.supervisor import default_worker_id
+from tierq.workers import identity
 
 pytestmark = pytest.mark.integration
 
@@ -106,7 +106,7 @@ async def test_a_heartbeat_that_stops_moving_is_taken_once_it_is_dead(platform: 
 
 
 def test_tierq_run_gives_each_host_and_state_folder_its_own_worker_id(tmp_path: Path) -> None:
-    from tierq.settings import Settings
+    from tierq.core.settings import Settings
 
     def of(folder: Path) -> str:
         return default_worker_id(Settings(state_dir=folder, _env_file=None))  # type: ignore[call-arg]

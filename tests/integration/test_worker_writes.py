@@ -1,6 +1,6 @@
 """The worker's writes, on an SQLite file and on PostgreSQL.
 
-Claims of many jobs at once (workers/claims.py): on an SQLite file each claim is one hop
+Claims of many jobs at once (tierq/workers/claims.py): on an SQLite file each claim is one hop
 to the database's writer thread and a burst shares few COMMITs; on PostgreSQL a burst goes
 in few transactions. Either way each claim gets the answer `claim_job` alone would give,
 and a claim that fails fails alone.
@@ -20,15 +20,15 @@ from typing import Any
 import pytest
 from sqlalchemy import event, text
 
-import migrations
-from models import jobs as job_repo
-from models import spend
-from models import tenants as tenant_repo
-from models.db import Database
-from models.records import JobRecord, Progress
-from tierq.states import JobStatus
-from tierq.tiers import Tier
-from workers.claims import Claims
+from tierq import migrations
+from tierq.core.states import JobStatus
+from tierq.core.tiers import Tier
+from tierq.models import jobs as job_repo
+from tierq.models import spend
+from tierq.models import tenants as tenant_repo
+from tierq.models.db import Database
+from tierq.models.records import JobRecord, Progress
+from tierq.workers.claims import Claims
 
 pytestmark = pytest.mark.integration
 
@@ -251,7 +251,7 @@ async def test_a_cancel_racing_a_hand_back_bills_the_kept_tokens_once(database: 
                 s, job.id, "drain", job.deliveries, preempted=False, progress=progress
             )
         )
-        if back is None:  # cancelled first: the worker bills its run (workers/worker.py)
+        if back is None:  # cancelled first: the worker bills its run (tierq/workers/worker.py)
             await db.write(job_repo.bill_cancelled, job.id, 6, 4)
 
     async def cancel(job: JobRecord) -> None:

@@ -51,7 +51,7 @@ class WorkerProcess:
         self.log = log
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", "worker", *args],
+                [sys.executable, "-m", "tierq", "worker", *args],
                 cwd=ROOT,
                 env=env,
                 stdout=out,

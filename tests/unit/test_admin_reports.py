@@ -7,7 +7,7 @@ import io
 from decimal import Decimal
 from typing import Any
 
-from api.admin.reports import invoices_to_csv
+from tierq.api.admin.reports import invoices_to_csv
 
 HEADER = "invoice_id,tenant_id,period,tier,model,requests,prompt_tokens,completion_tokens,cost\r\n"
 

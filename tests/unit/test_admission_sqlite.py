@@ -1,4 +1,4 @@
-"""Admission's fast path on an SQLite file (models/admission_sqlite.py): one transaction
+"""Admission's fast path on an SQLite file (tierq/models/admission_sqlite.py): one transaction
 on a thread of its own, answering as `models.admission.admit` does on PostgreSQL — the
 same prices as the ORM path, the tenant's status and the key's as of its transaction,
 quotas and the queue bound sent back to the exact path with nothing written — and the
@@ -17,18 +17,18 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, event
 
-import migrations
-from models import admission_sqlite
-from models import jobs as job_repo
-from models import prices as price_repo
-from models import quotas as quota_repo
-from models import tenants as tenant_repo
-from models.admission import Admission, Outcome
-from models.db import Database, LocalWriter, Unavailable
-from models.records import JobRecord
-from models.tables import utcnow
-from tierq.ids import new_id
-from tierq.tiers import Tier
+from tierq import migrations
+from tierq.core.ids import new_id
+from tierq.core.tiers import Tier
+from tierq.models import admission_sqlite
+from tierq.models import jobs as job_repo
+from tierq.models import prices as price_repo
+from tierq.models import quotas as quota_repo
+from tierq.models import tenants as tenant_repo
+from tierq.models.admission import Admission, Outcome
+from tierq.models.db import Database, LocalWriter, Unavailable
+from tierq.models.records import JobRecord
+from tierq.models.tables import utcnow
 
 MODEL = "m"
 DISCOUNT = Decimal("0.5")

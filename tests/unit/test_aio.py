@@ -1,4 +1,4 @@
-"""The stop habits every loop shares (tierq.aio): a cancel that a library reports as an
+"""The stop habits every loop shares (tierq.core.aio): a cancel that a library reports as an
 error still ends the loop, and a stop never hangs on a task that will not end."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import redis
 
-from tierq.aio import being_cancelled, cancel_and_wait
+from tierq.core.aio import being_cancelled, cancel_and_wait
 
 
 async def _read_that_turns_a_cancel_into_an_error() -> None:

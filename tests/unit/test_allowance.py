@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatcher.allowance import ALL_TIERS, Caps, dispatch_order, offer
-from dispatcher.policy import QueuedJob, RunningJob
-from tierq.tiers import TIER_ORDER, Tier
+from tierq.core.tiers import TIER_ORDER, Tier
+from tierq.dispatcher.allowance import ALL_TIERS, Caps, dispatch_order, offer
+from tierq.dispatcher.policy import QueuedJob, RunningJob
 
 Queues = dict[Tier, dict[str, list[QueuedJob]]]
 TENANTS = ("a", "b", "c")

@@ -1,12 +1,12 @@
-"""Reading batch input files (services/batch_input.py): validation and resumable reads."""
+"""Reading batch input files (tierq/services/batch_input.py): validation and resumable reads."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from services.batch_input import read_requests, validate_file
-from tierq.file_store import LocalStore
+from tierq.core.file_store import LocalStore
+from tierq.services.batch_input import read_requests, validate_file
 
 CHAT = "/v1/chat/completions"
 

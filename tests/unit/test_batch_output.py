@@ -1,4 +1,4 @@
-"""The batch output writer (workers/batch_output.py), on hand-made jobs: which file each
+"""The batch output writer (tierq/workers/batch_output.py), on hand-made jobs: which file each
 outcome goes to, and the shape of its line."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from models.records import JobRecord
-from services.openai_compat import CHAT_ENDPOINT
-from tierq.states import JobStatus
-from tierq.tiers import Tier
-from workers.batch_output import write_results
+from tierq.core.states import JobStatus
+from tierq.core.tiers import Tier
+from tierq.models.records import JobRecord
+from tierq.services.openai_compat import CHAT_ENDPOINT
+from tierq.workers.batch_output import write_results
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 JOB = JobRecord(

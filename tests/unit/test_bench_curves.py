@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks.curves import curve, growth
-from cli.main import app
+from tierq.cli.main import app
 
 SIZES = [10**3, 10**4, 10**5, 10**6, 10**7]
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from benchmarks import peers
 from benchmarks.peers import Outcome, PeersConfig, Request
-from cli.main import app
+from tierq.cli.main import app
 
 CFG = PeersConfig(duration_s=60.0, interactive_rate=1.0, standard_rate=0.2)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from benchmarks import results
-from cli.main import app
+from tierq.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from benchmarks.scale import REPORT_KEYS, RUN_KEYS, ScaleConfig, make_workload, report
-from tierq.messages import prefix_key
-from workers.engine.simulated_engine import CostModel
+from tierq.core.messages import prefix_key
+from tierq.workers.engine.simulated_engine import CostModel
 
 CFG = ScaleConfig(duration_s=5.0, workers=2)
 

@@ -1,4 +1,4 @@
-"""The autoscaling signal (dispatcher/capacity.py): exact cases, and properties over
+"""The autoscaling signal (tierq/dispatcher/capacity.py): exact cases, and properties over
 random inputs — it never asks for fewer workers when more work arrives."""
 
 from __future__ import annotations
@@ -6,8 +6,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatcher.capacity import ArrivalRate, ServedRate, TokensPerJob, Waiting, desired_workers
-from tierq.tiers import TIER_ORDER, Tier
+from tierq.core.tiers import TIER_ORDER, Tier
+from tierq.dispatcher.capacity import (
+    ArrivalRate,
+    ServedRate,
+    TokensPerJob,
+    Waiting,
+    desired_workers,
+)
 
 SLO = {Tier.INTERACTIVE: 5.0, Tier.STANDARD: 300.0, Tier.BATCH: 86_400.0}
 

@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from tierq.metrics import Filtered
-from tierq.settings import Settings
-from workers.celery_metrics import registry
+from tierq.core.metrics import Filtered
+from tierq.core.settings import Settings
+from tierq.workers.celery_metrics import registry
 
 
 class _Both(Collector):

@@ -1,11 +1,11 @@
-"""The one clock's readings (tierq/clock.py): the fastest round trip of a measurement,
+"""The one clock's readings (tierq/core/clock.py): the fastest round trip of a measurement,
 and a sloppy reading never taken over a precise recent one."""
 
 from __future__ import annotations
 
 import pytest
 
-from tierq import clock
+from tierq.core import clock
 
 
 @pytest.fixture(autouse=True)

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from tierq.messages import Heartbeat, JobEvent, JobMessage
-from tierq.queue import EventLog
-from tierq.redis_names import RedisNames
-from tierq.states import TERMINAL, JobStatus, can_transition, sources_for
-from tierq.tiers import TIER_ORDER, Tier, vllm_priority
+from tierq.core.messages import Heartbeat, JobEvent, JobMessage
+from tierq.core.queue import EventLog
+from tierq.core.redis_names import RedisNames
+from tierq.core.states import TERMINAL, JobStatus, can_transition, sources_for
+from tierq.core.tiers import TIER_ORDER, Tier, vllm_priority
 
 
 def test_job_message_round_trip() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import typer.main
 import yaml
 
-from cli.main import app
-from workers.celery_flags import QUIET_WORKER_FLAGS
+from tierq.cli.main import app
+from tierq.workers.celery_flags import QUIET_WORKER_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,7 +73,7 @@ def test_every_command_exists() -> None:
             celery_app = importlib.import_module(module).app
             assert command[command.index("-A") + 2] in ("worker", "beat")
             assert "tierq.reconcile" in celery_app.conf.beat_schedule["reconcile"]["task"]
-            importlib.import_module("workers.tasks")
+            importlib.import_module("tierq.workers.tasks")
             assert "tierq.reconcile" in celery_app.tasks
             if "-Q" in command:  # a queue that this deployment's tasks are routed to
                 queue = command[command.index("-Q") + 1]
@@ -86,7 +86,7 @@ def test_every_command_exists() -> None:
 
 def test_the_reconciler_has_a_celery_worker_of_its_own() -> None:
     """Batch validation on the default queue can never delay the reconciler."""
-    from workers.celery_app import app as celery_app
+    from tierq.workers.celery_app import app as celery_app
 
     queues = {
         name: s["command"] for name, s in _services().items() if "-Q" in str(s.get("command"))
@@ -112,7 +112,7 @@ def test_the_image_copies_every_package_the_project_installs() -> None:
 
 
 def test_the_keda_example_scales_workers_on_the_signal_the_dispatcher_exports() -> None:
-    from tierq import metrics
+    from tierq.core import metrics
 
     scaled = yaml.safe_load((ROOT / "deploy" / "keda-scaledobject.yaml").read_text())
     assert scaled["kind"] == "ScaledObject"

@@ -23,7 +23,7 @@ from tests.dashboards import (
     queries,
     yaml_file,
 )
-from tierq import metrics
+from tierq.core import metrics
 
 
 def _datasource_uids() -> set[str]:

@@ -50,7 +50,7 @@ def test_every_docs_page_is_in_the_navigation_and_every_readme_link_resolves() -
 def test_the_settings_reference_is_rendered_from_the_settings() -> None:
     """Each setting says what it is for in its field's description, and the reference page
     is exactly what `make reference` renders from them (no hand edits that drift)."""
-    from cli import reference
+    from tierq.cli import reference
 
     assert reference.undocumented() == []
     assert (ROOT / reference.PAGE).read_text() == reference.render(), "run `make reference`"
@@ -58,7 +58,7 @@ def test_the_settings_reference_is_rendered_from_the_settings() -> None:
 
 def test_the_api_reference_is_rendered_from_the_openapi_document() -> None:
     """Every route of the app is on the page, as `make reference` renders it."""
-    from cli import reference
+    from tierq.cli import reference
 
     document = reference.api_document()
     page = (ROOT / reference.API_PAGE).read_text()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.gpu_workers import (
+from tierq.core.settings import Settings
+from tierq.launch.gpu_workers import (
     Gpus,
     GpuSpecError,
     check_ports,
@@ -18,8 +19,7 @@ from launch.gpu_workers import (
     run_gpu_workers,
     visible_gpus,
 )
-from tierq.settings import Settings
-from workers.engine import vllm_build
+from tierq.workers.engine import vllm_build
 
 
 def fake_nvidia_smi(folder: Path, indices: list[int]) -> Path:

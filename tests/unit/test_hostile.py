@@ -1,11 +1,11 @@
-"""The one check of what no request may carry (services/hostile.py), and batch lines with it."""
+"""The one check of what no request may carry (tierq/services/hostile.py), and batch lines with it."""
 
 from __future__ import annotations
 
 import json
 
-from services.batch_input import check_line
-from services.hostile import MAX_DEPTH, suspect, unstorable
+from tierq.services.batch_input import check_line
+from tierq.services.hostile import MAX_DEPTH, suspect, unstorable
 
 
 def test_storable_values_pass() -> None:

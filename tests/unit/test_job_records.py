@@ -1,4 +1,4 @@
-"""The record every admission answers with (models/jobs.py `new_record`) is the one the
+"""The record every admission answers with (tierq/models/jobs.py `new_record`) is the one the
 ORM reads back for the same row: the fast paths build it without an ORM row."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from decimal import Decimal
 
 import pytest
 
-from models.jobs import NewJob, new_record, new_row
-from models.records import JobRecord
-from tierq.tiers import Tier
+from tierq.core.tiers import Tier
+from tierq.models.jobs import NewJob, new_record, new_row
+from tierq.models.records import JobRecord
 
 _JOBS = [
     NewJob(

@@ -1,4 +1,4 @@
-"""The API's key cache (api/auth.py): requests that miss it for one key at once share one
+"""The API's key cache (tierq/api/auth.py): requests that miss it for one key at once share one
 lookup; a revocation during a lookup is not undone by it; a failed lookup is not kept; a key that
 owns nothing is remembered as such; lookups run a few at once; and a burst records the
 key's use once."""
@@ -11,10 +11,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from api.auth import KeyCache, LookupsOverloaded, well_formed
-from models.records import TenantRecord
-from models.tenants import KEY_PREFIX, KeyOwner
-from tierq.states import TenantStatus
+from tierq.api.auth import KeyCache, LookupsOverloaded, well_formed
+from tierq.core.states import TenantStatus
+from tierq.models.records import TenantRecord
+from tierq.models.tenants import KEY_PREFIX, KeyOwner
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 OWNER = KeyOwner(TenantRecord("ten_1", "t", TenantStatus.ACTIVE, NOW), "key_1", None)

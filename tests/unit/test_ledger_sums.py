@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
-from models import billing, usage_days
-from models.tables import Base, UsageRecord
+from tierq.models import billing, usage_days
+from tierq.models.tables import Base, UsageRecord
 
 DAY0 = datetime(2026, 11, 30, 22, tzinfo=UTC)
 AMOUNTS = st.one_of(

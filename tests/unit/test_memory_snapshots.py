@@ -13,7 +13,7 @@ from pathlib import Path
 
 PROGRAM = """
 import sys, time
-from tierq import memory_snapshots
+from tierq.core import memory_snapshots
 assert memory_snapshots.install("probe")
 print("up", flush=True)
 sys.stdin.readline()          # traced from here on
@@ -57,7 +57,7 @@ def test_sigusr2_starts_tracing_then_snapshots(tmp_path: Path) -> None:
 
 
 def test_without_the_setting_nothing_is_installed() -> None:
-    from tierq import memory_snapshots
+    from tierq.core import memory_snapshots
 
     env = os.environ.pop(memory_snapshots.ENV, None)
     try:

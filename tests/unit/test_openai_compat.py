@@ -1,12 +1,12 @@
-"""OpenAI request translation (services/openai_compat.py): pure functions, no services."""
+"""OpenAI request translation (tierq/services/openai_compat.py): pure functions, no services."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from services import openai_compat as oa
-from tierq.tiers import Tier
+from tierq.core.tiers import Tier
+from tierq.services import openai_compat as oa
 
 CHAT = "/v1/chat/completions"
 
@@ -103,7 +103,7 @@ def test_logprobs_become_the_jobs_top_count() -> None:
 
 
 def _entry(token: str, logprob: float, top: list[tuple[str, float]]) -> dict[str, object]:
-    from workers.engine.base import logprob_entry
+    from tierq.workers.engine.base import logprob_entry
 
     return logprob_entry(token, logprob, top)
 

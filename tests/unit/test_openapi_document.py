@@ -1,4 +1,4 @@
-"""The OpenAPI document describes every JSON answer with a model of its own (api/schemas.py
+"""The OpenAPI document describes every JSON answer with a model of its own (tierq/api/schemas.py
 and each feature's): a route added without one fails here, and the schema fuzz
 (tests/integration/test_openapi_fuzz.py) checks real answers against these models."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.app import build_app
+from tierq.api.app import build_app
 
 # Answers that are not a JSON object of the API's: Prometheus text, a file's bytes, the
 # liveness and readiness probes' free-form checks, an event stream's empty 204.

@@ -8,8 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
-from cli.top import render
-from services.overview import percentiles, served_shares
+from tierq.cli.top import render
+from tierq.services.overview import percentiles, served_shares
 
 
 def test_percentiles_by_nearest_rank() -> None:

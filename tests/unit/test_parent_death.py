@@ -20,7 +20,7 @@ WORKER = textwrap.dedent(
     import multiprocessing, sys, time
 
     def engine_core(armed):
-        from workers.engine.parent_death import die_with_parent
+        from tierq.workers.engine.parent_death import die_with_parent
         armed.put(die_with_parent())
         time.sleep(600)
 
@@ -67,6 +67,6 @@ def test_the_engine_process_dies_when_its_worker_is_sigkilled(tmp_path: Path) ->
 
 
 def test_outside_multiprocessing_nothing_is_armed() -> None:
-    from workers.engine.parent_death import die_with_parent
+    from tierq.workers.engine.parent_death import die_with_parent
 
     assert die_with_parent() is False  # the test process: no parent to die with

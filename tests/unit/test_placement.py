@@ -1,4 +1,4 @@
-"""Cache-affine placement (dispatcher/policy.py `_Placement`): jobs sharing a prefix land
+"""Cache-affine placement (tierq/dispatcher/policy.py `_Placement`): jobs sharing a prefix land
 on one worker while it has room within the load bound; affinity never leaves a slot idle
 that free-slot placement would have filled."""
 
@@ -12,9 +12,9 @@ from collections import Counter, defaultdict
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatcher.policy import PolicyConfig, QueuedJob, TierqPolicy, WorkerSlots, _weight
-from tierq.messages import prefix_key
-from tierq.tiers import TIER_ORDER, Tier
+from tierq.core.messages import prefix_key
+from tierq.core.tiers import TIER_ORDER, Tier
+from tierq.dispatcher.policy import PolicyConfig, QueuedJob, TierqPolicy, WorkerSlots, _weight
 
 _n = itertools.count()
 

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatcher import policy as policy_module
-from dispatcher.policy import (
+from tierq.core.tiers import TIER_ORDER, Tier
+from tierq.dispatcher import policy as policy_module
+from tierq.dispatcher.policy import (
     EnginePriorityPolicy,
     FcfsPolicy,
     PolicyConfig,
@@ -19,7 +20,6 @@ from dispatcher.policy import (
     TierqPolicy,
     WorkerSlots,
 )
-from tierq.tiers import TIER_ORDER, Tier
 
 NO_SHARES = PolicyConfig(min_share={})
 _n = iter(range(10**9))

@@ -14,10 +14,13 @@ from collections.abc import Sequence
 import pytest
 import redis.asyncio as aioredis
 
-from dispatcher import policy as policy_module
-from dispatcher.allowance import offer, offered
-from dispatcher.loop import Dispatcher
-from dispatcher.policy import (
+from tierq.core.messages import JobMessage
+from tierq.core.settings import Settings
+from tierq.core.tiers import TIER_ORDER, Tier
+from tierq.dispatcher import policy as policy_module
+from tierq.dispatcher.allowance import offer, offered
+from tierq.dispatcher.loop import Dispatcher
+from tierq.dispatcher.policy import (
     Assignment,
     PolicyConfig,
     QueuedJob,
@@ -25,9 +28,6 @@ from dispatcher.policy import (
     TierqPolicy,
     WorkerSlots,
 )
-from tierq.messages import JobMessage
-from tierq.settings import Settings
-from tierq.tiers import TIER_ORDER, Tier
 
 TENANTS = [f"t{i}" for i in range(12)]
 

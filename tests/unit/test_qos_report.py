@@ -7,8 +7,8 @@ import pytest
 
 from benchmarks.qos_report import Recorded, Trace, Window, tenant_gap, tenant_shares
 from benchmarks.qos_workload import Arrival
-from tierq.settings import Settings
-from tierq.tiers import Tier
+from tierq.core.settings import Settings
+from tierq.core.tiers import Tier
 
 JOB = 100  # prompt + max tokens of every job here: the gap's unit
 

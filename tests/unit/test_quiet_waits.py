@@ -1,4 +1,4 @@
-"""Quiet waits (workers/engine/quiet_waits.py) on vLLM's real shared-memory ring: a reader
+"""Quiet waits (tierq/workers/engine/quiet_waits.py) on vLLM's real shared-memory ring: a reader
 of vLLM's `MessageQueue` in this process, its writer in another thread. vLLM's own reader
 spins (sched_yield in a loop) for a second after each read; a quieted one blocks on the
 writer's notification, and still finds a message whose notification was lost."""
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from workers.engine import quiet_waits
+from tierq.workers.engine import quiet_waits
 
 shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
 

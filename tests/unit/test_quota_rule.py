@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from models.quotas import Figures, QuotaRecord, decide
+from tierq.models.quotas import Figures, QuotaRecord, decide
 
 NOW = datetime(2026, 11, 30, 13, 0, 30, tzinfo=UTC)
 

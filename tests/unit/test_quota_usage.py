@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from decimal import Decimal
 
-from models.quotas import QuotaUsage, in_scope
+from tierq.models.quotas import QuotaUsage, in_scope
 
 COUNTS = {
     ("standard", "queued"): 3,

@@ -1,11 +1,11 @@
-"""REDIS_URL's Sentinel form (tierq/redis_url.py) and what Celery is given for it."""
+"""REDIS_URL's Sentinel form (tierq/core/redis_url.py) and what Celery is given for it."""
 
 from __future__ import annotations
 
 import pytest
 
-from tierq.redis_url import SentinelTarget
-from tierq.settings import Settings
+from tierq.core.redis_url import SentinelTarget
+from tierq.core.settings import Settings
 
 
 def test_a_sentinel_url_names_its_sentinels_primary_database_and_password() -> None:

@@ -1,11 +1,11 @@
-"""The normalised request (services/requests.py): defaults, parameters and refusals."""
+"""The normalised request (tierq/services/requests.py): defaults, parameters and refusals."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from services.requests import MAX_LOGIT_BIAS, JobCreate
+from tierq.services.requests import MAX_LOGIT_BIAS, JobCreate
 
 
 def test_job_defaults_and_params() -> None:
@@ -47,7 +47,7 @@ def test_blank_is_the_documents_whitespace_not_pythons() -> None:
     """NOT_BLANK is read by JSON Schema's (ECMA-262) regular expressions, whose `\\s` is not
     Python's: a prompt of U+001E conforms to the document, so it must be accepted; one of
     U+FEFF does not, so it must be refused."""
-    from services.requests import blank
+    from tierq.services.requests import blank
 
     for text in ("\x1c", "\x1d", "\x1e", "\x1f", "\x85", "a"):
         assert not blank(text)

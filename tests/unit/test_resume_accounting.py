@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from benchmarks.decode_ledger import DecodeLedger
-from models.records import Progress
-from workers.engine.base import Chunk, resumed_params
-from workers.worker import Ending, Outcome, resumable
+from tierq.models.records import Progress
+from tierq.workers.engine.base import Chunk, resumed_params
+from tierq.workers.worker import Ending, Outcome, resumable
 
 
 def test_a_resumed_run_is_asked_for_what_is_left_with_the_same_sampling() -> None:

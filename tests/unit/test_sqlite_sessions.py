@@ -10,9 +10,9 @@ from pathlib import Path
 
 from sqlalchemy import func, select, text
 
-import migrations
-from models.db import Database
-from models.tables import Job
+from tierq import migrations
+from tierq.models.db import Database
+from tierq.models.tables import Job
 
 
 async def test_a_read_session_reads_beside_a_held_write_lock(tmp_path: Path) -> None:

@@ -1,14 +1,14 @@
 """What a job's earlier deliveries streamed, per choice, and what a new run still sends
-(tierq.queue.streamed_so_far, workers.worker.unsent): text by characters, log
+(tierq.core.queue.streamed_so_far, tierq.workers.worker.unsent): text by characters, log
 probabilities by tokens, kept through the replay buffer's placeholders."""
 
 from __future__ import annotations
 
 import json
 
-from tierq.messages import JobEvent
-from tierq.queue import streamed_so_far, truncated
-from workers.worker import unsent
+from tierq.core.messages import JobEvent
+from tierq.core.queue import streamed_so_far, truncated
+from tierq.workers.worker import unsent
 
 
 def entry(token: str) -> dict[str, object]:

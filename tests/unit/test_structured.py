@@ -1,4 +1,4 @@
-"""Structured outputs at admission (services/structured.py): OpenAI's `response_format` in
+"""Structured outputs at admission (tierq/services/structured.py): OpenAI's `response_format` in
 each of its shapes becomes the engine's constraint, and a schema the engine could not run —
 or whose shape would cost it without bound — is refused before anything is queued, on the
 chat surface, the native job API and a batch line alike (one request model and one check)."""
@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from services import openai_compat as oa
-from services.requests import JobCreate, Refused, check
-from services.structured import (
+from tierq.core.settings import Settings
+from tierq.services import openai_compat as oa
+from tierq.services.requests import JobCreate, Refused, check
+from tierq.services.structured import (
     MAX_ALTERNATIVES,
     MAX_ARRAY_BOUND,
     MAX_DEPTH,
@@ -23,7 +24,6 @@ from services.structured import (
     compile_error,
     refusal,
 )
-from tierq.settings import Settings
 
 PERSON = {
     "type": "object",
@@ -167,7 +167,7 @@ def test_what_is_within_the_bounds_is_taken(tmp_path: Path) -> None:
 
 
 def test_a_batch_line_is_refused_by_the_same_rule(tmp_path: Path) -> None:
-    """Batch lines are parsed and checked as online requests (services/admission.py
+    """Batch lines are parsed and checked as online requests (tierq/services/admission.py
     `prepare_line`): the refusal becomes that line's error, the other lines run."""
     line = {"model": MODEL, "messages": [{"role": "user", "content": "Who?"}]}
     job = oa.parse(oa.CHAT_ENDPOINT, {**line, "response_format": _schema({"type": "objekt"})})

@@ -1,4 +1,4 @@
-"""The one supervisor (launch/supervisor.py) of `tierq run`, `tierq worker --gpus` and the
+"""The one supervisor (tierq/launch/supervisor.py) of `tierq run`, `tierq worker --gpus` and the
 benchmarks' platforms, on real child processes: an exit it did not cause is counted and
 started again after a backoff that doubles while the child keeps failing, a child it
 killed starts again at once, and stopping leaves no process behind."""
@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from launch.supervisor import Child, Supervisor
-from tierq.retry import Backoff
+from tierq.core.retry import Backoff
+from tierq.launch.supervisor import Child, Supervisor
 
 
 def _child(tmp_path: Path, name: str, code: str) -> Child:

@@ -1,5 +1,5 @@
 """Tracing's set-up from OTEL_* and its cost when off, the trace context in the job codec,
-and the JSON log lines (tierq/tracing.py, tierq/messages.py, tierq/logs.py)."""
+and the JSON log lines (tierq/core/tracing.py, tierq/core/messages.py, tierq/core/logs.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import sys
 import textwrap
 import threading
 
-from tierq import logs, tracing
-from tierq.messages import JobMessage
-from tierq.tiers import Tier
+from tierq.core import logs, tracing
+from tierq.core.messages import JobMessage
+from tierq.core.tiers import Tier
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -55,9 +55,9 @@ def test_without_an_exporter_tracing_is_off_sets_nothing_up_and_costs_next_to_no
     done = _python(
         """
         import asyncio, sys, time
-        from tierq import tracing
-        from tierq.messages import JobMessage
-        from tierq.tiers import Tier
+        from tierq.core import tracing
+        from tierq.core.messages import JobMessage
+        from tierq.core.tiers import Tier
 
         msg = JobMessage("job_1", "ten_1", Tier.BATCH)
         assert not tracing.enabled()
@@ -88,7 +88,7 @@ def test_without_an_exporter_tracing_is_off_sets_nothing_up_and_costs_next_to_no
 def test_the_console_exporter_from_otel_traces_exporter() -> None:
     done = _python(
         """
-        from tierq import tracing
+        from tierq.core import tracing
         assert tracing.enabled()
         with tracing.span("tierq.test", attributes={"job_id": "job_1"}):
             print(tracing.current_traceparent())
@@ -108,7 +108,7 @@ def test_an_unreachable_collector_never_holds_a_span_up() -> None:
     done = _python(
         """
         import time
-        from tierq import tracing
+        from tierq.core import tracing
         assert tracing.enabled()
         started = time.perf_counter()
         for _ in range(1000):
@@ -125,7 +125,7 @@ def test_an_unreachable_collector_never_holds_a_span_up() -> None:
 
 
 def test_otel_sdk_disabled_and_exporter_none_turn_it_off() -> None:
-    code = "from tierq import tracing; assert not tracing.enabled()"
+    code = "from tierq.core import tracing; assert not tracing.enabled()"
     for env in (
         {"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "console"},
         {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"},
@@ -137,12 +137,12 @@ def test_otel_sdk_disabled_and_exporter_none_turn_it_off() -> None:
 def test_json_lines_carry_the_job_fields_extra_and_exceptions() -> None:
     formatter = logs.JsonFormatter()
     record = logging.makeLogRecord(
-        {"name": "workers.worker", "levelname": "INFO", "msg": "ran %s", "args": ("it",)}
+        {"name": "tierq.workers.worker", "levelname": "INFO", "msg": "ran %s", "args": ("it",)}
     )
     record.__dict__["worker_id"] = "w1"  # as `extra` puts it
     with logs.job_context(job_id="job_1", tenant_id="ten_1", tier="batch", trace_id=None):
         line = json.loads(formatter.format(record))
-    assert line["message"] == "ran it" and line["logger"] == "workers.worker"
+    assert line["message"] == "ran it" and line["logger"] == "tierq.workers.worker"
     assert (line["job_id"], line["tenant_id"], line["tier"]) == ("job_1", "ten_1", "batch")
     assert "trace_id" not in line and line["worker_id"] == "w1"
     assert "job_id" not in json.loads(formatter.format(record))  # only inside the context
@@ -157,7 +157,7 @@ def test_log_format_json_makes_every_line_json() -> None:
     done = _python(
         """
         import logging
-        from tierq import logs
+        from tierq.core import logs
         logs.setup()
         with logs.job_context(job_id="job_1", tier="standard"):
             logging.getLogger("tierq.x").warning("two\\nlines %d", 2, extra={"k": 3})
@@ -194,7 +194,7 @@ def test_otel_exporter_otlp_endpoint_sends_the_spans_there() -> None:
     try:
         done = _python(
             """
-            from tierq import tracing
+            from tierq.core import tracing
             with tracing.span("tierq.exported", attributes={"job_id": "job_42"}):
                 pass
             """,

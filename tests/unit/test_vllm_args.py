@@ -1,13 +1,13 @@
-"""The one builder of vLLM's engine arguments (workers/engine/vllm_args.py)."""
+"""The one builder of vLLM's engine arguments (tierq/workers/engine/vllm_args.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from launch.supervisor import aux_cpus
-from tierq.settings import Settings
-from workers.engine import vllm_build
-from workers.engine.vllm_args import (
+from tierq.core.settings import Settings
+from tierq.launch.supervisor import aux_cpus
+from tierq.workers.engine import vllm_build
+from tierq.workers.engine.vllm_args import (
     CPU_MAX_NUM_BATCHED_TOKENS,
     build_defaults,
     command_line,
@@ -77,7 +77,7 @@ def test_the_environment_names_the_kv_cache() -> None:
 
 
 def test_the_engine_core_waits_quietly_on_the_cpu_build_unless_told_otherwise() -> None:
-    from workers.engine.quiet_waits import CONFIG_KEY, wanted
+    from tierq.workers.engine.quiet_waits import CONFIG_KEY, wanted
 
     assert wanted(engine_core_config(Settings())) == vllm_build.vllm_cpu_build()
     assert wanted(engine_core_config(Settings(engine_quiet_waits=True)))
@@ -152,10 +152,10 @@ def test_the_platforms_processes_are_pinned_only_on_the_cpu_build(
 
 
 def test_the_engine_compiles_schemas_with_the_library_admission_checks_them_with() -> None:
-    """llguidance in both places (services/structured.py): what admission takes compiles."""
-    from workers.engine.vllm_args import worker_engine_args
-    from workers.engine.vllm_engine import structured_outputs
-    from workers.engine.vllm_scheduler import Tiering
+    """llguidance in both places (tierq/services/structured.py): what admission takes compiles."""
+    from tierq.workers.engine.vllm_args import worker_engine_args
+    from tierq.workers.engine.vllm_engine import structured_outputs
+    from tierq.workers.engine.vllm_scheduler import Tiering
 
     args = worker_engine_args(Settings(), Tiering())
     assert args.structured_outputs_config.backend == "guidance"

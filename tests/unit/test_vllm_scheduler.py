@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from workers.engine.vllm_scheduler import (
+from tierq.workers.engine.vllm_scheduler import (
     FirstSteps,
     StepBudget,
     TieredScheduler,
@@ -213,7 +213,7 @@ def test_the_vllm_internals_the_tiered_scheduler_relies_on_are_there() -> None:
     assert "num_output_placeholders +=" in inspect.getsource(AsyncScheduler._update_after_schedule)
     assert "request.num_stale_output_tokens = request.num_in_flight_tokens" in preempt
     # What the worker names in its engine arguments resolves to this class.
-    from workers.engine.vllm_args import TIERED_SCHEDULER
+    from tierq.workers.engine.vllm_args import TIERED_SCHEDULER
 
     module, _, name = TIERED_SCHEDULER.rpartition(".")
     assert getattr(__import__(module, fromlist=[name]), name) is TieredScheduler
@@ -789,7 +789,7 @@ def test_vllms_preemptions_are_counted_from_its_step_statistics() -> None:
     from prometheus_client import REGISTRY
     from vllm.v1.metrics.stats import IterationStats
 
-    from workers.engine.vllm_engine import _preemption_counter
+    from tierq.workers.engine.vllm_engine import _preemption_counter
 
     def counted() -> float:
         return REGISTRY.get_sample_value("tierq_engine_preemptions_total") or 0.0

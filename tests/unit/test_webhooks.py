@@ -1,4 +1,4 @@
-"""Webhooks' pure parts (services/webhooks.py, models/webhooks.py's event body): URLs and
+"""Webhooks' pure parts (tierq/services/webhooks.py, tierq/models/webhooks.py's event body): URLs and
 addresses a delivery may go to, Standard Webhooks signatures as the `openai` SDK verifies
 them, and the retry schedule."""
 
@@ -13,10 +13,10 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from models.webhooks import EndpointRecord, event_body
-from services import webhooks
-from tierq.settings import Settings
-from workers.webhooks import backoff_s
+from tierq.core.settings import Settings
+from tierq.models.webhooks import EndpointRecord, event_body
+from tierq.services import webhooks
+from tierq.workers.webhooks import backoff_s
 
 STRICT = Settings(_env_file=None)  # type: ignore[call-arg]
 OPEN = STRICT.model_copy(update={"webhook_allow_private": True, "webhook_allow_http": True})
@@ -249,8 +249,8 @@ def test_a_name_is_blank_as_the_document_says_whitespace() -> None:
     """The document's pattern is ECMA-262's: U+0085 is not whitespace there, so a name of
     it is taken (Python's `\\S` had refused it: the fuzz found a conforming body refused),
     and kept whole; a name of ECMA whitespace alone is refused."""
-    from services.requests import strip_blank
-    from services.webhooks import WebhookEndpointCreate
+    from tierq.services.requests import strip_blank
+    from tierq.services.webhooks import WebhookEndpointCreate
 
     made = WebhookEndpointCreate(
         name="\u0085", url="https://8.8.8.8/hook", event_types=["batch.completed"]

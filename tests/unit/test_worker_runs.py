@@ -1,11 +1,11 @@
-"""A job's run on a worker (workers/worker.py `Run`): why the engine stopped it early, and
+"""A job's run on a worker (tierq/workers/worker.py `Run`): why the engine stopped it early, and
 each reason acted on once."""
 
 from __future__ import annotations
 
-from tierq.messages import JobMessage
-from tierq.tiers import Tier
-from workers.worker import _GONE, _NOT_OURS, Ending, Run
+from tierq.core.messages import JobMessage
+from tierq.core.tiers import Tier
+from tierq.workers.worker import _GONE, _NOT_OURS, Ending, Run
 
 
 def _run(entry: str = "1-0") -> Run:

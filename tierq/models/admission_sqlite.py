@@ -1,0 +1,170 @@
+"""Admission's fast path on the embedded SQLite database: one transaction, one thread hop.
+
+aiosqlite runs each statement on its connection's thread: a statement is a hop there and
+back, and the exact path (tierq/services/admission.py: a session, the ORM) makes nine of them
+while it holds SQLite's one write lock. On an idle machine a hop costs microseconds; beside
+the CPU engine, which keeps both of this machine's cores busy, each waits for a core, and
+`tierq bench overhead` saw 64 admissions take 1.6 to 2.5 s — the last job then starts that
+much after the first and the whole run ends that much later.
+
+Here the same checks run as `models.admission.ADMIT` makes them on PostgreSQL, for a tenant
+without quotas for the job's tier and a request without an Idempotency-Key (everything
+else takes the exact path), in one `BEGIN IMMEDIATE` transaction on a connection of their
+own, on one thread of their own: one hop per admission, and the admissions that arrive
+while one transaction runs share the next one's COMMIT (models.db.LocalWriter: under
+load the WAL's fsync is most of what a commit costs). SQLite's write lock, taken at
+BEGIN, is what PostgreSQL's row locks are there: every read after it sees every commit
+before it, and nothing commits beside it, so a suspension or a revocation that committed
+first refuses the job, one that comes later waits for it. Nothing is written unless the
+job is admitted; the job's row and its transition are committed when `admit` returns.
+The statements are SQLAlchemy Core on the synchronous pysqlite dialect, so that values are
+stored exactly as the ORM path stores them (Money as text, datetimes, JSON), built once
+with bound parameters (`_statements`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from decimal import Decimal
+from functools import cache
+
+from sqlalchemy import (
+    BindParameter,
+    Connection,
+    Integer,
+    bindparam,
+    exists,
+    func,
+    insert,
+    inspect,
+    literal,
+    or_,
+    select,
+)
+from sqlalchemy.sql.expression import Executable
+
+from tierq.core.states import JobStatus
+from tierq.core.tiers import Tier
+from tierq.models import jobs, prices
+from tierq.models import quotas as quota_repo
+from tierq.models.admission import Admission, Outcome
+from tierq.models.db import LocalWriter
+from tierq.models.tables import ApiKey, Job, JobTransition, Quota, Tenant
+
+
+async def admit(local: LocalWriter, a: Admission) -> Outcome:
+    """What `models.admission.admit` answers on PostgreSQL, in one hop to the SQLite
+    file's writer thread. Not for a request with an Idempotency-Key (the exact path
+    answers those)."""
+    assert a.new.idempotency_key is None
+    return await local.run(_admit, a)
+
+
+def _admit(conn: Connection, a: Admission) -> Outcome:
+    """In the writer's transaction (LocalWriter: BEGIN IMMEDIATE, SQLite's write lock,
+    held since before the first read)."""
+    new, default_max_queued = a.new, a.default_max_queued
+    q = _statements()
+    tier = new.tier.value
+    tenant = {"tenant_id": new.tenant_id}
+    status = conn.execute(q.tenant_status, tenant).scalar_one_or_none()
+    key_ok = True
+    if a.key_id is not None:
+        key = conn.execute(q.key_revoked, {**tenant, "key_id": a.key_id}).one_or_none()
+        key_ok = key is not None and key[0] is None
+    quotas = bool(conn.execute(q.quotas, {**tenant, "tier": tier}).scalar())
+    cap = {**tenant, "cap": default_max_queued}
+    queued = int(conn.execute(q.queued, cap).scalar() or 0)
+    admitted = (
+        status == "active"
+        and key_ok
+        and not quotas
+        and (default_max_queued == 0 or queued < default_max_queued)
+    )
+    if not admitted:
+        return Outcome(None, status, key_ok, quotas, queued)
+    price_in, price_out = _price(conn, q, new.model, new.tier, a.batch_discount)
+    priced = replace(new, input_price=price_in, output_price=price_out)
+    values = jobs.row_values(priced, a.job_id, a.created_at)
+    conn.execute(q.insert_job, {q.job_columns[name]: value for name, value in values.items()})
+    conn.execute(
+        q.insert_transition, {"job_id": a.job_id, "status": values["status"], "at": a.created_at}
+    )
+    return Outcome(
+        jobs.new_record(priced, a.job_id, a.created_at),
+        status,
+        key_ok,
+        quotas,
+        queued,
+    )
+
+
+def _price(
+    conn: Connection, q: _Statements, model: str, tier: Tier, batch_discount: Decimal
+) -> tuple[Decimal, Decimal]:
+    """The price in force, by the rule `models.prices.current_price` applies (nothing
+    priced: 0)."""
+    own = conn.execute(q.latest_price, {"model": model, "tier": tier.value}).one_or_none()
+    standard = None
+    if own is None and tier == Tier.BATCH:
+        standard = conn.execute(
+            q.latest_price, {"model": model, "tier": Tier.STANDARD.value}
+        ).one_or_none()
+    found = prices.in_force(model, tier, own, standard, batch_discount)
+    if found is None:
+        return Decimal(0), Decimal(0)
+    return found.input_per_million, found.output_per_million
+
+
+@dataclass(frozen=True)
+class _Statements:
+    """`_admit`'s statements, built once: SQLAlchemy then finds each compiled form in its
+    cache by the statement's memoised key. Built afresh per admission, the expressions and
+    their cache keys were most of an admission's cost (some 7 ms of CPU each, in a writer
+    thread that admits one at a time)."""
+
+    tenant_status: Executable
+    key_revoked: Executable
+    quotas: Executable
+    queued: Executable
+    latest_price: Executable
+    insert_job: Executable
+    insert_transition: Executable
+    # The ORM's attribute names (`jobs.row_values`) -> the table's column keys, which an
+    # INSERT's parameters name (`metadata_` is the column `metadata`).
+    job_columns: dict[str, str]
+
+
+@cache
+def _statements() -> _Statements:
+    tenant_id: BindParameter[str] = bindparam("tenant_id")
+    limited = or_(*(getattr(Quota, f).is_not(None) for f in quota_repo.ADMISSION_FIELDS))
+    waiting = (
+        select(literal(1))
+        .where(
+            Job.tenant_id == tenant_id,
+            Job.status == JobStatus.QUEUED.value,
+            Job.batch_id.is_(None),
+        )
+        .limit(bindparam("cap", type_=Integer))
+        .subquery()
+    )
+    latest = prices.latest_query(bindparam("model"), bindparam("tier"))
+    return _Statements(
+        tenant_status=select(Tenant.status).where(Tenant.id == tenant_id),
+        key_revoked=select(ApiKey.revoked_at).where(
+            ApiKey.id == bindparam("key_id"), ApiKey.tenant_id == tenant_id
+        ),
+        quotas=select(
+            exists().where(
+                Quota.tenant_id == tenant_id,
+                or_(Quota.tier == quota_repo.ALL_TIERS, Quota.tier == bindparam("tier")),
+                limited,
+            )
+        ),
+        queued=select(func.count()).select_from(waiting),
+        latest_price=latest,
+        insert_job=insert(Job),
+        insert_transition=insert(JobTransition),
+        job_columns={a.key: a.columns[0].key for a in inspect(Job).column_attrs},
+    )
