@@ -438,11 +438,12 @@ async def test_the_hub_stops_at_one_cancel_when_a_read_reports_it_as_an_error(
     the cancel into a ConnectionError, on real Redis and PostgreSQL."""
     import redis
 
-    from tierq.api import hub as hub_module
+    from tierq.api.streams import Streams
+    from tierq.api.streams import recheck as recheck_module
     from tierq.core.redis_names import RedisNames
 
-    monkeypatch.setattr(hub_module, "RECHECK_S", 0.1)
-    hub = hub_module.EventHub(redis_client, RedisNames(settings.redis_prefix), db, settings)
+    monkeypatch.setattr(recheck_module, "RECHECK_S", 0.1)
+    streams = Streams(redis_client, RedisNames(settings.redis_prefix), db, settings, [])
     entered = asyncio.Event()
 
     async def read_cut_short(*_args: Any, **_kwargs: Any) -> Any:
@@ -453,18 +454,19 @@ async def test_the_hub_stops_at_one_cancel_when_a_read_reports_it_as_an_error(
             raise redis.ConnectionError("Connection closed by server.") from None
 
     if loop == "recheck":
-        monkeypatch.setattr(hub, "_recheck_once", read_cut_short)
-    await hub.start()
+        monkeypatch.setattr(streams.recheck, "once", read_cut_short)
+    await streams.start()
     if loop == "read":
         await asyncio.sleep(0.3)  # connected and reading
-        assert hub._pubsub is not None
-        monkeypatch.setattr(hub._pubsub, "get_message", read_cut_short)
+        assert streams.hub._pubsub is not None
+        monkeypatch.setattr(streams.hub._pubsub, "get_message", read_cut_short)
     await asyncio.wait_for(entered.wait(), 5)
-    task = next(t for t in hub._tasks if t.get_name() == f"hub-{loop}")
+    task = streams.recheck._task if loop == "recheck" else streams.hub._reading
+    assert task is not None
     task.cancel()  # once: no second cancel to rescue a swallowed one
     done, _ = await asyncio.wait([task], timeout=2)
     assert task in done and task.cancelled()
     started = asyncio.get_running_loop().time()
-    await hub.stop()
+    await streams.stop()
     assert asyncio.get_running_loop().time() - started < 2
-    assert all(t.done() for t in hub._tasks)
+    assert streams.slots._renewing is not None and streams.slots._renewing.done()

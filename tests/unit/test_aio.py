@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import redis
 
-from tierq.core.aio import being_cancelled, cancel_and_wait
+from tierq.core.aio import Detached, being_cancelled, cancel_and_wait
 
 
 async def _read_that_turns_a_cancel_into_an_error() -> None:
@@ -111,3 +111,33 @@ async def test_cancel_and_wait_retrieves_what_the_tasks_raised() -> None:
     await asyncio.sleep(0)
     assert await cancel_and_wait([done], timeout_s=1) == set()
     assert done.done() and isinstance(done.exception(), RuntimeError)
+
+
+async def test_detached_work_outlives_its_callers_cancel_and_its_errors_are_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    detached = Detached("a clean-up")
+    finished = asyncio.Event()
+
+    async def clean_up() -> None:
+        await asyncio.sleep(0.05)
+        finished.set()
+
+    async def fail() -> None:
+        raise ValueError("the clean-up's own error")
+
+    async def caller() -> None:
+        detached.spawn(clean_up())
+        detached.spawn(fail())
+        await asyncio.sleep(30)
+
+    task = asyncio.create_task(caller())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not finished.is_set()  # the caller is gone, its clean-up not yet done
+    await detached.wait(5)
+    assert finished.is_set()
+    assert "a clean-up failed: the clean-up's own error" in caplog.text
+    await detached.wait(5)  # nothing left: returns at once

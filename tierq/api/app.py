@@ -19,15 +19,17 @@ from tierq.api.console.router import router as console_router
 from tierq.api.deps import AppParts
 from tierq.api.files.router import router as files_router
 from tierq.api.gate import TenantGate
-from tierq.api.hub import EventHub
 from tierq.api.jobs.router import router as jobs_router
 from tierq.api.limits import BodySizeLimit, HostileInput
 from tierq.api.openai.router import router as openai_router
 from tierq.api.openai.serving import OpenAIServing
+from tierq.api.refresh import keep_fresh
 from tierq.api.request_spans import RequestSpans
+from tierq.api.streams import Streams
 from tierq.api.usage import router as usage_router
 from tierq.api.webhooks.router import router as webhooks_router
 from tierq.core import fleet, metrics, token_count
+from tierq.core.aio import cancel_and_wait
 from tierq.core.queue import Enqueuer, EventLog
 from tierq.core.redis_conn import connect
 from tierq.core.redis_names import RedisNames
@@ -58,16 +60,20 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         # What the fleet serves, before the first request is admitted (tierq.core.fleet).
         await fleet.refresh(app.state.redis, app.state.names, settings)
         app.state.events = EventLog.for_settings(app.state.redis, app.state.names, settings)
-        app.state.hub = EventHub(app.state.redis, app.state.names, app.state.db, settings)
-        app.state.hub.access_listeners.append(app.state.key_cache.forget)
-        await app.state.hub.start()
+        app.state.streams = Streams(
+            app.state.redis, app.state.names, app.state.db, settings, [app.state.key_cache.forget]
+        )
+        await app.state.streams.start()
+        refreshing = asyncio.create_task(
+            keep_fresh(app.state.redis, app.state.names, settings), name="api-refresh"
+        )
         app.state.parts = AppParts(
             settings,
             app.state.db,
             app.state.redis,
             app.state.names,
             app.state.events,
-            app.state.hub,
+            app.state.streams,
             app.state.admission_gate,
             Enqueuer(app.state.redis, app.state.names),
         )
@@ -88,7 +94,8 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
                 finally:
                     await app.state.parts.enqueuer.aclose()  # bounded: its calls' deadline
             finally:
-                await app.state.hub.stop()
+                await cancel_and_wait([refreshing], 5.0)
+                await app.state.streams.stop()
                 await app.state.redis.aclose()
                 await app.state.db.close()
 

@@ -6,8 +6,8 @@ miss the cache for the same key at once share one lookup (`lookup`): a cold burs
 requests from a new key took N pooled connections for N identical reads. An entry lives
 AUTH_CACHE_TTL_S at most, and goes at once when its key is revoked or its tenant
 suspended, deleted or changed: the admin API publishes that on the access channel, which
-every API process's EventHub reads (and the process that made the change forgets it
-before answering). Admission never relies on the cache: it reads the tenant's and the
+every API process's stream hub reads (tierq/api/streams/; the process that made the change
+forgets it before answering). Admission never relies on the cache: it reads the tenant's and the
 key's state again under the tenant's lock, in the transaction that writes the job.
 
 Requests with a wrong key must not cost the others: a secret that cannot be a key (not

@@ -19,7 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from tierq.api.auth import KeyCache, LookupsOverloaded, well_formed
 from tierq.api.errors import APIError
 from tierq.api.gate import TenantGate
-from tierq.api.hub import EventHub, Slot, TooManyStreams, slot_retry_after
+from tierq.api.streams import Streams
+from tierq.api.streams.slots import Slot, StreamSlots, TooManyStreams
 from tierq.core.queue import Enqueuer, EventLog
 from tierq.core.redis_names import RedisNames
 from tierq.core.settings import Settings
@@ -41,7 +42,7 @@ class AppParts:
     redis: aioredis.Redis
     names: RedisNames
     events: EventLog
-    hub: EventHub
+    streams: Streams
     gate: TenantGate
     enqueuer: Enqueuer
 
@@ -118,18 +119,18 @@ def api_key_id(request: Request) -> str | None:
     return key_id
 
 
-async def stream_slot(hub: EventHub, settings: Settings, tenant: TenantRecord) -> Slot:
+async def stream_slot(slots: StreamSlots, tenant: TenantRecord) -> Slot:
     """One of the tenant's stream slots (an SSE stream or a waiting online request);
     429 too_many_streams at `max_streams_per_tenant`."""
     try:
-        return await hub.take_slot(tenant.id)
+        return await slots.take(tenant.id)
     except TooManyStreams as exc:
         raise APIError(
             429,
             f"Too many open streams: this tenant may hold {exc.limit} streams and waiting "
             "requests at once. Close one, or retry later.",
             "too_many_streams",
-            retry_after_s=slot_retry_after(settings),
+            retry_after_s=slots.retry_after_s(),
         ) from None
 
 

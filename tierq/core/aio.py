@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -54,3 +54,29 @@ async def cancel_and_wait(
     for task in pending:
         log.warning("task %s did not end within %.0f s of its cancel", task.get_name(), timeout_s)
     return pending
+
+
+class Detached:
+    """Work run in tasks of its own, kept until each ends: clean-up that must finish even
+    when its caller is being cancelled (a stream's response is cancelled while its
+    clean-up runs, where every await of its own would be cancelled again). Errors are
+    logged, as `what` failed; `wait` lets a stop give the work a bounded time to end."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, work: Awaitable[Any]) -> None:
+        async def run() -> None:
+            try:
+                await work
+            except Exception as exc:
+                log.warning("%s failed: %s", self.what, exc)
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait(self, timeout_s: float) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)

@@ -543,9 +543,9 @@ class Settings(BaseSettings):
             "arrived within `INTERACTIVE_STEP_HOLD_S` (or what that work needs in the step, if "
             "more: its prompts and every decode). On the CPU a step lasts as long as its token "
             "count, and an arriving interactive request waits for the step under way: 128 keeps "
-            "that short (TTFT p95 about 2x idle, against 7.5x with every step at 2048, and 15x on "
-            "the real engine: Benchmark), while a cold burst of lower-tier work still gets the "
-            "full budget. On GPUs a step's time is nearly flat in its token count up to a few "
+            "that wait short (`tierq bench steps` measures it against vLLM's stock scheduler), "
+            "while a cold burst of lower-tier work still gets the full budget. On GPUs a step's "
+            "time is nearly flat in its token count up to a few "
             "thousand tokens, so a small budget would shorten steps little and only slow prefill: "
             "off by default there"
         ),

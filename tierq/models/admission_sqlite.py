@@ -120,8 +120,8 @@ def _price(
 class _Statements:
     """`_admit`'s statements, built once: SQLAlchemy then finds each compiled form in its
     cache by the statement's memoised key. Built afresh per admission, the expressions and
-    their cache keys were most of an admission's cost (some 7 ms of CPU each, in a writer
-    thread that admits one at a time)."""
+    their cache keys would cost more CPU than running the statements, in a writer thread
+    that admits one at a time."""
 
     tenant_status: Executable
     key_revoked: Executable

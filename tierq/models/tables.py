@@ -188,7 +188,23 @@ class UsageRecord(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class UsageDay(Base):
+class _LedgerSums:
+    """What the ledger's day and hour sums share: per tenant, period (each table's own
+    key: its `day` or `hour`), tier and model, the requests, tokens and cost summed. The
+    sort orders keep the primary key's columns in the migrations' order."""
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True, sort_order=-4
+    )
+    tier: Mapped[str] = mapped_column(String(20), primary_key=True, sort_order=-2)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True, sort_order=-1)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cost: Mapped[Decimal] = mapped_column(MoneySum, default=Decimal(0))
+
+
+class UsageDay(_LedgerSums, Base):
     """The ledger summed per tenant, UTC day, tier and model, kept as usage records are
     written (in their transaction): a report's whole days and a month's invoice are read
     from here — a few rows a day however many records the day holds (models.billing)."""
@@ -196,35 +212,17 @@ class UsageDay(Base):
     __tablename__ = "usage_days"
     __table_args__ = (Index("ix_usage_days_day", "day"),)  # every tenant's days: invoices
 
-    tenant_id: Mapped[str] = mapped_column(
-        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
-    )
-    day: Mapped[str] = mapped_column(String(10), primary_key=True)  # YYYY-MM-DD, UTC
-    tier: Mapped[str] = mapped_column(String(20), primary_key=True)
-    model: Mapped[str] = mapped_column(String(200), primary_key=True)
-    requests: Mapped[int] = mapped_column(BigInteger, default=0)
-    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
-    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
-    cost: Mapped[Decimal] = mapped_column(MoneySum, default=Decimal(0))
+    day: Mapped[str] = mapped_column(String(10), primary_key=True, sort_order=-3)  # YYYY-MM-DD
 
 
-class UsageHour(Base):
+class UsageHour(_LedgerSums, Base):
     """The ledger summed per tenant, UTC hour, tier and model, kept with the day sums (in
     the records' transaction): a report whose range starts or ends inside a day reads that
     day's whole hours from here and only the records of the hour its bound cuts."""
 
     __tablename__ = "usage_hours"
 
-    tenant_id: Mapped[str] = mapped_column(
-        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
-    )
-    hour: Mapped[str] = mapped_column(String(13), primary_key=True)  # YYYY-MM-DDTHH, UTC
-    tier: Mapped[str] = mapped_column(String(20), primary_key=True)
-    model: Mapped[str] = mapped_column(String(200), primary_key=True)
-    requests: Mapped[int] = mapped_column(BigInteger, default=0)
-    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
-    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
-    cost: Mapped[Decimal] = mapped_column(MoneySum, default=Decimal(0))
+    hour: Mapped[str] = mapped_column(String(13), primary_key=True, sort_order=-3)  # YYYY-MM-DDTHH
 
 
 class SpendCounter(Base):

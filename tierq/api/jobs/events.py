@@ -13,7 +13,9 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from tierq.api.hub import RECHECK, RECHECK_S, RESYNC, EventHub, Follower, Slot, StreamClosed
+from tierq.api.streams.hub import RECHECK, RESYNC, EventHub, Follower, StreamClosed
+from tierq.api.streams.recheck import RECHECK_S
+from tierq.api.streams.slots import Slot
 from tierq.core import tracing
 from tierq.core.aio import raise_if_cancelled
 from tierq.core.messages import JobEvent

@@ -129,9 +129,9 @@ async def job_events(
         # 204 is what ends EventSource's reconnecting (another final event would have it
         # reconnect forever).
         return Response(status_code=204)
-    slot = await stream_slot(parts.hub, parts.settings, tenant)
+    slot = await stream_slot(parts.streams.slots, tenant)
     stream = job_event_stream(
-        parts.hub, parts.db, parts.events, job, last_seq, api_key_id(request), slot
+        parts.streams.hub, parts.db, parts.events, job, last_seq, api_key_id(request), slot
     )
     # The stream lets its slot go when it ends; the background task covers a response
     # that never started streaming.

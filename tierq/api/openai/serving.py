@@ -25,8 +25,9 @@ from starlette.background import BackgroundTask
 
 from tierq.api.deps import AppParts, stream_slot
 from tierq.api.errors import APIError, error_body
-from tierq.api.hub import Slot, StreamClosed
 from tierq.api.jobs.events import follow_job
+from tierq.api.streams.hub import StreamClosed
+from tierq.api.streams.slots import Slot
 from tierq.core.aio import cancel_and_wait
 from tierq.core.states import TERMINAL
 from tierq.models import jobs as job_repo
@@ -89,7 +90,7 @@ class OpenAIServing:
             raise APIError(400, f"{first['msg']}.", "invalid_request") from None
         # A slot before the job: a refused request (429 too_many_streams) leaves nothing
         # to run.
-        slot = await stream_slot(parts.hub, parts.settings, tenant)
+        slot = await stream_slot(parts.streams.slots, tenant)
         try:
             job, _ = await admission.submit(
                 parts.db,
@@ -134,7 +135,7 @@ class OpenAIServing:
     # --- the job's events -----------------------------------------------------------------
     def _follow(self, caller: _Caller, job: JobRecord) -> AsyncGenerator[tuple[int, Any], None]:
         parts = self.parts
-        return follow_job(parts.hub, parts.db, parts.events, job, key_id=caller.key_id)
+        return follow_job(parts.streams.hub, parts.db, parts.events, job, key_id=caller.key_id)
 
     async def _job(self, job_id: str) -> JobRecord:
         async with self.parts.db.session() as s:
