@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from benchmarks.harness import sse_events
+from tierq.core.redis_names import RedisNames
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -66,6 +67,16 @@ async def until_async(probe: Callable[[], Awaitable[bool]], what: str, seconds: 
     while not await probe():
         assert time.monotonic() < deadline, what
         await asyncio.sleep(0.1)
+
+
+async def until_streamed(platform: Any, job_id: str, seconds: float = 10) -> None:
+    """Until the job's replay buffer in Redis holds an event: it is generating."""
+    key = RedisNames(platform.settings.redis_prefix).job_events(job_id)
+
+    async def streamed() -> bool:
+        return int(await platform.r.llen(key)) > 0
+
+    await until_async(streamed, f"job {job_id} streams", seconds)
 
 
 async def admit_retrying(

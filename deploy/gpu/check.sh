@@ -34,7 +34,7 @@ else:
 try:
     import torch
 except ImportError:
-    sys.exit("gpu-check: torch is not installed; install '.[gpu,dev]'")
+    sys.exit("gpu-check: torch is not installed; install '.[gpu,dev]' -e ./benchmarks")
 if not torch.cuda.is_available():
     sys.exit(f"gpu-check: torch {torch.__version__} sees no CUDA device")
 EOF

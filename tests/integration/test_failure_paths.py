@@ -528,22 +528,24 @@ async def _tenant_of(platform: Platform, job_id: str) -> str:
 
 
 async def test_max_running_holds_across_a_dispatcher_restart(platform: Platform) -> None:
-    from tests.helpers import admin, new_tenant
+    from tests.helpers import admin, new_tenant, until_async
 
     capped_id, capped_key = await new_tenant(platform)
     async with admin(platform) as a:
         await a.put(f"/admin/tenants/{capped_id}/quota", json={"max_running": 2})
     platform.start_dispatcher()
+    first = platform.tasks[-1]
     await platform.start_worker("w1", cost=SLOW)
     async with client(platform.url, capped_key) as c:
         ids = await submit(c, 6, {**CHAT, "max_tokens": 60})
-        for _ in range(100):
-            if sum(j.status == "running" for j in await jobs_of(platform, capped_id)) == 2:
-                break
-            await asyncio.sleep(0.05)
+
+        async def two_running() -> bool:
+            return sum(j.status == "running" for j in await jobs_of(platform, capped_id)) == 2
+
+        await until_async(two_running, "two of the capped tenant's jobs running", 10)
         # The dispatcher stops; a new one (a new process, an empty memory) takes over.
         platform.dispatcher.request_stop()
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(first, 10)
         platform.dispatcher = Dispatcher(platform.settings, platform.r)
         platform.start_dispatcher()
         peak = 0

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from tests.conftest import Platform
-from tests.helpers import assert_openai_error, client, read_sse, wait_for
+from tests.helpers import assert_openai_error, client, read_sse, until_streamed, wait_for
 from tierq.models import jobs as job_repo
 from tierq.workers.engine.base import Chunk, Engine, EngineWrapper
 from tierq.workers.engine.simulated_engine import CostModel
@@ -184,8 +184,7 @@ async def test_sse_streams_deltas_then_done_and_late_joiners_miss_nothing(
     async with client(platform.url, tenant_key) as c:
         job = (await c.post("/v1/jobs", json={**CHAT, "max_tokens": 30})).json()
         live_task = asyncio.create_task(read_sse(c, f"/v1/jobs/{job['id']}/events"))
-        await wait_for(c, job["id"], ("running",))
-        await asyncio.sleep(0.1)
+        await until_streamed(platform, job["id"])
         late = await read_sse(c, f"/v1/jobs/{job['id']}/events")  # joins mid-stream
         live = await live_task
         after_end = await read_sse(c, f"/v1/jobs/{job['id']}/events")  # joins after the end

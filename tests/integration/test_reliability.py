@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tests.conftest import Platform
-from tests.helpers import client, read_sse, wait_for
+from tests.helpers import client, read_sse, until_streamed, wait_for
 from tierq.core.messages import Served
 from tierq.core.queue import enqueue
 from tierq.core.redis_names import WORKER_GROUP
@@ -28,8 +28,7 @@ async def test_a_killed_worker_is_reclaimed_and_its_job_finishes_elsewhere_once(
     await platform.start_worker("doomed", cost=SLOW)
     async with client(platform.url, tenant_key) as c:
         job = (await c.post("/v1/jobs", json=CHAT)).json()
-        await wait_for(c, job["id"], ("running",))
-        await asyncio.sleep(0.3)  # some deltas out
+        await until_streamed(platform, job["id"])  # some deltas out
         await platform.kill_worker("doomed")
         survivor_stream = asyncio.create_task(read_sse(c, f"/v1/jobs/{job['id']}/events"))
         await platform.start_worker("survivor", cost=SLOW)

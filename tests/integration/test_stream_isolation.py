@@ -24,6 +24,8 @@ from tests.helpers import (
     client,
     new_tenant,
     read_sse,
+    until,
+    until_async,
     wait_for,
 )
 from tierq.core import scripts
@@ -37,6 +39,12 @@ async def api_clients(platform: Platform) -> list[dict[str, str]]:
     name = f"{platform.settings.redis_prefix}:api"
     listed: Any = await platform.r.client_list()
     return [c for c in listed if c.get("name") == name]
+
+
+async def subscribed(platform: Platform, channels: int) -> bool:
+    """Whether an API connection is subscribed to `channels` channels (the access
+    channel is always one)."""
+    return any(int(c.get("sub", 0)) >= channels for c in await api_clients(platform))
 
 
 class OpenStream:
@@ -103,7 +111,7 @@ async def test_a_hundred_followers_share_one_pub_sub_connection(platform: Platfo
         job_id = await queued_job(c)
         async with streams(c, f"/v1/jobs/{job_id}/events", 100) as opened:
             assert {s.status for s in opened} == {200}
-            await asyncio.sleep(0.5)
+            await until_async(lambda: subscribed(platform, 2), "the job's channel subscribed")
             during = await api_clients(platform)
             pubsub = [x for x in during if int(x.get("sub", 0)) > 0]
             assert len(pubsub) == 1, pubsub  # one subscriber connection for all 100
@@ -262,7 +270,7 @@ async def test_followers_miss_nothing_when_the_hub_connection_is_killed(
         resp = await c.post("/v1/jobs", json={**CHAT, "max_tokens": 200})
         job_id = resp.json()["id"]
         readers = [asyncio.create_task(read_sse(c, f"/v1/jobs/{job_id}/events")) for _ in range(20)]
-        await asyncio.sleep(0.5)
+        await until_async(lambda: subscribed(platform, 2), "the job's channel subscribed")
         killed = 0
         for conn in await api_clients(platform):
             if int(conn.get("sub", 0)) > 0:
@@ -457,7 +465,7 @@ async def test_the_hub_stops_at_one_cancel_when_a_read_reports_it_as_an_error(
         monkeypatch.setattr(streams.recheck, "once", read_cut_short)
     await streams.start()
     if loop == "read":
-        await asyncio.sleep(0.3)  # connected and reading
+        await until(lambda: streams.hub._pubsub is not None, "the hub connected", 5)
         assert streams.hub._pubsub is not None
         monkeypatch.setattr(streams.hub._pubsub, "get_message", read_cut_short)
     await asyncio.wait_for(entered.wait(), 5)

@@ -9,7 +9,7 @@ from tierq.core import scripts
 from tierq.core.queue import ERROR_MARK
 
 ROOT = Path(__file__).resolve().parents[2]
-CODE = ["api", "workers", "dispatcher", "models", "services", "tierq", "launch", "cli"]
+CODE = ["tierq"]
 
 
 def _python() -> dict[Path, str]:

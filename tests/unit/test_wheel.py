@@ -1,7 +1,9 @@
 """The wheel: one import name (`tierq`), no benchmarks in it, and everything the code reads
 at run time beside the modules (Redis scripts, the migrations' template, the console's
 files, the simulated engine's calibration). Built from a copy of the package's sources, the
-way pip builds it, and imported from the unpacked wheel, not from this checkout."""
+way pip builds it, and imported from the unpacked wheel, not from this checkout; and the
+`tierq` command loads a distribution's commands (`tierq bench`) only through its entry point,
+leaving out one that fails to load."""
 
 from __future__ import annotations
 
@@ -47,14 +49,21 @@ def test_the_wheel_installs_one_name_and_runs_from_what_it_ships(tmp_path: Path)
     # the path), and each file the code reads beside its modules is there.
     probe = textwrap.dedent(
         f"""
-        import importlib, json, pkgutil
+        import importlib, importlib.metadata, json, pkgutil, sys
         from pathlib import Path
+        # As where only the wheel is installed: no distribution adds commands (this
+        # environment has the benchmarks' entry point, from the checkout).
+        importlib.metadata.entry_points = lambda **_: []
         import tierq
-        assert Path(tierq.__file__).is_relative_to({str(unpacked)!r}), tierq.__file__
         for module in pkgutil.walk_packages(tierq.__path__, "tierq."):
             # __main__ runs the command; Alembic runs the migrations' env and versions.
             if module.name != "tierq.__main__" and ".migrations." not in module.name:
                 importlib.import_module(module.name)
+        mine = [m for name, m in sys.modules.items() if name.split(".")[0] == "tierq"]
+        assert all(Path(m.__file__).is_relative_to({str(unpacked)!r}) for m in mine)
+        assert "benchmarks" not in sys.modules
+        from tierq.cli.main import app
+        assert "bench" not in {{g.name for g in app.registered_groups}}
         from tierq.core import scripts
         assert len(scripts.names()) >= 20 and all(scripts.source(n) for n in scripts.names())
         from tierq import migrations
@@ -76,3 +85,29 @@ def test_the_wheel_installs_one_name_and_runs_from_what_it_ships(tmp_path: Path)
         timeout=300,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_command_group_that_fails_to_load_is_left_out_and_the_rest_works(tmp_path: Path) -> None:
+    """An installed `tierq.commands` entry point whose module cannot be imported costs only
+    its own command: `tierq --help` (and every process `tierq run` starts) still works."""
+    probe = textwrap.dedent(
+        """
+        import importlib.metadata
+        broken = importlib.metadata.EntryPoint("bench", "no_such_module.cli:app", "tierq.commands")
+        found = importlib.metadata.entry_points
+        importlib.metadata.entry_points = (
+            lambda **kw: [broken] if kw.get("group") == "tierq.commands" else found(**kw)
+        )
+        from typer.testing import CliRunner
+        from tierq.cli.main import app
+        assert "bench" not in {g.name for g in app.registered_groups}
+        result = CliRunner().invoke(app, ["--help"])
+        assert result.exit_code == 0 and "migrate" in result.output, result.output
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert "leaving out `tierq bench`" in done.stderr

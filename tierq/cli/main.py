@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,11 +32,18 @@ app.command()(top)
 def _add_commands() -> None:
     """The command groups other installed distributions add through the `tierq.commands`
     entry point: `tierq bench` from the repository's benchmarks (benchmarks/pyproject.toml),
-    which the `tierq` wheel does not ship."""
+    which the `tierq` wheel does not ship. One that fails to load is left out, said on
+    stderr: the platform's own commands (and the processes `tierq run` starts) never
+    depend on it."""
     from importlib.metadata import entry_points
 
     for command in entry_points(group="tierq.commands"):
-        app.add_typer(command.load(), name=command.name)
+        try:
+            group = command.load()
+        except Exception as exc:
+            print(f"tierq: leaving out `tierq {command.name}`: {exc!r}", file=sys.stderr)
+            continue
+        app.add_typer(group, name=command.name)
 
 
 _add_commands()

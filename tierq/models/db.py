@@ -1,4 +1,12 @@
-"""The database handle: one async engine and session factory per process.
+"""The database handle of a process, `Database`. It holds two ways in, each with its own
+connections:
+
+- the SQLAlchemy engine and its sessions (`session()` to read, `transaction()` and
+  `write()` to write): every repository function of this package;
+- the hot paths' own: on PostgreSQL a few raw asyncpg connections (`RawPool`: admission's
+  single statements and a few hot reads, no session, no ORM), on an SQLite file one
+  connection on a thread of its own (`LocalWriter`: admission and the worker's writes,
+  group-committed).
 
 Behind a pooler in transaction mode (PgBouncer's `pool_mode = transaction`, set
 DATABASE_TRANSACTION_POOLING), consecutive transactions of one client connection may run on

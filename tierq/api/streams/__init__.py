@@ -12,6 +12,7 @@ OpenAI requests waiting on theirs), one concern a module:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -47,10 +48,8 @@ class Streams:
         await self.recheck.start()
 
     async def stop(self) -> None:
+        """The recheck and the slots together (each bounded), then the hub they use."""
         try:
-            await self.recheck.stop()
+            await asyncio.gather(self.recheck.stop(), self.slots.stop())
         finally:
-            try:
-                await self.slots.stop()
-            finally:
-                await self.hub.stop()
+            await self.hub.stop()

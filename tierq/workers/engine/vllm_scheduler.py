@@ -15,10 +15,10 @@ inversion). Four changes, applied before each step:
    it generated, and only its KV cache is recomputed when it resumes (its full blocks may
    still be in the prefix cache). Of equally bad ones, the one preempted least often goes
    first, so one request does not pay for every arrival. The better request enters in this
-   very step. A
-   request is preempted at most `max_preemptions` times (vLLM's `num_preemptions`, which
-   counts KV-pressure preemptions too): after that it keeps its slot, so nothing livelocks.
-   With this, lower tiers may fill every slot (the worker no longer keeps one idle).
+   very step. A request is preempted at most `max_preemptions` times (vLLM's
+   `num_preemptions`, which counts KV-pressure preemptions too): after that it keeps its
+   slot, so nothing livelocks. So lower tiers may fill every slot: the worker keeps none
+   idle for the interactive tier.
 2. **A step budget that follows the work.** On a compute-bound engine a step lasts as long
    as its token count, and a step's length bounds how long an arriving interactive request
    waits. While latency-sensitive work (priority at or better than `latency_priority`: the
