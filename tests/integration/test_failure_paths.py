@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from sqlalchemy import exc as sa_exc
 
 from tests.conftest import REDIS_TEST_URL, Platform
-from tests.helpers import client, jobs_of, read_sse, wait_for
+from tests.helpers import client, jobs_of, read_sse, until, wait_for
 from tierq.core import metrics
 from tierq.core.queue import enqueue
 from tierq.core.redis_names import DISPATCH_GROUP, WORKER_GROUP
@@ -230,7 +230,7 @@ async def test_a_cancelled_job_is_billed_for_what_the_engine_generated_and_once(
     platform: Platform, tenant_key: str
 ) -> None:
     platform.start_dispatcher()
-    await platform.start_worker("w1", cost=SLOW)
+    worker = await platform.start_worker("w1", cost=SLOW)
     async with client(platform.url, tenant_key) as c:
         (running,) = await submit(c, 1, {**CHAT, "max_tokens": 200})
         await read_sse(c, f"/v1/jobs/{running}/events", limit=10)  # tokens generated
@@ -243,7 +243,7 @@ async def test_a_cancelled_job_is_billed_for_what_the_engine_generated_and_once(
                 break
             await asyncio.sleep(0.05)
         never_ran = (await c.get(f"/v1/jobs/{queued}")).json()
-        await asyncio.sleep(0.5)  # the worker is done with both
+        await until(lambda: not worker._runs, "the worker is done with the cancelled run", 10)
         again = (await c.post(f"/v1/jobs/{running}/cancel")).json()
     assert billed["status"] == "cancelled"
     assert 10 <= billed["usage"]["completion_tokens"] < 200

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Platform
-from tests.helpers import client, wait_for
+from tests.helpers import client, until_streamed, wait_for
 from tests.integration.worker_proc import WorkerProcess, registered
 from tierq.core.messages import FAULT_UNIT, Heartbeat, JobMessage
 from tierq.core.queue import write_heartbeat
@@ -164,8 +164,7 @@ async def test_a_request_that_kills_the_engine_is_dead_lettered_alone(
         worker_no = 0
         await platform.start_worker("crashy-0", cost=SLOW, wrap=PoisonEngine)
         for j in innocent:
-            await wait_for(other, j["id"], ("running",))
-        await asyncio.sleep(0.5)  # they generate
+            await until_streamed(platform, j["id"])  # they generate
         poison = (
             await c.post(
                 "/v1/jobs",
