@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from sqlalchemy import exc as sa_exc
 
 from tests.conftest import REDIS_TEST_URL, Platform
-from tests.helpers import client, jobs_of, read_sse, until, wait_for
+from tests.helpers import client, jobs_of, read_sse, until, until_streamed, wait_for
 from tierq.core import metrics
 from tierq.core.queue import enqueue
 from tierq.core.redis_names import DISPATCH_GROUP, WORKER_GROUP
@@ -429,7 +429,7 @@ async def test_a_follower_reconnecting_after_redis_lost_its_data_misses_nothing(
         first = await read_sse(c, f"/v1/jobs/{job_id}/events", limit=5)
         keys = [k async for k in platform.r.scan_iter(match=f"{platform.settings.redis_prefix}:*")]
         await platform.r.delete(*keys)  # Redis restarted without persistence
-        await asyncio.sleep(0.3)  # the worker streams on meanwhile
+        await until_streamed(platform, job_id)  # the worker streams on, into a fresh buffer
         rest = await read_sse(
             c, f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": first[-1]["id"]}
         )

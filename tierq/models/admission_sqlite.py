@@ -3,9 +3,9 @@
 aiosqlite runs each statement on its connection's thread: a statement is a hop there and
 back, and the exact path (tierq/services/admission.py: a session, the ORM) makes nine of them
 while it holds SQLite's one write lock. On an idle machine a hop costs microseconds; beside
-the CPU engine, which keeps both of this machine's cores busy, each waits for a core, and
-`tierq bench overhead` saw 64 admissions take 1.6 to 2.5 s — the last job then starts that
-much after the first and the whole run ends that much later.
+the CPU engine, which keeps every core busy, each hop waits for a core, so a burst of
+admissions holds the lock, one after another, for as many waits: its last job starts that
+much after its first (`tierq bench overhead` measures it against the engine alone).
 
 Here the same checks run as `models.admission.ADMIT` makes them on PostgreSQL, for a tenant
 without quotas for the job's tier and a request without an Idempotency-Key (everything
