@@ -141,3 +141,33 @@ async def test_detached_work_outlives_its_callers_cancel_and_its_errors_are_logg
     assert finished.is_set()
     assert "a clean-up failed: the clean-up's own error" in caplog.text
     await detached.wait(5)  # nothing left: returns at once
+
+
+async def test_detached_waits_for_work_spawned_meanwhile_and_stop_cancels_the_rest() -> None:
+    detached = Detached("a clean-up")
+    ended: list[str] = []
+
+    async def second() -> None:
+        await asyncio.sleep(0.05)
+        ended.append("second")
+
+    async def first() -> None:
+        await asyncio.sleep(0.05)
+        detached.spawn(second())  # started while the owner waits
+        ended.append("first")
+
+    async def forever() -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            ended.append("forever, cancelled")
+
+    detached.spawn(first())
+    await detached.wait(5)
+    assert ended == ["first", "second"]
+    detached.spawn(forever())
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await detached.stop(0.1, cancel_s=1)
+    assert loop.time() - started < 1
+    assert ended[-1] == "forever, cancelled"

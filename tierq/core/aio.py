@@ -59,8 +59,9 @@ async def cancel_and_wait(
 class Detached:
     """Work run in tasks of its own, kept until each ends: clean-up that must finish even
     when its caller is being cancelled (a stream's response is cancelled while its
-    clean-up runs, where every await of its own would be cancelled again). Errors are
-    logged, as `what` failed; `wait` lets a stop give the work a bounded time to end."""
+    clean-up runs, where every await of its own would be cancelled again), or that no
+    caller waits for. Errors are logged, as `what` failed; `wait` and `stop` give the work
+    a bounded time to end when its owner stops."""
 
     def __init__(self, what: str) -> None:
         self.what = what
@@ -78,5 +79,14 @@ class Detached:
         task.add_done_callback(self._tasks.discard)
 
     async def wait(self, timeout_s: float) -> None:
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        """Until every piece of work has ended (work spawned meanwhile included), or for
+        `timeout_s` at most."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._tasks and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._tasks), timeout=left)
+
+    async def stop(self, timeout_s: float, cancel_s: float = 1.0) -> None:
+        """`wait`, then cancel what still runs (waiting `cancel_s` at most for it)."""
+        await self.wait(timeout_s)
+        await cancel_and_wait(set(self._tasks), cancel_s)

@@ -43,7 +43,7 @@ import redis.asyncio as aioredis
 from sqlalchemy.orm import Session
 
 from tierq.core import clock, fleet, metrics, scripts, token_count, tracing
-from tierq.core.aio import being_cancelled, cancel_and_wait
+from tierq.core.aio import Detached, being_cancelled, cancel_and_wait
 from tierq.core.ids import new_id
 from tierq.core.messages import FAULT_UNIT, Heartbeat, JobEvent, JobMessage, Served, fault_share
 from tierq.core.queue import (
@@ -313,7 +313,7 @@ class Worker:
         self._latency: dict[tuple[str, str], list[float]] = {}
         self.first_steps = FirstSteps(SUSPECT_WAIT_S)
         self._settling: set[str] = set()  # entry ids whose run is being settled
-        self._background: set[asyncio.Task[None]] = set()  # batch advance requests
+        self._background = Detached("a worker's call in the background")  # aborts, batch pokes
         self._slot_freed = asyncio.Event()
         self._stop_reading = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -635,9 +635,7 @@ class Worker:
         """A later delivery of the job runs elsewhere: stop this one (its events are refused)."""
         run = self._runs.get(job_id)
         if run is not None and run.stop(Ending.SUPERSEDED):
-            task = asyncio.create_task(self.engine.abort(job_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._background.spawn(self.engine.abort(job_id))
 
     # --- the inbox --------------------------------------------------------------------
     async def _inbox_loop(self) -> None:
@@ -755,11 +753,9 @@ class Worker:
             await pipe.execute()
         if msg.batch_id is not None and outcome in _GONE:
             # Its batch may top up its outstanding jobs, or be finished: ask Celery now.
-            task = asyncio.create_task(
+            self._background.spawn(
                 batch_signal.poke(self.settings, self.r, self.names, msg.batch_id)
             )
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
 
     # --- one job ----------------------------------------------------------------------
     async def _run(self, run: Run) -> None:

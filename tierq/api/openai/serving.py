@@ -28,7 +28,7 @@ from tierq.api.errors import APIError, error_body
 from tierq.api.jobs.events import follow_job
 from tierq.api.streams.hub import StreamClosed
 from tierq.api.streams.slots import Slot
-from tierq.core.aio import cancel_and_wait
+from tierq.core.aio import Detached
 from tierq.core.states import TERMINAL
 from tierq.models import jobs as job_repo
 from tierq.models.records import JobRecord, TenantRecord
@@ -61,17 +61,13 @@ class _StreamState:
 class OpenAIServing:
     def __init__(self, parts: AppParts) -> None:
         self.parts = parts
-        self._cancels: set[asyncio.Task[None]] = set()
+        self._cancels = Detached("cancelling a job whose client left")
 
     async def aclose(self) -> None:
         """Let the cancels of jobs whose clients left finish (within a bound): a job whose
         cancel was cut short would run, and be billed, for nobody."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + CANCELS_STOP_S
         # Streams that end meanwhile may start more: waited for too, within the bound.
-        while self._cancels and (left := deadline - loop.time()) > 0:
-            await asyncio.wait(set(self._cancels), timeout=left)
-        await cancel_and_wait(set(self._cancels), 1.0)
+        await self._cancels.stop(CANCELS_STOP_S)
 
     async def complete(
         self,
@@ -158,9 +154,7 @@ class OpenAIServing:
             except Exception:
                 log.exception("could not cancel %s after its client left", job_id)
 
-        task = asyncio.create_task(cancel())
-        self._cancels.add(task)
-        task.add_done_callback(self._cancels.discard)
+        self._cancels.spawn(cancel())
 
     async def _last_event(self, caller: _Caller, job: JobRecord) -> None:
         """Follow the job's events to its terminal one (the result is read from the
