@@ -111,3 +111,12 @@ def test_a_command_group_that_fails_to_load_is_left_out_and_the_rest_works(tmp_p
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
     assert "leaving out `tierq bench`" in done.stderr
+
+
+def test_the_designs_folders_stand_at_the_top_as_links_into_the_package() -> None:
+    """DESIGN.md's folders are where a reader looks first; the code lives once, in `tierq`."""
+    for name in ("api", "workers", "dispatcher", "models", "migrations"):
+        top = ROOT / name
+        assert top.is_symlink(), f"{name}/ is not a link"
+        assert top.resolve() == (ROOT / "tierq" / name).resolve(), top.resolve()
+        assert (top / "__init__.py").is_file()
