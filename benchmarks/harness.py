@@ -21,7 +21,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -37,6 +36,7 @@ from httpx_sse import EventSource
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from benchmarks.ports import free_port
 from tierq import migrations
 from tierq.core.retry import Backoff
 from tierq.core.settings import Settings
@@ -101,12 +101,6 @@ async def fault_schedule(
             f" {fault.target}" if fault.target else "",
             f" ({fault.detail})" if fault.detail else "",
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:

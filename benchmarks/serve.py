@@ -30,7 +30,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from typing import IO, Any
 
 import httpx
 
+from benchmarks.ports import free_port
 from tierq.core.settings import Settings
 from tierq.services.hostile import unstorable
 
@@ -229,12 +229,6 @@ def report(cfg: ServeConfig, figures: dict[str, dict[str, dict[str, Any]]]) -> d
 
 
 # --- the processes ------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _log(message: str) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
-import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -24,6 +22,7 @@ import uvicorn
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from benchmarks.ports import free_port
 from tierq import migrations
 from tierq.api.app import build_app
 from tierq.core.settings import Settings
@@ -45,29 +44,6 @@ PG_ADMIN_URL = os.environ.get(
 )
 REDIS_TEST_URL = os.environ.get("TIERQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ADMIN_KEY = "test-admin-" + uuid.uuid4().hex
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive ports free on 127.0.0.1 (RUN_METRICS_PORT's five and the
-    API's, a multi-GPU worker's metrics ports), below the ephemeral range, where no outgoing
-    connection takes one meanwhile."""
-    for _ in range(200):
-        first = random.randrange(20000, 32000 - n)
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(first, first + n):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return first
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 async def pg_admin_sql(sql: str) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.harness import free_port
+from benchmarks.ports import free_port
 from tests.conftest import Platform
 from tests.helpers import client, jobs_of, wait_for
 from tests.integration.celery_proc import child_env
