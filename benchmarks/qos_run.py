@@ -31,6 +31,7 @@ from tierq.models import jobs as job_repo
 from tierq.models import tenants as tenant_repo
 from tierq.models.db import Database
 from tierq.models.records import JobRecord
+from tierq.models.store import SqlJobStore
 from tierq.workers.engine.base import Chunk, Engine, EngineWrapper
 from tierq.workers.engine.simulated_engine import CostModel, SimulatedEngine
 from tierq.workers.engine.vllm_scheduler import Tiering
@@ -131,6 +132,7 @@ class _Run:
         self.settings = settings
         self.shared_engine = shared_engine
         self.db = Database.for_settings(settings)
+        self.store = SqlJobStore(self.db)
         self.r = aioredis.Redis.from_url(bench.redis_url, decode_responses=True)
         self.trace = Trace()
         inner: Engine = shared_engine or SimulatedEngine(
@@ -152,7 +154,12 @@ class _Run:
         # engine-priority: the worker takes everything and the engine queues it by priority.
         capacity = 1_000_000 if policy_name == "engine-priority" else self.bench.cost.slots
         worker = Worker(
-            self.settings, self.db, self.r, self.engine, worker_id=f"bench-{tag}", capacity=capacity
+            self.settings,
+            self.store,
+            self.r,
+            self.engine,
+            worker_id=f"bench-{tag}",
+            capacity=capacity,
         )
         self.tasks = [asyncio.create_task(worker.run()), asyncio.create_task(self.dispatcher.run())]
         async with self.db.transaction() as s:
@@ -225,4 +232,5 @@ class _Run:
         if keys:
             await self.r.delete(*keys)
         await self.r.aclose()
+        await self.store.close()
         await self.db.close()

@@ -60,6 +60,7 @@ from tierq.dispatcher.loop import Dispatcher, policy_from_settings
 from tierq.models import jobs as job_repo
 from tierq.models import tenants as tenant_repo
 from tierq.models.db import Database
+from tierq.models.store import SqlJobStore
 from tierq.workers.engine.base import Chunk, Engine, EngineWrapper
 from tierq.workers.engine.simulated_engine import CostModel, SimulatedEngine
 from tierq.workers.engine.vllm_args import step_token_budget
@@ -317,6 +318,7 @@ async def _run(
         }
     )
     db = Database(db_url, pool_size=32, max_overflow=16)
+    store = SqlJobStore(db)
     r = aioredis.Redis.from_url(redis_url, decode_responses=True)
     tally = Tally()
     engines: list[CountingEngine] = []
@@ -330,7 +332,9 @@ async def _run(
         # A client of its own, as a worker process has (bounded: a burst waits for one).
         wr = await connect(settings, role=f"w{i:02d}")
         worker_clients.append(wr)
-        workers.append(Worker(settings, db, wr, engine, worker_id=f"w{i:02d}", capacity=cfg.slots))
+        workers.append(
+            Worker(settings, store, wr, engine, worker_id=f"w{i:02d}", capacity=cfg.slots)
+        )
     # Two dispatchers, each with its own connection, run as Dispatcher.run does but with
     # their tasks at hand: cancelling both models a crash (no release of the lease).
     clients = [await connect(settings, role=f"dispatcher-{i}") for i in range(2)]
@@ -523,6 +527,7 @@ async def _run(
         await r.delete(*keys)
     for c in (r, *clients, *worker_clients):
         await c.aclose()
+    await store.close()
     await db.close()
     await drop_scratch_database(db_url)
     return result

@@ -29,6 +29,7 @@ from tierq.core.settings import Settings
 from tierq.core.token_count import for_settings
 from tierq.dispatcher.loop import Dispatcher
 from tierq.models.db import Database
+from tierq.models.store import SqlJobStore
 from tierq.models.tables import Base
 from tierq.services.bootstrap import ensure_tenant_key
 from tierq.workers.engine.base import Engine
@@ -121,6 +122,7 @@ class Platform:
     def __init__(self, settings: Settings, db: Database, r: aioredis.Redis) -> None:
         self.settings = settings
         self.db = db
+        self.jobs = SqlJobStore(db)  # the store the platform's workers and tests share
         self.r = r
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -160,7 +162,7 @@ class Platform:
         )
         await engine.start()
         hosted: Engine = engine if wrap is None else wrap(engine)
-        worker = Worker(self.settings, self.db, self.r, hosted, worker_id=worker_id)
+        worker = Worker(self.settings, self.jobs, self.r, hosted, worker_id=worker_id)
         task = asyncio.create_task(worker.run())
         self.workers[worker_id] = (worker, task, engine)
         return worker
@@ -188,6 +190,7 @@ class Platform:
         await _within(
             10, asyncio.gather(*self.tasks, return_exceptions=True), "the platform to stop"
         )
+        await self.jobs.close()
 
 
 async def _within(seconds: float, awaitable: Awaitable[Any], what: str) -> None:

@@ -49,7 +49,7 @@ async def admit_as(platform: Any, tenant: Any, body: Any, key_id: str | None = N
 
     queue = Enqueuer(platform.r, platform.dispatcher.names)
     return await admission.submit(
-        platform.db, queue, platform.settings, tenant, body, None, key_id=key_id
+        platform.jobs, queue, platform.settings, tenant, body, None, key_id=key_id
     )
 
 

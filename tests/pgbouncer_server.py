@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.conftest import free_port
+from benchmarks.ports import free_port
 from tests.helpers import stop_group
 
 PGBOUNCER = "/usr/sbin/pgbouncer"  # Debian's package (`make pgbouncer`)

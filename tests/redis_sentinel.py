@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from tests.conftest import free_port
+from benchmarks.ports import free_port
 from tests.helpers import stop_group
 
 PRIMARY = "tierq"

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import free_port
+from benchmarks.ports import free_port
 from tests.helpers import stop_group
 
 BUCKET = "tierq-test"

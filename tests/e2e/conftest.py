@@ -18,7 +18,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import PG_ADMIN_URL, REDIS_TEST_URL, free_port, free_ports, pg_admin_sql
+from benchmarks.ports import free_port, free_ports
+from tests.conftest import PG_ADMIN_URL, REDIS_TEST_URL, pg_admin_sql
 from tierq import migrations
 
 READY_TIMEOUT_S = 420

@@ -34,6 +34,7 @@ from openai import AsyncOpenAI
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
+from benchmarks.ports import free_port
 from tests.browser import (
     errors_in,
     follow_batch,
@@ -44,7 +45,6 @@ from tests.browser import (
     text_of,
     until,
 )
-from tests.conftest import free_port
 from tests.dashboards import dashboard_metric_names
 from tests.e2e.conftest import LivePlatform, metrics_ports, pg_live
 from tests.helpers import client, wait_for

@@ -223,10 +223,10 @@ async def _tenant_with_history(platform: Platform) -> str:
         await job(Tier.STANDARD, 121, "0.37")
         await job(Tier.INTERACTIVE, 90)
         running = await job(Tier.STANDARD, 300)
-        await job_repo.start_job(s, running, "w-test", 3)
+        await s.run_sync(job_repo.claim_job, running, "w-test", 3)
         cancelled = await job(Tier.STANDARD, 77)
-        await job_repo.start_job(s, cancelled, "w-test", 3)
-        await job_repo.cancel_job(s, cancelled)
+        await s.run_sync(job_repo.claim_job, cancelled, "w-test", 3)
+        await s.run_sync(job_repo.cancel_one, cancelled)
         finished = await job(Tier.INTERACTIVE, 400)
         await s.execute(
             update(Job)
@@ -314,8 +314,7 @@ async def test_the_quota_function_reads_and_decides_as_the_orm_path_at_every_bou
             orm = await quota_repo.check(s, quota, "standard", 300, cost, now=now)
             orm_figures = await quota_repo.read_figures(s, quota, now, online=True)
         assert (orm is None) == admits
-        outcome = await admission.admit_with_quotas(
-            platform.db.raw,  # type: ignore[arg-type]
+        outcome = await platform.jobs.admit_with_quotas(
             admission.Admission(
                 f"job_{limit}_{admits}_{tenant_id[-6:]}", new, None, now, 0, settings.batch_discount
             ),

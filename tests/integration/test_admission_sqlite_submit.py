@@ -24,6 +24,7 @@ from tierq.models import quotas as quota_repo
 from tierq.models import tenants as tenant_repo
 from tierq.models.db import Database
 from tierq.models.records import TenantRecord
+from tierq.models.store import SqlJobStore
 from tierq.services import admission
 from tierq.services.requests import JobCreate, Refused
 
@@ -62,13 +63,14 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     env: tuple[Database, aioredis.Redis, RedisNames],
 ) -> None:
     db, r, names = env
-    assert db.local is not None and db.raw is None
+    jobs = SqlJobStore(db)
+    assert jobs.admits_in_one_step(None) and not jobs.checks_quotas_in_one_step
     settings = Settings(database_url=str(db.url))
     body = JobCreate.model_validate(CHAT)
     queue = Enqueuer(r, names)
 
     async def submit(tenant: TenantRecord, key: str | None = None) -> str:
-        job, created = await admission.submit(db, queue, settings, tenant, body, key)
+        job, created = await admission.submit(jobs, queue, settings, tenant, body, key)
         assert created
         return job.id
 
@@ -78,7 +80,7 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     assert (_path("fast"), _path("exact")) == (fast + 1, exact)
     # An Idempotency-Key: the exact path (which answers a replay as the same job).
     keyed = await submit(plain, "k-1")
-    again, created = await admission.submit(db, queue, settings, plain, body, "k-1")
+    again, created = await admission.submit(jobs, queue, settings, plain, body, "k-1")
     assert again.id == keyed and not created
     assert (_path("fast"), _path("exact")) == (fast + 1, exact + 2)
 
@@ -105,3 +107,4 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     assert await r.xlen(names.tier_stream("standard", plain.id)) == 2
     assert await r.xlen(names.tier_stream("standard", limited.id)) == 2
     assert await r.xlen(names.tier_stream("standard", suspended.id)) == 0
+    await jobs.close()

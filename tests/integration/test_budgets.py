@@ -180,7 +180,8 @@ async def test_the_spend_is_read_from_counters_not_the_ledger(platform: Platform
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     async with client(platform.url, key) as c:
         assert (await c.post("/v1/jobs", json=body)).status_code == 202
-        await platform.db.write(spend.add, tenant_id, "standard", 990, Decimal(0))
+        async with platform.db.transaction() as s:
+            await s.run_sync(spend.add, tenant_id, "standard", 990, Decimal(0))
         refused = await c.post("/v1/jobs", json=body)
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "budget_exceeded"
@@ -194,15 +195,13 @@ async def test_a_job_cancelled_while_it_ran_holds_its_reservation_until_billed(
     holds its reservation: a job admitted in that window cannot take the budget past it."""
     from datetime import UTC, datetime, timedelta
 
-    from tierq.models import jobs as job_repo
     from tierq.models import quotas as quota_repo
 
     tenant_id, key = await budgeted_tenant(platform, token_budget=10_000, budget_period="total")
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
     async with client(platform.url, key) as c:
         job_id = (await c.post("/v1/jobs", json=body)).json()["id"]
-    async with platform.db.transaction() as s:
-        await job_repo.start_job(s, job_id, "w-test", 3)  # as a worker claims it
+    assert await platform.jobs.claim(job_id, "w-test", 3)  # as a worker claims it
     now = datetime.now(UTC)
 
     async def held() -> int:
@@ -212,14 +211,13 @@ async def test_a_job_cancelled_while_it_ran_holds_its_reservation_until_billed(
 
     reserved = await held()
     assert reserved > 500
-    async with platform.db.transaction() as s:
-        await job_repo.cancel_job(s, job_id)
+    assert await platform.jobs.cancel(job_id)
     assert await held() == reserved  # cancelled, not yet billed: still held
     # ...and not for ever: a worker that died with it bills nothing
     async with platform.db.session() as s:
         later = now + quota_repo.BILLING_GRACE + timedelta(seconds=1)
         assert (await quota_repo.held_reservations(s, tenant_id, "*", later))[0] == 0
-    await platform.db.write(job_repo.bill_cancelled, job_id, 20, 300)
+    assert await platform.jobs.bill_cancelled(job_id, 20, 300)
     assert await held() == 0  # billed: the ledger holds it now
     async with platform.db.session() as s:
         assert await spend.spent(s, tenant_id, None, "total", now) == (320, Decimal(0))

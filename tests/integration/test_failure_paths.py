@@ -289,7 +289,7 @@ async def test_a_transient_database_error_in_finish_is_retried(
             raise sa_exc.OperationalError("UPDATE jobs", {}, ConnectionResetError("reset"))
         return real_finish(*args, **kwargs)
 
-    monkeypatch.setattr(worker_mod.job_repo, "finish_job", flaky_finish)
+    monkeypatch.setattr(job_repo, "finish_job", flaky_finish)
     platform.start_dispatcher()
     await platform.start_worker("w1")
     async with client(platform.url, tenant_key) as c:
@@ -309,7 +309,7 @@ async def test_a_database_that_refuses_the_result_leaves_the_job_to_the_reconcil
     def refusing_finish(*args: Any, **kwargs: Any) -> Any:
         raise sa_exc.DataError("UPDATE jobs", {}, ValueError("refused"))
 
-    monkeypatch.setattr(worker_mod.job_repo, "finish_job", refusing_finish)
+    monkeypatch.setattr(job_repo, "finish_job", refusing_finish)
     platform.settings.max_deliveries = 2
     platform.settings.reconcile_orphan_grace_s = 0.0
     platform.start_dispatcher()
@@ -318,7 +318,7 @@ async def test_a_database_that_refuses_the_result_leaves_the_job_to_the_reconcil
         (job_id,) = await submit(c, 1)
         for _ in range(10):
             await asyncio.sleep(0.5)
-            await reconcile(platform.settings, platform.db, platform.r)
+            await reconcile(platform.settings, platform.db, platform.jobs, platform.r)
             if (await c.get(f"/v1/jobs/{job_id}")).json()["status"] == "failed":
                 break
         final = await wait_for(c, job_id, timeout=5)
@@ -408,7 +408,7 @@ async def test_after_a_redis_flush_a_job_a_live_worker_runs_is_not_run_again(
         keys = [k async for k in platform.r.scan_iter(match=f"{platform.settings.redis_prefix}:*")]
         await platform.r.delete(*keys)  # Redis restarted empty
         for _ in range(4):  # the reconciler runs while the worker still generates
-            assert await reconcile(platform.settings, platform.db, platform.r) == []
+            assert await reconcile(platform.settings, platform.db, platform.jobs, platform.r) == []
             await asyncio.sleep(0.4)
         final = await wait_for(c, job_id, timeout=30)
     assert final["status"] == "succeeded"
@@ -591,7 +591,7 @@ async def own_redis(settings: Any) -> Any:
     import signal
     import subprocess
 
-    from tests.conftest import free_port
+    from benchmarks.ports import free_port
 
     binary = shutil.which("redis-server")
     assert binary is not None, "redis-server is needed"

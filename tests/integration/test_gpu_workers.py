@@ -28,7 +28,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import Platform, free_ports
+from benchmarks.ports import free_ports
+from tests.conftest import Platform
 from tests.helpers import client, until, wait_for
 from tests.integration.worker_proc import WorkerProcess, registered
 from tests.unit.test_gpu_workers import fake_nvidia_smi

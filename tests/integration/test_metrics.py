@@ -24,7 +24,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
-from tests.conftest import ADMIN_KEY, Platform, free_port
+from benchmarks.ports import free_port
+from tests.conftest import ADMIN_KEY, Platform
 from tests.dashboards import dashboard_metric_names
 from tests.helpers import admin, client, new_tenant, wait_for
 from tests.integration.batch_helpers import finished, jsonl, line, sdk, submit

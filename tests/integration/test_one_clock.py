@@ -18,7 +18,8 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from tests.conftest import ADMIN_KEY, free_port
+from benchmarks.ports import free_port
+from tests.conftest import ADMIN_KEY
 from tests.helpers import stop_group
 from tests.integration.celery_proc import child_env
 from tierq.core.settings import Settings

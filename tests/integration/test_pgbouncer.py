@@ -20,6 +20,7 @@ from tests.integration.celery_proc import CeleryWorker
 from tests.pgbouncer_server import PgBouncer
 from tierq.core.settings import Settings
 from tierq.models.db import Database
+from tierq.models.store import SqlJobStore
 
 pytestmark = pytest.mark.integration
 
@@ -80,33 +81,35 @@ async def test_without_the_setting_a_cached_statement_meets_another_server_conne
     url = settings.resolved_database_url
     dsn = url.replace("postgresql+asyncpg", "postgresql")
 
-    async def statements(db: Database, errors: list[str]) -> None:
-        """One through the ORM, one through the raw pool; what failed, in `errors`."""
+    async def statements(db: Database, store: SqlJobStore, errors: list[str]) -> None:
+        """One through the ORM, one through the job store's raw pool; what failed, in
+        `errors`."""
         try:
             async with db.session() as s:
                 await s.execute(text("SELECT count(*) FROM tenants"))
-            assert db.raw is not None
-            await db.raw.fetchrow("SELECT count(*) FROM jobs WHERE tier = $1", "batch")
+            await store.head("job_none", "ten_none")
         except Exception as exc:
             errors.append(str(exc))
 
     async def twice(pooling: bool) -> list[str]:
         db = Database(url, transaction_pooling=pooling, pool_size=1, max_overflow=0)
+        store = SqlJobStore(db)
         errors: list[str] = []
         try:
             for _ in range(2):
-                await statements(db, errors)
+                await statements(db, store, errors)
                 # Another client takes the idle server connection and keeps it meanwhile.
                 holder = await asyncpg.connect(dsn)
                 held = holder.transaction()
                 await held.start()
                 await holder.execute("SELECT 1")
                 try:
-                    await statements(db, errors)
+                    await statements(db, store, errors)
                 finally:
                     await held.rollback()
                     await holder.close()
         finally:
+            await store.close()
             await db.close()
         return errors
 

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from tests.conftest import free_port
+from benchmarks.ports import free_port
 from tierq.core import scripts
 from tierq.core.messages import JobMessage
 from tierq.core.queue import Enqueuer, _enqueue_part, _enqueue_parts, enqueue

@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from benchmarks.harness import RedisServer
-from tests.conftest import free_port
+from benchmarks.ports import free_port
 from tierq.core.redis_conn import EvictingRedis, connect
 from tierq.core.settings import Settings
 

@@ -140,14 +140,16 @@ async def test_the_reconciler_re_enqueues_jobs_redis_lost(
         # Redis restarts without persistence: every stream, inbox and marker is gone.
         keys = [k async for k in platform.r.scan_iter(match=f"{platform.settings.redis_prefix}:*")]
         await platform.r.delete(*keys)
-        requeued = await reconcile(platform.settings, platform.db, platform.r)
+        requeued = await reconcile(platform.settings, platform.db, platform.jobs, platform.r)
         assert sorted(requeued) == sorted(j["id"] for j in jobs)
-        assert await reconcile(platform.settings, platform.db, platform.r) == []  # held again
+        assert (
+            await reconcile(platform.settings, platform.db, platform.jobs, platform.r) == []
+        )  # held again
         platform.start_dispatcher()
         await platform.start_worker("w1")
         finals = [await wait_for(c, j["id"]) for j in jobs]
     assert all(f["status"] == "succeeded" for f in finals)
-    assert await reconcile(platform.settings, platform.db, platform.r) == []
+    assert await reconcile(platform.settings, platform.db, platform.jobs, platform.r) == []
 
 
 async def test_the_reconciler_puts_back_a_running_job_whose_worker_and_redis_are_gone(
@@ -164,9 +166,11 @@ async def test_the_reconciler_puts_back_a_running_job_whose_worker_and_redis_are
         # Held by nothing, but a live worker could still re-register it with its next
         # heartbeat: the first pass only marks it; once the grace has passed, it goes back.
         platform.settings.reconcile_orphan_grace_s = 0.5
-        assert await reconcile(platform.settings, platform.db, platform.r) == []
+        assert await reconcile(platform.settings, platform.db, platform.jobs, platform.r) == []
         await asyncio.sleep(0.6)
-        assert await reconcile(platform.settings, platform.db, platform.r) == [job["id"]]
+        assert await reconcile(platform.settings, platform.db, platform.jobs, platform.r) == [
+            job["id"]
+        ]
         await platform.start_worker("fresh", cost=SLOW)
         final = await wait_for(c, job["id"])
     assert final["status"] == "succeeded"

@@ -20,7 +20,8 @@ import httpx
 import pytest
 import uvicorn
 
-from tests.conftest import ADMIN_KEY, Platform, base_settings, free_port
+from benchmarks.ports import free_port
+from tests.conftest import ADMIN_KEY, Platform, base_settings
 from tests.helpers import client, until
 from tests.integration.batch_helpers import finished, jsonl, line, lines_of, sdk, submit
 from tests.integration.celery_proc import CeleryWorker, child_env

@@ -266,7 +266,7 @@ async def test_a_job_the_reconciler_puts_back_stays_in_its_trace(
     kept = platform.dispatcher.names.trace_context(job_id)
     keys = [k async for k in platform.r.scan_iter(match=f"{platform.settings.redis_prefix}:*")]
     await platform.r.delete(*[k for k in keys if k != kept])
-    assert await reconcile(platform.settings, platform.db, platform.r) == [job_id]
+    assert await reconcile(platform.settings, platform.db, platform.jobs, platform.r) == [job_id]
     platform.start_dispatcher()
     await platform.start_worker("w1")
     found = await _wait_for(spans, job_id, {"tierq.admission", "tierq.run"})

@@ -24,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tests.conftest import ADMIN_KEY, Platform, free_port
+from benchmarks.ports import free_port
+from tests.conftest import ADMIN_KEY, Platform
 from tests.helpers import assert_openai_error
 from tests.integration.batch_helpers import finished, jsonl, line, sdk, submit
 from tests.integration.celery_proc import CeleryWorker

@@ -28,18 +28,24 @@ from tierq.models import tenants as tenant_repo
 from tierq.models.admission import Admission, Outcome
 from tierq.models.db import Database, LocalWriter, Unavailable
 from tierq.models.records import JobRecord
+from tierq.models.store import SqlJobStore
 from tierq.models.tables import utcnow
 
 MODEL = "m"
 DISCOUNT = Decimal("0.5")
 
 
-async def _database(tmp_path: Path) -> Database:
+async def _database(tmp_path: Path) -> tuple[Database, LocalWriter]:
+    """A migrated SQLite file: the database, and a writer of its own on it (as the job
+    store opens on a file, tierq/models/store/sql.py)."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'admission.db'}"
     await asyncio.to_thread(migrations.upgrade, url)
-    db = Database(url)
-    assert db.local is not None  # a file: the fast path is there
-    return db
+    return Database(url), LocalWriter(url)
+
+
+async def _close(db: Database, local: LocalWriter) -> None:
+    await local.close()
+    await db.close()
 
 
 async def _tenant(db: Database) -> tuple[str, str]:
@@ -63,11 +69,14 @@ def _new(tenant_id: str, tier: Tier = Tier.STANDARD) -> job_repo.NewJob:
 
 
 async def _admit(
-    db: Database, tenant_id: str, key_id: str | None, tier: Tier = Tier.STANDARD, bound: int = 0
+    local: LocalWriter,
+    tenant_id: str,
+    key_id: str | None,
+    tier: Tier = Tier.STANDARD,
+    bound: int = 0,
 ) -> Outcome:
-    assert db.local is not None
     request = Admission(new_id("job"), _new(tenant_id, tier), key_id, utcnow(), bound, DISCOUNT)
-    return await admission_sqlite.admit(db.local, request)
+    return await admission_sqlite.admit(local, request)
 
 
 async def _one_group(local: LocalWriter, *writes: Awaitable[Any]) -> list[Any]:
@@ -89,13 +98,13 @@ async def _counts(db: Database, tenant_id: str) -> dict[tuple[str, str], int]:
 async def test_admitted_jobs_read_back_as_answered_at_the_prices_of_the_orm_path(
     tmp_path: Path,
 ) -> None:
-    db = await _database(tmp_path)
+    db, local = await _database(tmp_path)
     async with db.transaction() as s:
         await price_repo.set_price(s, MODEL, "standard", Decimal("0.37"), Decimal("1.1"))
         await price_repo.set_price(s, MODEL, "interactive", Decimal("2.50"), Decimal("1.1"))
     tenant_id, key_id = await _tenant(db)
     for tier in Tier:
-        outcome = await _admit(db, tenant_id, key_id, tier)
+        outcome = await _admit(local, tenant_id, key_id, tier)
         job = outcome.job
         assert job is not None and outcome.status == "active" and not outcome.quotas
         async with db.session() as s:
@@ -113,45 +122,44 @@ async def test_admitted_jobs_read_back_as_answered_at_the_prices_of_the_orm_path
     # A model without a price costs nothing.
     async with db.transaction() as s:
         other = await tenant_repo.create_tenant(s, "other")
-    assert db.local is not None
     unpriced = dataclasses.replace(_new(other.id), model="x")
     free = await admission_sqlite.admit(
-        db.local, Admission(new_id("job"), unpriced, None, utcnow(), 0, DISCOUNT)
+        local, Admission(new_id("job"), unpriced, None, utcnow(), 0, DISCOUNT)
     )
     assert free.job is not None and (free.job.input_price, free.job.output_price) == (0, 0)
-    await db.close()
+    await _close(db, local)
 
 
 async def test_a_suspended_tenant_a_revoked_key_and_quotas_write_nothing(
     tmp_path: Path,
 ) -> None:
-    db = await _database(tmp_path)
+    db, local = await _database(tmp_path)
     tenant_id, key_id = await _tenant(db)
     async with db.transaction() as s:
         await tenant_repo.revoke_key(s, key_id)
-    revoked = await _admit(db, tenant_id, key_id)
+    revoked = await _admit(local, tenant_id, key_id)
     assert revoked.job is None and revoked.status == tenant_repo.REVOKED
-    unknown = await _admit(db, tenant_id, "key_unknown")
+    unknown = await _admit(local, tenant_id, "key_unknown")
     assert unknown.job is None and unknown.status == tenant_repo.REVOKED
     async with db.transaction() as s:
         await tenant_repo.update_tenant(s, tenant_id, status="suspended")
-    suspended = await _admit(db, tenant_id, None)
+    suspended = await _admit(local, tenant_id, None)
     assert suspended.job is None and suspended.status == "suspended"
-    missing = await _admit(db, "ten_missing", None)
+    missing = await _admit(local, "ten_missing", None)
     assert missing.job is None and missing.status is None
     assert await _counts(db, tenant_id) == {}
 
     limited, _key = await _tenant(db)
     async with db.transaction() as s:  # max_running alone is the dispatcher's: not here
         await quota_repo.set_quota(s, limited, "*", max_running=2)
-    assert (await _admit(db, limited, None)).job is not None
+    assert (await _admit(local, limited, None)).job is not None
     async with db.transaction() as s:
         await quota_repo.set_quota(s, limited, "batch", token_budget=100)
-    sent_back = await _admit(db, limited, None, Tier.BATCH)
+    sent_back = await _admit(local, limited, None, Tier.BATCH)
     assert sent_back.job is None and sent_back.quotas and sent_back.status == "active"
-    assert (await _admit(db, limited, None, Tier.STANDARD)).job is not None  # not its tier
+    assert (await _admit(local, limited, None, Tier.STANDARD)).job is not None  # not its tier
     assert await _counts(db, limited) == {("standard", "queued"): 2}
-    await db.close()
+    await _close(db, local)
 
 
 async def test_the_queue_bound_holds_under_a_concurrent_burst_on_one_thread(
@@ -160,17 +168,18 @@ async def test_the_queue_bound_holds_under_a_concurrent_burst_on_one_thread(
     """64 admissions at once against a bound of 40: exactly 40 admitted (each reads the
     count under the write lock), each with its transition; every statement ran on the
     writer's one thread."""
-    db = await _database(tmp_path)
+    db, local = await _database(tmp_path)
     tenant_id, key_id = await _tenant(db)
     threads: set[str] = set()
-    assert db.local is not None
-    run = db.local._thread.submit
+    run = local._thread.submit
 
     def seen(fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
         return run(lambda: (threads.add(threading.current_thread().name), fn(*args, **kwargs))[1])
 
-    db.local._thread.submit = seen  # type: ignore[method-assign]
-    outcomes = await asyncio.gather(*(_admit(db, tenant_id, key_id, bound=40) for _ in range(64)))
+    local._thread.submit = seen  # type: ignore[method-assign]
+    outcomes = await asyncio.gather(
+        *(_admit(local, tenant_id, key_id, bound=40) for _ in range(64))
+    )
     admitted = [o.job for o in outcomes if o.job is not None]
     refused = [o for o in outcomes if o.job is None]
     assert len(admitted) == 40 and len(refused) == 24
@@ -182,7 +191,7 @@ async def test_the_queue_bound_holds_under_a_concurrent_burst_on_one_thread(
             history = await job_repo.transitions(s, job.id)
             assert [status for status, *_ in history] == ["queued"]
     assert len(threads) == 1 and next(iter(threads)).startswith("tierq-sqlite-writer")
-    await db.close()
+    await _close(db, local)
 
 
 async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alone(
@@ -192,10 +201,8 @@ async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alo
     the writer held busy, three writes make one group: the one that inserted a row and
     then raised leaves nothing, the writes before and after it in the same transaction
     stand, and its caller gets its error."""
-    db = await _database(tmp_path)
+    db, local = await _database(tmp_path)
     tenant_id, _key = await _tenant(db)
-    local = db.local
-    assert local is not None
     commits = 0
 
     def counted(_conn: object) -> None:
@@ -203,7 +210,7 @@ async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alo
         commits += 1
 
     event.listen(local.engine, "commit", counted)
-    outcomes = await asyncio.gather(*(_admit(db, tenant_id, None) for _ in range(64)))
+    outcomes = await asyncio.gather(*(_admit(local, tenant_id, None) for _ in range(64)))
     assert all(o.job is not None for o in outcomes)
     assert commits < 32, commits
 
@@ -217,7 +224,10 @@ async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alo
 
     commits = 0
     results = await _one_group(
-        local, _admit(db, tenant_id, None), local.run(admit_then_raise), _admit(db, tenant_id, None)
+        local,
+        _admit(local, tenant_id, None),
+        local.run(admit_then_raise),
+        _admit(local, tenant_id, None),
     )
     assert commits == 1  # one group, one transaction
     assert isinstance(results[1], Boom)
@@ -225,7 +235,7 @@ async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alo
     async with db.session() as s:
         assert await job_repo.get_job(s, "job_doomed") is None
     assert await _counts(db, tenant_id) == {("standard", "queued"): 66}
-    await db.close()
+    await _close(db, local)
 
 
 async def test_a_group_sqlite_rolled_back_whole_answers_every_write_with_the_error(
@@ -234,35 +244,38 @@ async def test_a_group_sqlite_rolled_back_whole_answers_every_write_with_the_err
     """Where SQLite rolls the whole transaction back itself (a full disk, an I/O error;
     here a write that does it), no write of the group stands, so none is answered as
     written — the one before it included."""
-    db = await _database(tmp_path)
+    db, local = await _database(tmp_path)
     tenant_id, _key = await _tenant(db)
-    local = db.local
-    assert local is not None
 
     def roll_back_all(conn: Connection) -> None:
         conn.exec_driver_sql("ROLLBACK")
         raise OSError("disk I/O error")
 
     results = await _one_group(
-        local, _admit(db, tenant_id, None), local.run(roll_back_all), _admit(db, tenant_id, None)
+        local,
+        _admit(local, tenant_id, None),
+        local.run(roll_back_all),
+        _admit(local, tenant_id, None),
     )
     assert all(isinstance(r, Exception) for r in results), results
     assert await _counts(db, tenant_id) == {}
     # The writer goes on: the next write has a transaction of its own.
-    assert (await _admit(db, tenant_id, None)).job is not None
-    await db.close()
+    assert (await _admit(local, tenant_id, None)).job is not None
+    await _close(db, local)
 
 
 async def test_a_closed_writer_refuses_at_once_and_memory_databases_have_none(
     tmp_path: Path,
 ) -> None:
-    db = await _database(tmp_path)
+    db, local = await _database(tmp_path)
     tenant_id, _key = await _tenant(db)
-    await db.close()
+    await _close(db, local)
     for _ in range(2):  # neither waits forever
         with pytest.raises(Unavailable):
-            await asyncio.wait_for(_admit(db, tenant_id, None), 5)
+            await asyncio.wait_for(_admit(local, tenant_id, None), 5)
     for url in ("sqlite+aiosqlite://", "sqlite+aiosqlite:///:memory:"):
         memory = Database(url)
-        assert memory.local is None
+        store = SqlJobStore(memory)  # no file a second connection would open
+        assert not store.admits_in_one_step(None) and store._local is None
+        await store.close()
         await memory.close()

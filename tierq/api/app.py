@@ -35,6 +35,7 @@ from tierq.core.redis_conn import connect
 from tierq.core.redis_names import RedisNames
 from tierq.core.settings import Settings, get_settings
 from tierq.models.db import Database
+from tierq.models.store import SqlJobStore
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         # The served model's tokenizer, loaded now rather than by the first request.
         await asyncio.to_thread(token_count.for_settings, settings)
         app.state.db = Database.for_settings(settings)
+        app.state.jobs = SqlJobStore(app.state.db)
         app.state.admission_gate = TenantGate(settings.admission_concurrency_per_tenant)
         app.state.redis = await connect(settings, role="api")
         # What the fleet serves, before the first request is admitted (tierq.core.fleet).
@@ -70,6 +72,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
         app.state.parts = AppParts(
             settings,
             app.state.db,
+            app.state.jobs,
             app.state.redis,
             app.state.names,
             app.state.events,
@@ -97,6 +100,7 @@ def build_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> F
                 await cancel_and_wait([refreshing], 5.0)
                 await app.state.streams.stop()
                 await app.state.redis.aclose()
+                await app.state.jobs.close()
                 await app.state.db.close()
 
     # /docs and /redoc are tierq/api/docs.py's: every asset served here, nothing from a CDN.

@@ -27,6 +27,7 @@ from tierq.core.settings import Settings
 from tierq.models import tenants
 from tierq.models.db import Database
 from tierq.models.records import TenantRecord
+from tierq.models.store import SqlJobStore
 from tierq.models.tables import utcnow
 from tierq.models.tenants import KeyOwner
 
@@ -39,6 +40,7 @@ class AppParts:
 
     settings: Settings
     db: Database
+    jobs: SqlJobStore
     redis: aioredis.Redis
     names: RedisNames
     events: EventLog

@@ -550,7 +550,7 @@ async def roll_up_month(db: Database, period: str) -> list[str]:
     never written last. On SQLite the sums are read before the writing transaction (it
     holds the file's one write lock, which every job's ending waits for); its one process
     of each kind makes overlapping roll-ups rare, and the next one corrects them."""
-    if db.raw is None:
+    if db.dialect != "postgresql":
         async with db.session() as s:
             usage = await month_usage(s, period)
         async with db.transaction() as s:

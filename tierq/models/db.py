@@ -1,12 +1,9 @@
-"""The database handle of a process, `Database`. It holds two ways in, each with its own
-connections:
-
-- the SQLAlchemy engine and its sessions (`session()` to read, `transaction()` and
-  `write()` to write): every repository function of this package;
-- the hot paths' own: on PostgreSQL a few raw asyncpg connections (`RawPool`: admission's
-  single statements and a few hot reads, no session, no ORM), on an SQLite file one
-  connection on a thread of its own (`LocalWriter`: admission and the worker's writes,
-  group-committed).
+"""The database of a process: `Database`, the SQLAlchemy engine and its sessions (`session()`
+to read, `transaction()` to write), which every repository function of this package uses;
+and the two kinds of connection the job store (tierq/models/store) opens privately for its
+hot paths, defined here beside it: on PostgreSQL a few raw asyncpg connections (`RawPool`:
+admission's single statements, no session, no ORM), on an SQLite file one connection on a
+thread of its own (`LocalWriter`: admission and the worker's writes, group-committed).
 
 Behind a pooler in transaction mode (PgBouncer's `pool_mode = transaction`, set
 DATABASE_TRANSACTION_POOLING), consecutive transactions of one client connection may run on
@@ -29,14 +26,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, create_engine, event, exc
+from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.orm import Session
 
 from tierq.core.settings import Settings
 
@@ -226,14 +222,6 @@ def _settle(done: asyncio.Future[Any], value: Any, error: BaseException | None) 
         done.set_result(value)
 
 
-def _in_session(conn: Connection, fn: Callable[..., T], *args: Any) -> T:
-    """On the writer's thread: `fn` with an ORM session in the writer's transaction."""
-    with Session(bind=conn, join_transaction_mode="create_savepoint") as s:
-        value = fn(s, *args)
-        s.commit()  # releases the session's savepoint; the writer commits the transaction
-        return value
-
-
 class Unavailable(ConnectionError):
     """The database could not be reached through a raw connection (`RawPool`); answered
     503 like SQLAlchemy's own connection errors (`is_unavailable`)."""
@@ -372,7 +360,7 @@ async def _discard(conn: Any) -> None:
         conn.terminate()
 
 
-def _sqlite_file(url: str) -> bool:
+def is_sqlite_file(url: str) -> bool:
     """Whether an SQLite URL names a file that a second connection opens too (an in-memory
     database is one per connection)."""
     from sqlalchemy.engine import make_url
@@ -382,27 +370,21 @@ def _sqlite_file(url: str) -> bool:
 
 
 class Database:
+    """The engine and its sessions. The job store's own connections are its own
+    (tierq/models/store/sql.py): it reads their configuration here."""
+
     def __init__(self, url: str, *, transaction_pooling: bool = False, **kwargs: Any) -> None:
         self.url = url
+        self.dialect = url.split(":", 1)[0].split("+", 1)[0]  # postgresql, sqlite
+        self.transaction_pooling = transaction_pooling
+        self.pool_size: int = kwargs.get("pool_size", 10)
+        self.pool_timeout_s: float = kwargs.get("pool_timeout", 30.0)
         self.engine = make_engine(url, transaction_pooling=transaction_pooling, **kwargs)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         # Sessions that only read: `session()` (nothing in it is ever committed).
         self._reads = async_sessionmaker(
             self.engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False
         )
-        # The hot path's raw connections (PostgreSQL): as many as the pool's base size.
-        self.raw: RawPool | None = None
-        # The hot path's own connection and thread on an SQLite file.
-        self.local: LocalWriter | None = None
-        if url.startswith("postgresql"):
-            self.raw = RawPool(
-                url,
-                kwargs.get("pool_size", 10),
-                kwargs.get("pool_timeout", 30.0),
-                transaction_pooling,
-            )
-        elif url.startswith("sqlite") and _sqlite_file(url):
-            self.local = LocalWriter(url)
 
     @classmethod
     def for_settings(cls, settings: Settings) -> Database:
@@ -428,18 +410,6 @@ class Database:
         async with self.sessions() as s, s.begin():
             yield s
 
-    async def write(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(session, *args)` with a synchronous ORM session, in a transaction of its own
-        as far as it can tell. On an SQLite file that is one hop to the writer's thread
-        (`LocalWriter`: it shares a COMMIT with the writes that arrive meanwhile, in a
-        savepoint of its own), where `transaction()` would hold SQLite's one write lock —
-        every process's writes wait for it — across a hop per statement, each waiting for
-        this process's event loop. Elsewhere, `transaction()` and `run_sync`."""
-        if self.local is not None:
-            return await self.local.run(_in_session, fn, *args)
-        async with self.transaction() as s:
-            return await s.run_sync(fn, *args)
-
     async def ping(self) -> None:
         from sqlalchemy import text
 
@@ -448,8 +418,4 @@ class Database:
             await conn.execute(text("SELECT 1"))
 
     async def close(self) -> None:
-        if self.raw is not None:
-            await self.raw.close()
-        if self.local is not None:
-            await self.local.close()
         await self.engine.dispose()

@@ -24,10 +24,9 @@ from tierq.core.messages import FAULT_UNIT
 from tierq.core.states import TERMINAL, JobStatus, sources_for
 from tierq.core.tiers import Tier
 from tierq.models import spend, usage_days
-from tierq.models.db import Database
 from tierq.models.pages import after_anchor
 from tierq.models.prices import cost_of
-from tierq.models.records import JobHead, JobRecord, Progress, as_utc
+from tierq.models.records import JobHead, JobRecord, Progress, Result, as_utc
 from tierq.models.tables import Job, JobTransition, UsageRecord, utcnow
 
 
@@ -170,19 +169,6 @@ async def get_job_head(s: AsyncSession, job_id: str, tenant_id: str) -> JobHead 
     return None if status is None else JobHead(job_id, tenant_id, JobStatus(status))
 
 
-async def job_head(db: Database, job_id: str, tenant_id: str) -> JobHead | None:
-    """`get_job_head` in one round trip where it can be: on PostgreSQL one statement on a raw
-    connection (no session, no BEGIN/ROLLBACK, no pre-ping). Every SSE connect reads it, and
-    a stream storm opens thousands."""
-    if db.raw is None:
-        async with db.session() as s:
-            return await get_job_head(s, job_id, tenant_id)
-    row = await db.raw.fetchrow(
-        "SELECT status FROM jobs WHERE id = $1 AND tenant_id = $2", job_id, tenant_id
-    )
-    return None if row is None else JobHead(job_id, tenant_id, JobStatus(row["status"]))
-
-
 async def statuses(s: AsyncSession, job_ids: Sequence[str]) -> dict[str, JobStatus]:
     """The status of each of these jobs that exists, in one statement."""
     stmt = select(Job.id, Job.status).where(Job.id.in_(list(job_ids)))
@@ -235,7 +221,7 @@ def transition(
 ) -> JobRecord | None:
     """Move a job to `dst` if it is in one of `sources` (and, given `delivery`, if that is
     still its latest delivery: a stale run of a job delivered again cannot move it);
-    None when it was not. Synchronous (`Database.write`, `run_sync`)."""
+    None when it was not. Synchronous (the job store's writer, `run_sync`)."""
     allowed = [src.value for src in (sources if sources is not None else sources_for(dst))]
     if dst in TERMINAL:
         values.setdefault("progress", None)  # nothing more resumes after it
@@ -256,15 +242,11 @@ def transition(
     return JobRecord.from_row(row)
 
 
-async def start_job(
-    s: AsyncSession,
-    job_id: str,
-    worker_id: str,
-    max_deliveries: int,
-    unsettled_charge: int = FAULT_UNIT,
-) -> JobRecord | None:
-    """`claim_job` in the session's transaction."""
-    return await s.run_sync(claim_job, job_id, worker_id, max_deliveries, unsettled_charge)
+def dead_letter_message(max_deliveries: int) -> str:
+    return (
+        f"the job's runs failed {max_deliveries} times (engine errors, or engines and "
+        "workers that died while running it)"
+    )
 
 
 def claim_job(
@@ -281,7 +263,7 @@ def claim_job(
     shared the fault, and that a planned stop is none of the job's). Returns the job to
     run, or None when it must not run (finished, cancelled, unknown, or dead-lettered here
     because it was charged MAX_DELIVERIES failed deliveries: `fault_charge`). Synchronous,
-    so that on SQLite the whole claim is one hop to the writer's thread (`Database.write`).
+    so that on SQLite the whole claim is one hop to the job store's writer thread.
     """
     found = s.execute(select(Job).where(Job.id == job_id)).scalar_one_or_none()
     current = None if found is None else JobRecord.from_row(found)
@@ -300,10 +282,7 @@ def claim_job(
             finished_at=utcnow(),
             fault_charge=charge,
             error_code="max_deliveries_exceeded",
-            error_message=(
-                f"the job's runs failed {max_deliveries} times (engine errors, or engines and "
-                "workers that died while running it)"
-            ),
+            error_message=dead_letter_message(max_deliveries),
         )
         if dead is not None:  # counted as its transaction commits, but for a rare rollback
             metrics.DEAD_LETTERS.labels(current.tier.value).inc()
@@ -335,44 +314,43 @@ def claim_job(
     return JobRecord.from_row(row)
 
 
+def result_values(result: Result) -> dict[str, Any]:
+    """The columns a run's result sets on its job as it succeeds (every store's)."""
+    return {
+        "finished_at": utcnow(),
+        "result_text": result.text,
+        "result_logprobs": result.logprobs,
+        "result_choices": result.choices,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "error_code": None,
+        "error_message": None,
+    }
+
+
 def finish_job(
-    s: Session,
-    job_id: str,
-    *,
-    status: JobStatus,
-    text: str | None,
-    finish_reason: str | None,
-    prompt_tokens: int | None,
-    completion_tokens: int | None,
-    error_code: str | None = None,
-    error_message: str | None = None,
-    delivery: int | None = None,
-    logprobs: list[dict[str, Any]] | None = None,
-    choices: list[dict[str, Any]] | None = None,
+    s: Session, job_id: str, result: Result, delivery: int | None = None
 ) -> JobRecord | None:
-    """running -> succeeded/failed with its result, and its usage record, exactly once.
-    Synchronous: on SQLite the whole ending is one hop to the writer's thread
-    (`Database.write`), not a hop per statement holding SQLite's write lock."""
+    """running -> succeeded with its result, and its usage record, exactly once.
+    Synchronous: on SQLite the whole ending is one hop to the job store's writer thread,
+    not a hop per statement holding SQLite's write lock."""
     job = transition(
         s,
         job_id,
-        status,
+        JobStatus.SUCCEEDED,
         sources=(JobStatus.RUNNING,),
         delivery=delivery,
-        finished_at=utcnow(),
-        result_text=text,
-        result_logprobs=logprobs,
-        result_choices=choices,
-        finish_reason=finish_reason,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        error_code=error_code,
-        error_message=error_message,
+        **result_values(result),
     )
-    if job is not None and prompt_tokens is not None and completion_tokens is not None:
+    if (
+        job is not None
+        and result.prompt_tokens is not None
+        and result.completion_tokens is not None
+    ):
         # The conditional transition above admits one finisher per job; the primary key on
         # job_id would refuse a second record even if it did not.
-        _record_usage(s, job, prompt_tokens, completion_tokens)
+        _record_usage(s, job, result.prompt_tokens, result.completion_tokens)
     return job
 
 
@@ -459,12 +437,17 @@ def fail_job(
     )
 
 
-async def cancel_job(s: AsyncSession, job_id: str) -> JobRecord | None:
-    return await s.run_sync(_cancel_job, job_id)
-
-
-def _cancel_job(s: Session, job_id: str) -> JobRecord | None:
-    kept = _kept_progress(s, Job.id == job_id)
+def cancel_one(s: Session, job_id: str, tenant_id: str | None = None) -> JobRecord | None:
+    """queued or running -> cancelled by its tenant (the job of `tenant_id`, given one);
+    None when it was neither. Kept progress is billed (`_kept_progress`)."""
+    where = (
+        Job.id == job_id
+        if tenant_id is None
+        else and_(Job.id == job_id, Job.tenant_id == tenant_id)
+    )
+    if tenant_id is not None and s.execute(select(Job.id).where(where)).first() is None:
+        return None
+    kept = _kept_progress(s, where)
     job = transition(
         s,
         job_id,

@@ -94,6 +94,18 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class Result:
+    """What a run that generated a job to its end hands the store (`finish`)."""
+
+    text: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    logprobs: list[dict[str, Any]] | None = None  # with `logprobs`: each token's
+    choices: list[dict[str, Any]] | None = None  # with n > 1: the choices after the first
+
+
+@dataclass(frozen=True)
 class JobRecord:
     id: str
     tenant_id: str

@@ -42,7 +42,8 @@ def add(
     at: datetime | None = None,
 ) -> None:
     """Add one usage record's tokens and cost to its counters (in the caller's transaction).
-    Synchronous, like the job's final transition it is written with (`Database.write`)."""
+    Synchronous, like the job's final transition it is written with (the job store's `finish`,
+    tierq/models/store/sql.py)."""
     keys = period_keys(at or utcnow())
     dialect = s.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert

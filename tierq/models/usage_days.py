@@ -37,7 +37,8 @@ def hour_of(at: datetime) -> str:
 
 def add(s: Session, record: UsageRecord) -> None:
     """Add one usage record to its day's row and its hour's (in the caller's transaction).
-    Synchronous, like the job's final transition it is written with (`Database.write`)."""
+    Synchronous, like the job's final transition it is written with (the job store's `finish`,
+    tierq/models/store/sql.py)."""
     common = {"tenant_id": record.tenant_id, "tier": record.tier, "model": record.model}
     _add(s, UsageDay, {**common, "day": day_of(record.created_at)}, record)
     _add(s, UsageHour, {**common, "hour": hour_of(record.created_at)}, record)

@@ -40,20 +40,18 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from tierq.core import fleet, logs, metrics, token_count, tracing
 from tierq.core.file_store import FileStore
 from tierq.core.ids import new_id
-from tierq.core.messages import output_bound
 from tierq.core.queue import Enqueuer
 from tierq.core.settings import Settings
 from tierq.core.states import TenantStatus
 from tierq.core.tiers import Tier
-from tierq.models import admission, admission_sqlite
 from tierq.models import jobs as job_repo
 from tierq.models import prices as price_repo
 from tierq.models import quotas as quota_repo
 from tierq.models import tenants as tenant_repo
 from tierq.models.admission import Admission
 from tierq.models.batches import BatchLine
-from tierq.models.db import Database, RawPool
 from tierq.models.records import JobRecord, TenantRecord
+from tierq.models.store import SqlJobStore
 from tierq.models.tables import utcnow
 from tierq.services import openai_compat, structured
 from tierq.services.batch_input import RawLine, requests_from
@@ -173,7 +171,7 @@ def resolve_tier(tenant: TenantRecord, requested: Tier | None) -> Tier:
 
 
 async def submit(
-    db: Database,
+    jobs: SqlJobStore,
     queue: Enqueuer,
     settings: Settings,
     tenant: TenantRecord,
@@ -232,22 +230,21 @@ async def submit(
         created = True
         # PostgreSQL: one round trip admits the job; an SQLite file: one thread hop, for a
         # request without an Idempotency-Key (tierq/models/admission_sqlite.py).
-        fast = db.raw is not None or (db.local is not None and idempotency_key is None)
-        if fast:
+        if jobs.admits_in_one_step(idempotency_key):
             quotas = _quotas_seen.recent((tenant.id, tier))
             if not quotas:
                 metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
-                job, quotas = await _admit_fast(db, settings, tenant, key_id, new)
-            if job is None and quotas and db.raw is not None:
+                job, quotas = await _admit_fast(jobs, settings, tenant, key_id, new)
+            if job is None and quotas and jobs.checks_quotas_in_one_step:
                 if not counted:
                     new, counted = await _counted(settings, new, messages, body), True
                 metrics.ADMISSION_STATEMENTS.labels(path="quotas").inc()
-                job = await _admit_with_quotas(db.raw, settings, tenant, key_id, new)
+                job = await _admit_with_quotas(jobs, settings, tenant, key_id, new)
         if job is None:
             metrics.ADMISSION_STATEMENTS.labels(path="exact").inc()
             if not counted:
                 new = await _counted(settings, new, messages, body)
-            job, created = await _admit_exact(db, settings, tenant, key_id, new)
+            job, created = await _admit_exact(jobs, settings, tenant, key_id, new)
         span.set(job_id=job.id, created=created)
     logs.bind(job_id=job.id)
     tracing.tag(job_id=job.id, tenant_id=tenant.id, tier=job.tier.value)  # the request's span
@@ -263,8 +260,7 @@ async def submit(
                 log.exception("enqueue failed; the reconciler will enqueue %s", job.id)
                 return job, created
             log.exception("enqueue failed; refusing the online request %s", job.id)
-            async with db.transaction() as s:
-                await job_repo.cancel_job(s, job.id)
+            await jobs.cancel(job.id)
             raise _refuse(
                 503,
                 "The queue is unavailable. Retry after a moment.",
@@ -317,18 +313,18 @@ def _admission(settings: Settings, key_id: str | None, new: job_repo.NewJob) -> 
 
 
 async def _admit_fast(
-    db: Database, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
+    jobs: SqlJobStore,
+    settings: Settings,
+    tenant: TenantRecord,
+    key_id: str | None,
+    new: job_repo.NewJob,
 ) -> tuple[JobRecord | None, bool]:
     """The job, admitted by one statement (tierq/models/admission.py) or one hop to SQLite's
     writer (tierq/models/admission_sqlite.py), and whether quotas apply to its tier; no job when
     they do (they are checked elsewhere) or when the Idempotency-Key was used before (the
     exact path answers)."""
-    request = _admission(settings, key_id, new)
-    if db.raw is not None:
-        outcome = await admission.admit(db.raw, request)
-    else:
-        assert db.local is not None
-        outcome = await admission_sqlite.admit(db.local, request)
+    outcome = await jobs.admit_fast(_admission(settings, key_id, new))
+    assert outcome is not None  # asked only where the store has the way
     if outcome.job is not None:
         return outcome.job, False
     if outcome.quotas:
@@ -360,7 +356,11 @@ def _refuse_quota(refusal: quota_repo.Refusal, tenant: TenantRecord, tier: Tier)
 
 
 async def _admit_with_quotas(
-    raw: RawPool, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
+    jobs: SqlJobStore,
+    settings: Settings,
+    tenant: TenantRecord,
+    key_id: str | None,
+    new: job_repo.NewJob,
 ) -> JobRecord | None:
     """The job, admitted by one call that checks the tenant's quotas under its exclusive
     lock (tierq/models/admission.py); a refusal worded by the rule the exact path uses
@@ -369,7 +369,8 @@ async def _admit_with_quotas(
     the function and the rule agree)."""
     request = _admission(settings, key_id, new)
     now = request.created_at
-    outcome = await admission.admit_with_quotas(raw, request)
+    outcome = await jobs.admit_with_quotas(request)
+    assert outcome is not None  # asked only where the store has the way
     if outcome.job is not None or new.idempotency_key is not None:
         return outcome.job
     _refuse_unless_active(outcome.status, tenant, new.tier)
@@ -391,81 +392,29 @@ async def _admit_with_quotas(
 
 
 async def _admit_exact(
-    db: Database, settings: Settings, tenant: TenantRecord, key_id: str | None, new: job_repo.NewJob
+    jobs: SqlJobStore,
+    settings: Settings,
+    tenant: TenantRecord,
+    key_id: str | None,
+    new: job_repo.NewJob,
 ) -> tuple[JobRecord, bool]:
-    """Admission in a session: quotas checked under the tenant's exclusive lock, and
-    Idempotency-Key replays. Returns (job, created)."""
+    """Admission in one ORM transaction (tierq/models/admission_exact.py): quotas checked
+    under the tenant's exclusive lock, and Idempotency-Key replays. Returns (job, created)."""
     try:
-        async with db.transaction() as s:
-            if new.idempotency_key is not None:
-                again = await job_repo.find_by_idempotency_key(
-                    s, tenant.id, new.idempotency_key, new.request_hash
-                )
-                if again is not None:
-                    return again, False  # a replay: no quota is charged twice
-            price = await price_repo.current_price(s, new.model, new.tier, settings.batch_discount)
-            price_in = price.input_per_million if price else Decimal(0)
-            price_out = price.output_per_million if price else Decimal(0)
-            max_tokens = output_bound(new.params)
-            await _admit(
-                s,
-                settings,
-                tenant,
-                key_id,
-                new.tier,
-                new.reserved_tokens,
-                max_tokens,
-                price_in,
-                price_out,
-            )
-            priced = dataclasses.replace(new, input_price=price_in, output_price=price_out)
-            return await job_repo.create_job(s, priced)
+        outcome = await jobs.admit_exact(_admission(settings, key_id, new))
     except job_repo.IdempotencyConflict:
         raise _refuse(
             409,
             "This Idempotency-Key was already used with a different request body.",
             "idempotency_key_reused",
         ) from None
-
-
-async def _admit(
-    s: AsyncSession,
-    settings: Settings,
-    tenant: TenantRecord,
-    key_id: str | None,
-    tier: Tier,
-    reserved: int,
-    max_tokens: int,
-    price_in: Decimal,
-    price_out: Decimal,
-) -> None:
-    """Refuse (429) when admitting the job would break one of the tenant's quotas; checked
-    under the tenant's lock, in the transaction that inserts the job."""
-    quotas = [
-        q
-        for q in await quota_repo.quotas_of(s, tenant.id)
-        if q.tier in (quota_repo.ALL_TIERS, tier.value) and not q.empty
-    ]
-    # The tenant's status and the key's as of this transaction, not as of authentication:
-    # a suspension or revocation that committed meanwhile refuses the job, and one that
-    # comes later cancels it (suspension) or lets it finish (a revoked key).
-    status = await tenant_repo.lock_tenant(s, tenant.id, exclusive=bool(quotas), key_id=key_id)
-    _refuse_unless_active(status, tenant, tier)
-    # The default bound on what one tenant may leave waiting (and so on its share of
-    # Redis). Under the shared lock, so concurrent admissions of the tenant may pass it by
-    # at most their number; a quota's own max_queued is exact.
-    bound = settings.default_max_queued and not any(
-        q.tier == quota_repo.ALL_TIERS and q.max_queued is not None for q in quotas
-    )
-    if bound and await quota_repo.queued_refusal(s, tenant.id, settings.default_max_queued):
-        _refuse_queue_bound(settings, tenant, tier)
-    if not quotas:
-        return
-    cost = quota_repo.reservation_cost(reserved, max_tokens, price_in, price_out)
-    for quota in quotas:
-        refusal = await quota_repo.check(s, quota, tier.value, reserved, cost)
-        if refusal is not None:
-            _refuse_quota(refusal, tenant, tier)
+    if outcome.job is not None:
+        return outcome.job, outcome.created
+    _refuse_unless_active(outcome.status, tenant, new.tier)
+    if outcome.queue_bound:
+        _refuse_queue_bound(settings, tenant, new.tier)
+    assert outcome.refusal is not None  # the one reason left
+    _refuse_quota(outcome.refusal, tenant, new.tier)
 
 
 # --- batch lines ---------------------------------------------------------------------------

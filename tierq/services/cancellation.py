@@ -2,7 +2,7 @@
 cancelling its job (`cancel_job`, the native and OpenAI routes), a tenant suspended or
 deleted (tierq/api/admin/tenants.py), a batch cancelled or expired (tierq/workers/batches.py). The
 database
-half is the repository's (`models.jobs.cancel_job`, `cancel_unfinished`,
+half is the job store's (`JobStore.cancel`) or the repository's (`models.jobs.cancel_unfinished`,
 `models.batches.stop_unfinished`); `announce` runs once that has committed.
 
 Cancelling a batch (`cancel_batch`: its tenant, or an operator through the admin API) only
@@ -23,9 +23,9 @@ from tierq.core.redis_names import RedisNames
 from tierq.core.settings import Settings
 from tierq.core.states import BatchStatus, JobStatus
 from tierq.models import batches as batch_repo
-from tierq.models import jobs as job_repo
 from tierq.models.db import Database
 from tierq.models.records import JobRecord
+from tierq.models.store import JobStore
 from tierq.services import batch_signal
 from tierq.services.requests import Refused
 
@@ -51,7 +51,7 @@ async def announce(
 
 
 async def cancel_job(
-    db: Database,
+    jobs: JobStore,
     r: aioredis.Redis,
     names: RedisNames,
     events: EventLog,
@@ -60,26 +60,23 @@ async def cancel_job(
 ) -> JobRecord:
     """A tenant cancelling one of its jobs: 404 when it has no such job, 409 when the job
     already finished; cancelling twice is harmless (the second tells the workers again)."""
-    async with db.transaction() as s:
-        job = await job_repo.get_job(s, job_id, tenant_id)
-        if job is None:
-            raise Refused(404, f"No job found with id '{job_id}'.", "job_not_found")
-        cancelled = await job_repo.cancel_job(s, job_id)
-        if cancelled is None:
-            current = await job_repo.get_job(s, job_id, tenant_id)
-            assert current is not None
-            if current.status != JobStatus.CANCELLED:
-                raise Refused(
-                    409,
-                    f"The job is already {current.status.value} and cannot be cancelled.",
-                    "job_not_cancellable",
-                )
+    cancelled = await jobs.cancel(job_id, tenant_id)
     if cancelled is None:
+        # Not queued or running when the cancel looked, so ended: an ending is final, and
+        # what the job shows now is why it could not be cancelled.
+        current = await jobs.get(job_id, tenant_id)
+        if current is None:
+            raise Refused(404, f"No job found with id '{job_id}'.", "job_not_found")
+        if current.status != JobStatus.CANCELLED:
+            raise Refused(
+                409,
+                f"The job is already {current.status.value} and cannot be cancelled.",
+                "job_not_cancellable",
+            )
         # Cancelled before: its notice may have been lost (the first call's reply with it),
         # so a worker still running it is told again. Workers also see the cancel in the
         # database within CANCEL_CHECK_INTERVAL_S, whatever Redis drops.
         await r.publish(names.cancel_channel, job_id)
-        assert current is not None
         return current
     await announce(r, names, events, [cancelled])
     return cancelled

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 from datetime import timedelta
 
@@ -31,8 +30,8 @@ from tierq.core.redis_conn import redis_now
 from tierq.core.redis_names import RedisNames
 from tierq.core.settings import Settings
 from tierq.core.states import JobStatus
-from tierq.models import jobs as job_repo
 from tierq.models.db import Database
+from tierq.models.store import JobStore
 from tierq.services import tenant_policy
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,9 @@ log = logging.getLogger(__name__)
 PAGE = 1000
 
 
-async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list[str]:
+async def reconcile(
+    settings: Settings, db: Database, jobs: JobStore, r: aioredis.Redis
+) -> list[str]:
     """Re-enqueue lost jobs; returns their ids (empty when another run holds the lock)."""
     names = RedisNames(settings.redis_prefix)
     lock_ttl_s = max(60, int(settings.reconcile_interval_s * 4))
@@ -50,7 +51,7 @@ async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list
         log.info("another reconciler is running; skipping this run")
         return []
     try:
-        return await _reconcile(settings, db, r, names)
+        return await _reconcile(settings, db, jobs, r, names)
     finally:
         # Lost meanwhile, or Redis unreachable: it expires on its own.
         with contextlib.suppress(LockNotOwnedError, redis.RedisError, OSError):
@@ -58,7 +59,7 @@ async def reconcile(settings: Settings, db: Database, r: aioredis.Redis) -> list
 
 
 async def _reconcile(
-    settings: Settings, db: Database, r: aioredis.Redis, names: RedisNames
+    settings: Settings, db: Database, jobs: JobStore, r: aioredis.Redis, names: RedisNames
 ) -> list[str]:
     cutoff = clock.utcnow() - timedelta(seconds=settings.reconcile_grace_s)
     alive, _ = await live_workers(r, names, settings.worker_dead_after_s)
@@ -66,8 +67,7 @@ async def _reconcile(
     lost = []
     after = None
     while True:  # page through every candidate: a large backlog must not hide the lost ones
-        async with db.session() as s:
-            page = await job_repo.unfinished_jobs(s, cutoff, PAGE, after)
+        page = await jobs.unfinished(cutoff, PAGE, after)
         held = await held_by_redis(r, names, [job.id for job in page])
         found = [
             is_held or job.id in running_on_workers for job, is_held in zip(page, held, strict=True)
@@ -94,11 +94,8 @@ async def _reconcile(
             # Held by no live worker and by nothing in Redis: its worker died with Redis'
             # copy, or gave the run up (the database refused its result). Either may be the
             # job's doing, and nothing tells how many jobs shared it: one failed delivery.
-            back = await db.write(
-                functools.partial(job_repo.requeue_job, charge=FAULT_UNIT),
-                job.id,
-                "reconciler: lost by Redis",
-                job.deliveries,
+            back = await jobs.requeue(
+                job.id, "reconciler: lost by Redis", job.deliveries, charge=FAULT_UNIT
             )
             if back is None:
                 continue  # it finished, or was delivered again, meanwhile

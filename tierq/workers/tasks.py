@@ -19,6 +19,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from tierq.core import clock, fleet, metrics
 from tierq.core.redis_conn import connect
 from tierq.models.db import Database
+from tierq.models.store import SqlJobStore
 from tierq.workers.batches import BatchRunner
 from tierq.workers.billing import roll_up_invoices
 from tierq.workers.celery_app import app, names, settings
@@ -35,6 +36,7 @@ class _Runtime:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
         self.db = Database.for_settings(settings)
+        self.jobs = SqlJobStore(self.db)
         self.r: aioredis.Redis = self.loop.run_until_complete(
             connect(settings, attempts=3, role="celery")
         )
@@ -83,7 +85,7 @@ def _run(task: str, work: Callable[[_Runtime], Coroutine[Any, Any, T]]) -> T | N
 @app.task(name="tierq.reconcile")
 def reconcile_task() -> list[str]:
     """Re-enqueue the jobs Postgres holds as unfinished that no Redis stream holds."""
-    return _run("reconcile", lambda rt: reconcile(settings, rt.db, rt.r)) or []
+    return _run("reconcile", lambda rt: reconcile(settings, rt.db, rt.jobs, rt.r)) or []
 
 
 def _batches(rt: _Runtime) -> BatchRunner:

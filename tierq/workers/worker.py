@@ -40,7 +40,6 @@ from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
-from sqlalchemy.orm import Session
 
 from tierq.core import clock, fleet, metrics, scripts, token_count, tracing
 from tierq.core.aio import Detached, being_cancelled, cancel_and_wait
@@ -64,12 +63,11 @@ from tierq.core.settings import Settings
 from tierq.core.states import JobStatus
 from tierq.core.tiers import vllm_priority
 from tierq.models import db as db_mod
-from tierq.models import jobs as job_repo
 from tierq.models.db import Database
 from tierq.models.records import JobRecord, Progress
+from tierq.models.store import JobStore, Result, SqlJobStore
 from tierq.services import batch_signal
 from tierq.workers import identity, observe
-from tierq.workers.claims import Claims
 from tierq.workers.engine.base import Chunk, Engine, EngineDead, EngineRequestError, EngineWrapper
 from tierq.workers.engine.vllm_args import build_defaults
 from tierq.workers.first_steps import FirstSteps
@@ -268,14 +266,14 @@ class Worker:
     def __init__(
         self,
         settings: Settings,
-        db: Database,
+        jobs: JobStore,
         r: aioredis.Redis,
         engine: Engine,
         worker_id: str | None = None,
         capacity: int | None = None,
     ) -> None:
         self.settings = settings
-        self.db = db
+        self.jobs = jobs
         self.r = r
         self.engine = engine
         self.worker_id = worker_id or settings.resolved_worker_id
@@ -319,7 +317,6 @@ class Worker:
         self._stopped = asyncio.Event()
         self._engine_dead = asyncio.Event()
         self._retire_if_empty = r.register_script(scripts.source("retire_inbox_if_empty"))
-        self.claims = Claims(db, self.worker_id, settings.max_deliveries)
 
     # --- lifecycle --------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -608,8 +605,7 @@ class Worker:
             if not claimed:
                 continue
             try:
-                async with self.db.session() as s:
-                    now = await job_repo.statuses(s, claimed)
+                now = await self.jobs.statuses(claimed)
             except Exception as exc:
                 if not unavailable(exc) or being_cancelled():
                     raise
@@ -791,11 +787,12 @@ class Worker:
 
     async def _start(self, msg: JobMessage) -> tuple[JobRecord | None, Ending | None]:
         """Claim the job in the database; (job, None) to run it, else (None, why not)."""
-        job = await self.claims.claim(msg.job_id, msg.unsettled_charge)
+        job = await self.jobs.claim(
+            msg.job_id, self.worker_id, self.settings.max_deliveries, msg.unsettled_charge
+        )
         if job is not None:
             return job, None
-        async with self.db.session() as s:
-            current = await job_repo.get_job(s, msg.job_id)
+        current = await self.jobs.get(msg.job_id)
         if current is not None and current.status in (JobStatus.QUEUED, JobStatus.RUNNING):
             return None, Ending.SUPERSEDED  # another delivery claimed it first
         if current is not None and current.status == JobStatus.FAILED:
@@ -1086,24 +1083,18 @@ class Worker:
         code = out.code or "engine_error"
         message = out.message or "the engine failed"
 
-        def end(s: Session) -> JobRecord | None:
-            if kind == Ending.FAILED:
-                return job_repo.fail_job(s, msg.job_id, code, message, delivery=delivery)
-            return job_repo.finish_job(
-                s,
-                msg.job_id,
-                status=JobStatus.SUCCEEDED,
-                text=out.text,
-                finish_reason=out.finish_reason,
-                prompt_tokens=out.prompt_tokens,
-                completion_tokens=out.completion_tokens,
-                delivery=delivery,
-                logprobs=out.logprobs,
-                choices=out.choices,
-            )
-
         async def write() -> JobRecord | None:
-            return await self.db.write(end)
+            if kind == Ending.FAILED:
+                return await self.jobs.fail(msg.job_id, code, message, delivery=delivery)
+            result = Result(
+                out.text,
+                out.finish_reason,
+                out.prompt_tokens,
+                out.completion_tokens,
+                out.logprobs,
+                out.choices,
+            )
+            return await self.jobs.finish(msg.job_id, result, delivery)
 
         ended = await self._retrying("fail job" if kind == Ending.FAILED else "finish job", write)
         if ended is None:
@@ -1130,19 +1121,16 @@ class Worker:
 
         why = out.message or ("preempted" if preempted else "worker handed it back")
 
-        def requeue(s: Session) -> JobRecord | None:
-            return job_repo.requeue_job(
-                s,
+        async def hand_back() -> bool:
+            back = await self.jobs.requeue(
                 msg.job_id,
                 why,
-                delivery=delivery,
+                delivery,
                 preempted=preempted,
                 progress=progress,
                 charge=out.charge,
             )
-
-        async def hand_back() -> bool:
-            return await self.db.write(requeue) is not None
+            return back is not None
 
         if not await self._retrying("requeue job", hand_back):
             return False
@@ -1163,15 +1151,12 @@ class Worker:
 
     async def _bill_cancelled(self, msg: JobMessage, out: Outcome) -> None:
         """The engine did the work up to the cancellation: the tenant pays for it."""
-        await self.db.write(
-            job_repo.bill_cancelled, msg.job_id, out.prompt_tokens, out.completion_tokens
-        )
+        await self.jobs.bill_cancelled(msg.job_id, out.prompt_tokens, out.completion_tokens)
 
     async def _why_not(self, job_id: str, delivery: int | None) -> Ending:
         """Why a run's final transition found the job elsewhere: a later delivery owns it
         (superseded), or it ended meanwhile (cancelled by its tenant, say)."""
-        async with self.db.session() as s:
-            current = await job_repo.get_job(s, job_id)
+        current = await self.jobs.get(job_id)
         if current is None:
             return Ending.SKIPPED
         if delivery is not None and current.deliveries != delivery:
@@ -1263,7 +1248,8 @@ async def run_worker(
         # This process and vLLM's engine core off the cores vLLM bound its compute to.
         pin_off_compute()
     db = Database.for_settings(settings)
-    worker = Worker(settings, db, r, engine)
+    jobs = SqlJobStore(db)
+    worker = Worker(settings, jobs, r, engine)
     if install_signals is not None:
         await install_signals(worker)
     log.info(
@@ -1275,4 +1261,5 @@ async def run_worker(
         with contextlib.suppress(Exception):  # a dead engine may fail to shut down cleanly
             await engine.shutdown()
         await r.aclose()
+        await jobs.close()
         await db.close()

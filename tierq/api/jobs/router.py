@@ -48,7 +48,7 @@ async def create_job(
     ] = None,
 ) -> JSONResponse:
     job, _created = await admission.submit(
-        parts.db,
+        parts.jobs,
         parts.enqueuer,
         parts.settings,
         tenant,
@@ -90,7 +90,7 @@ async def get_job(job_id: str, tenant: TenantDep, parts: PartsDep) -> dict[str, 
 @router.post("/{job_id}/cancel", response_model=None, responses=answered(Job, 404, 409))
 async def cancel_job(job_id: str, tenant: TenantDep, parts: PartsDep) -> dict[str, Any]:
     job = await cancellation.cancel_job(
-        parts.db, parts.redis, parts.names, parts.events, tenant.id, job_id
+        parts.jobs, parts.redis, parts.names, parts.events, tenant.id, job_id
     )
     return job.to_api()
 
@@ -112,7 +112,7 @@ async def job_events(
     parts: PartsDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> Response:
-    job = await job_repo.job_head(parts.db, job_id, tenant.id)
+    job = await parts.jobs.head(job_id, tenant.id)
     if job is None:
         raise not_found("job", job_id)
     last_seq = 0

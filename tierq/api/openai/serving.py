@@ -89,7 +89,7 @@ class OpenAIServing:
         slot = await stream_slot(parts.streams.slots, tenant)
         try:
             job, _ = await admission.submit(
-                parts.db,
+                parts.jobs,
                 parts.enqueuer,
                 parts.settings,
                 tenant,
@@ -147,7 +147,7 @@ class OpenAIServing:
         async def cancel() -> None:
             try:
                 await cancellation.cancel_job(
-                    parts.db, parts.redis, parts.names, parts.events, caller.tenant.id, job_id
+                    parts.jobs, parts.redis, parts.names, parts.events, caller.tenant.id, job_id
                 )
             except Refused:
                 pass  # it finished meanwhile

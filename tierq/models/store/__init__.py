@@ -1,0 +1,31 @@
+"""The job store: every write of a job's life after it is admitted — claimed by a worker,
+finished, failed, handed back, cancelled, billed — and the reads around them, behind one
+interface (`JobStore`) that services and workers call, in the manner of procrastinate's
+connector and job manager.
+
+- `SqlJobStore` (`sql.py`): PostgreSQL and the embedded SQLite file, through the
+  repository functions of `tierq.models.jobs`. It owns the hot paths' own connections
+  privately: a few raw asyncpg connections on PostgreSQL (`RawPool`), one connection on a
+  thread of its own on an SQLite file (`LocalWriter`, group-committed), beside the
+  database's SQLAlchemy engine that every other repository shares.
+- `MemoryJobStore` (`memory.py`): the same rules over dicts in this process, for tests
+  that exercise a worker's or a service's logic and not a database.
+
+Both pass one contract suite (tests/job_store_contract.py), which is what keeps them
+equal: the state machine (`tierq.core.states`), one ending per delivery, the ledger's one
+row per job, the progress that resumes a handed-back job and is billed when it is
+cancelled instead.
+"""
+
+from typing import TYPE_CHECKING
+
+from tierq.models.records import Result
+from tierq.models.store.base import JobStore, Usage
+from tierq.models.store.memory import MemoryJobStore
+from tierq.models.store.sql import SqlJobStore
+
+if TYPE_CHECKING:  # mypy holds both to the interface
+    _sql: type[JobStore] = SqlJobStore
+    _memory: type[JobStore] = MemoryJobStore
+
+__all__ = ["JobStore", "MemoryJobStore", "Result", "SqlJobStore", "Usage"]
