@@ -318,7 +318,6 @@ async def _run(
         }
     )
     db = Database(db_url, pool_size=32, max_overflow=16)
-    store = SqlJobStore(db)
     r = aioredis.Redis.from_url(redis_url, decode_responses=True)
     tally = Tally()
     engines: list[CountingEngine] = []
@@ -328,12 +327,13 @@ async def _run(
         engines.append(CountingEngine(_engine(cfg, cost, settings), tally))
     # Real engines start together (each loads the model in its own engine-core process).
     await asyncio.gather(*(engine.start() for engine in engines))
+    stores = [SqlJobStore(db) for _ in engines]  # a store a worker, as a process has
     for i, engine in enumerate(engines):
         # A client of its own, as a worker process has (bounded: a burst waits for one).
         wr = await connect(settings, role=f"w{i:02d}")
         worker_clients.append(wr)
         workers.append(
-            Worker(settings, store, wr, engine, worker_id=f"w{i:02d}", capacity=cfg.slots)
+            Worker(settings, stores[i], wr, engine, worker_id=f"w{i:02d}", capacity=cfg.slots)
         )
     # Two dispatchers, each with its own connection, run as Dispatcher.run does but with
     # their tasks at hand: cancelling both models a crash (no release of the lease).
@@ -527,7 +527,8 @@ async def _run(
         await r.delete(*keys)
     for c in (r, *clients, *worker_clients):
         await c.aclose()
-    await store.close()
+    for store in stores:
+        await store.close()
     await db.close()
     await drop_scratch_database(db_url)
     return result

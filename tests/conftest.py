@@ -122,12 +122,13 @@ class Platform:
     def __init__(self, settings: Settings, db: Database, r: aioredis.Redis) -> None:
         self.settings = settings
         self.db = db
-        self.jobs = SqlJobStore(db)  # the store the platform's workers and tests share
+        self.jobs = SqlJobStore(db)  # the tests' own; each worker has its own, as a process
         self.r = r
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tasks: list[asyncio.Task[None]] = []
         self.workers: dict[str, tuple[Worker, asyncio.Task[None], SimulatedEngine]] = {}
+        self.stores: list[SqlJobStore] = [self.jobs]
         self.dispatcher = Dispatcher(settings, r)
         self.server: uvicorn.Server | None = None
 
@@ -162,7 +163,9 @@ class Platform:
         )
         await engine.start()
         hosted: Engine = engine if wrap is None else wrap(engine)
-        worker = Worker(self.settings, self.jobs, self.r, hosted, worker_id=worker_id)
+        store = SqlJobStore(self.db)
+        self.stores.append(store)
+        worker = Worker(self.settings, store, self.r, hosted, worker_id=worker_id)
         task = asyncio.create_task(worker.run())
         self.workers[worker_id] = (worker, task, engine)
         return worker
@@ -187,10 +190,13 @@ class Platform:
         self.dispatcher.request_stop()
         if self.server is not None:
             self.server.should_exit = True
-        await _within(
-            10, asyncio.gather(*self.tasks, return_exceptions=True), "the platform to stop"
-        )
-        await self.jobs.close()
+        try:
+            await _within(
+                10, asyncio.gather(*self.tasks, return_exceptions=True), "the platform to stop"
+            )
+        finally:
+            for store in self.stores:
+                await store.close()
 
 
 async def _within(seconds: float, awaitable: Awaitable[Any], what: str) -> None:

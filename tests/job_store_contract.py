@@ -151,6 +151,21 @@ class JobStoreContract:
         assert (await store.transitions(job.id))[-1] == ("failed", "dead-lettered")
         assert await store.claim(job.id, "w1", 2) is None  # ended: never runs again
 
+    async def test_a_queued_job_handed_back_with_its_last_charge_is_dead_lettered(
+        self, store: JobStore, tenant: str
+    ) -> None:
+        # An engine error hands it back charged a whole failed delivery, twice: waiting in
+        # its queue, it has used up two deliveries, and its next claim fails it.
+        (job,) = await self.running(store, tenant)
+        assert await store.requeue(job.id, "engine error", job.deliveries, charge=FAULT_UNIT)
+        again = await store.claim(job.id, "w1", 2)
+        assert again is not None and again.fault_charge == FAULT_UNIT
+        assert await store.requeue(job.id, "engine error", again.deliveries, charge=FAULT_UNIT)
+        assert await store.claim(job.id, "w1", 2) is None
+        dead = await store.get(job.id)
+        assert dead is not None and dead.status == JobStatus.FAILED
+        assert dead.error_code == "max_deliveries_exceeded" and dead.deliveries == 2
+
     async def test_a_burst_of_claims_gets_each_its_own_answer(
         self, store: JobStore, tenant: str
     ) -> None:
@@ -234,9 +249,12 @@ class JobStoreContract:
         mine, other = await tenants(2)
         (waiting,) = await self.queued(store, mine)
         (busy,) = await self.running(store, mine)
-        assert await store.cancel(waiting.id, other) is None  # not theirs
-        unchanged = await store.get(waiting.id)
-        assert unchanged is not None and unchanged.status == JobStatus.QUEUED
+        for job in (waiting, busy):  # not theirs: untouched
+            assert await store.cancel(job.id, other) is None
+        assert await store.statuses([waiting.id, busy.id]) == {
+            waiting.id: JobStatus.QUEUED,
+            busy.id: JobStatus.RUNNING,
+        }
         for job in (waiting, busy):
             cancelled = await store.cancel(job.id, mine)
             assert cancelled is not None and cancelled.status == JobStatus.CANCELLED
@@ -249,6 +267,14 @@ class JobStoreContract:
         assert await store.cancel(done.id) is None
         assert await store.finish(busy.id, RESULT, busy.deliveries) is None
         assert await store.usage(busy.id) == []
+        # Nor run again, nor go back to its queue.
+        assert await store.claim(waiting.id, "w1", 3) is None
+        assert await store.requeue(busy.id, "drain", busy.deliveries) is None
+        assert await store.fail(busy.id, "engine_error", "x", delivery=busy.deliveries) is None
+        assert await store.statuses([waiting.id, busy.id]) == {
+            waiting.id: JobStatus.CANCELLED,
+            busy.id: JobStatus.CANCELLED,
+        }
 
     async def test_a_cancelled_run_is_billed_once_for_what_it_computed(
         self, store: JobStore, tenant: str
@@ -282,6 +308,9 @@ class JobStoreContract:
         assert [(u.prompt_tokens, u.completion_tokens) for u in await store.usage(kept.id)] == [
             (6, 4)
         ]
+        # Billed: a late bill of the run that kept them (the worker's) adds nothing.
+        assert await store.bill_cancelled(kept.id, 6, 4) is None
+        assert len(await store.usage(kept.id)) == 1
         plain = await store.cancel(fresh.id)
         assert plain is not None and plain.to_api()["usage"] is None
         assert await store.usage(fresh.id) == []

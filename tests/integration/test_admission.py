@@ -1,6 +1,6 @@
 """Admission's one-round-trip paths on PostgreSQL (tierq/models/admission.py: one statement for
 a tenant without quotas, the function of migration 0007 for one with quotas) against the
-exact path (tierq/services/admission.py `_admit_exact`, the ORM): the same jobs, prices, figures,
+exact path (tierq/models/admission_exact.py, the ORM): the same jobs, prices, figures,
 refusals and idempotency, on real PostgreSQL and Redis."""
 
 from __future__ import annotations

@@ -38,19 +38,23 @@ def _path(path: str) -> float:
 
 
 @pytest.fixture
-async def env(tmp_path: Path) -> AsyncIterator[tuple[Database, aioredis.Redis, RedisNames]]:
+async def env(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[Database, aioredis.Redis, RedisNames, SqlJobStore]]:
     url = f"sqlite+aiosqlite:///{tmp_path / 'tierq.db'}"
     await asyncio.to_thread(migrations.upgrade, url)
     db = Database(url)
+    jobs = SqlJobStore(db)
     r = aioredis.Redis.from_url(REDIS_TEST_URL)
     names = RedisNames(prefix=f"test-sqlite-{uuid.uuid4().hex[:8]}")
     try:
-        yield db, r, names
+        yield db, r, names, jobs
     finally:
         keys = [k async for k in r.scan_iter(f"{names.prefix}:*")]
         if keys:
             await r.delete(*keys)
         await r.aclose()
+        await jobs.close()
         await db.close()
 
 
@@ -60,10 +64,9 @@ async def _tenant(db: Database) -> TenantRecord:
 
 
 async def test_each_request_takes_its_path_and_lands_on_the_stream(
-    env: tuple[Database, aioredis.Redis, RedisNames],
+    env: tuple[Database, aioredis.Redis, RedisNames, SqlJobStore],
 ) -> None:
-    db, r, names = env
-    jobs = SqlJobStore(db)
+    db, r, names, jobs = env
     assert jobs.admits_in_one_step(None) and not jobs.checks_quotas_in_one_step
     settings = Settings(database_url=str(db.url))
     body = JobCreate.model_validate(CHAT)
@@ -107,4 +110,3 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     assert await r.xlen(names.tier_stream("standard", plain.id)) == 2
     assert await r.xlen(names.tier_stream("standard", limited.id)) == 2
     assert await r.xlen(names.tier_stream("standard", suspended.id)) == 0
-    await jobs.close()

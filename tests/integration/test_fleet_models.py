@@ -41,7 +41,7 @@ async def test_the_api_checks_and_counts_against_what_the_workers_serve(
     assert not token_count.for_settings(api).exact  # the API's host has no tokenizer
     engine = SimulatedEngine(CostModel(slots=8, max_model_len=WORKERS_CONTEXT).scaled(20))
     await engine.start()
-    worker = Worker(worker_host, platform.db, platform.r, engine, worker_id="w-fleet")
+    worker = Worker(worker_host, platform.jobs, platform.r, engine, worker_id="w-fleet")
     task = asyncio.create_task(worker.run())
     try:
         await until(lambda: fleet.max_model_len(api) == WORKERS_CONTEXT, "the fleet's view", 20)

@@ -2,7 +2,7 @@
 to read, `transaction()` to write), which every repository function of this package uses;
 and the two kinds of connection the job store (tierq/models/store) opens privately for its
 hot paths, defined here beside it: on PostgreSQL a few raw asyncpg connections (`RawPool`:
-admission's single statements, no session, no ORM), on an SQLite file one connection on a
+admission's single statements and a stream's first read, no session, no ORM), on an SQLite file one connection on a
 thread of its own (`LocalWriter`: admission and the worker's writes, group-committed).
 
 Behind a pooler in transaction mode (PgBouncer's `pool_mode = transaction`, set

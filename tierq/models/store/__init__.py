@@ -1,7 +1,10 @@
-"""The job store: every write of a job's life after it is admitted — claimed by a worker,
-finished, failed, handed back, cancelled, billed — and the reads around them, behind one
+"""The job store: a job's life after it is admitted — claimed by a worker, finished,
+failed, handed back, cancelled by its tenant, billed — and the reads around it, behind one
 interface (`JobStore`) that services and workers call, in the manner of procrastinate's
-connector and job manager.
+connector and job manager. Still outside it: admission's checks (`SqlJobStore`'s
+`admit_*`, not yet the interface's: the in-memory store does not admit), and the bulk
+cancels of a tenant's or a batch's jobs (`models.jobs.cancel_unfinished`,
+`models.batches.stop_unfinished`), which run in their callers' transactions.
 
 - `SqlJobStore` (`sql.py`): PostgreSQL and the embedded SQLite file, through the
   repository functions of `tierq.models.jobs`. It owns the hot paths' own connections

@@ -1,7 +1,7 @@
 """The job store on PostgreSQL and on the embedded SQLite file.
 
-Each write is one of `tierq.models.jobs`' synchronous functions, run in a transaction of
-its own as far as it can tell:
+Each change of a job's state is one of `tierq.models.jobs`' synchronous functions, run
+in a transaction of its own as far as it can tell:
 
 - on an SQLite file, one hop to the store's writer thread (`LocalWriter`): the writes
   that arrive while one transaction runs share the next one's COMMIT, each in a savepoint
@@ -13,6 +13,9 @@ its own as far as it can tell:
   flight go together in the next, each the same `claim_job` as alone; if a shared one
   fails, each of its claims is tried again alone, so that one job's failure never becomes
   another's.
+
+Creating a job (`create`) and admission's ORM way (`admit_exact`) are async sessions'
+transactions on either backend (aiosqlite on SQLite).
 
 Admission's three ways to the database are here too, for the caller to choose among
 (tierq/services/admission.py): one statement (`admit_fast`), one function call that checks
@@ -40,7 +43,7 @@ from tierq.models import admission, admission_exact, admission_sqlite
 from tierq.models import jobs as repo
 from tierq.models.admission import Admission, Outcome, QuotaOutcome
 from tierq.models.admission_exact import ExactOutcome
-from tierq.models.db import Database, LocalWriter, RawPool, is_sqlite_file
+from tierq.models.db import Database, LocalWriter, RawPool, Unavailable, is_sqlite_file
 from tierq.models.jobs import NewJob
 from tierq.models.records import JobHead, JobRecord, Progress, Result
 from tierq.models.store.base import Usage
@@ -71,6 +74,7 @@ class SqlJobStore:
             self._local = LocalWriter(db.url)
         self._claims: list[_Claim] = []
         self._claiming: asyncio.Task[None] | None = None
+        self._closed = False
 
     # --- admission's single statements --------------------------------------------------
 
@@ -164,6 +168,8 @@ class SqlJobStore:
             return await self._write(
                 repo.claim_job, job_id, worker_id, max_deliveries, unsettled_charge
             )
+        if self._closed:
+            raise Unavailable("the job store is closed")
         done: asyncio.Future[JobRecord | None] = asyncio.get_running_loop().create_future()
         self._claims.append(_Claim(job_id, worker_id, max_deliveries, unsettled_charge, done))
         if self._claiming is None or self._claiming.done():
@@ -223,8 +229,11 @@ class SqlJobStore:
         return await self._write(repo.bill_cancelled, job_id, prompt_tokens, completion_tokens)
 
     async def close(self) -> None:
+        """Claims still in flight end first (each answered, or refused as unavailable),
+        then the store's own connections are let go."""
+        self._closed = True
         if self._claiming is not None:
-            self._claiming.cancel()
+            await asyncio.gather(self._claiming, return_exceptions=True)
         if self._raw is not None:
             await self._raw.close()
         if self._local is not None:
@@ -262,7 +271,7 @@ class SqlJobStore:
         finally:  # cancelled (the loop is closing): nobody may wait for ever
             for c in [*batch, *self._claims]:
                 if not c.done.done():
-                    c.done.cancel()
+                    c.done.set_exception(Unavailable("the claim was not made: the store stopped"))
 
     async def _claim_alone(self, c: _Claim) -> None:
         try:
