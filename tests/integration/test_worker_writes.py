@@ -194,12 +194,16 @@ async def test_the_bulk_cancel_bills_the_tokens_queued_jobs_kept(
     assert (await _billed(db, busy))[:2] == (0, 0)
 
 
-async def test_a_cancel_racing_a_hand_back_bills_the_kept_tokens_once(
-    database: Database, store: SqlJobStore
+@pytest.mark.parametrize("cancel_by", ["tenant", "suspension"])
+async def test_a_cancel_racing_hand_backs_bills_the_kept_tokens_once(
+    database: Database, store: SqlJobStore, cancel_by: str
 ) -> None:
-    # A worker hands each job back with 4 kept tokens while its tenant cancels it. Whoever
-    # commits first, the tokens are billed once: by the cancel when the hand-back landed
-    # first, else by the worker's run (its hand-back finds the job cancelled).
+    # A worker hands each job back with 4 kept tokens while it is cancelled: by its tenant
+    # (the store's cancel, job by job), or all at once by a suspension (the bulk cancel, in
+    # a session's transaction beside the store's own writes: on SQLite its writer thread's
+    # connection). Whoever commits first, the tokens are billed once: by the cancel when
+    # the hand-back landed first, else by the worker's run (its hand-back finds the job
+    # cancelled).
     db = database
     jobs = await _claimed(db, store, 12)
     progress = Progress((1, 2, 3, 4), "abcd", 6, "simulated:bundled:m")
@@ -212,34 +216,15 @@ async def test_a_cancel_racing_a_hand_back_bills_the_kept_tokens_once(
     async def cancel(job: JobRecord) -> None:
         assert await store.cancel(job.id) is not None
 
-    await asyncio.gather(*(f(j) for j in jobs for f in (hand_back, cancel)))
-    for job in jobs:
-        rows, tokens, _ = await _billed(db, job)
-        assert (rows, tokens) == (1, 10), job.id
-
-
-async def test_a_bulk_cancel_racing_hand_backs_bills_the_kept_tokens_once(
-    database: Database, store: SqlJobStore
-) -> None:
-    # The bulk cancel (a tenant suspended) runs in a session's transaction, beside the
-    # store's own writes (on SQLite its writer thread's connection): whichever commits
-    # first, each job's kept tokens are billed once.
-    db = database
-    jobs = await _claimed(db, store, 12)
-    progress = Progress((1, 2, 3, 4), "abcd", 6, "simulated:bundled:m")
-
-    async def hand_back(job: JobRecord) -> None:
-        back = await store.requeue(job.id, "drain", job.deliveries, progress=progress)
-        if back is None:  # cancelled first: the worker bills its run
-            await store.bill_cancelled(job.id, 6, 4)
-
     async def suspend() -> None:
         async with db.transaction() as s:
             await job_repo.cancel_tenant_jobs(s, jobs[0].tenant_id, "tenant_suspended", "x")
 
-    await asyncio.gather(
-        *(hand_back(j) for j in jobs[:6]), suspend(), *(hand_back(j) for j in jobs[6:])
-    )
+    if cancel_by == "tenant":
+        await asyncio.gather(*(f(j) for j in jobs for f in (hand_back, cancel)))
+    else:
+        backs = [hand_back(j) for j in jobs]
+        await asyncio.gather(*backs[:6], suspend(), *backs[6:])
     for job in jobs:
         current = await store.get(job.id)
         assert current is not None and current.status == JobStatus.CANCELLED
