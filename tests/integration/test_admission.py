@@ -1,5 +1,5 @@
-"""Admission's one-round-trip paths on PostgreSQL (tierq/models/admission.py: one statement for
-a tenant without quotas, the function of migration 0007 for one with quotas) against the
+"""Admission's one round trip on PostgreSQL (tierq/models/admission.py: `tierq_admit`, for a
+tenant without quotas and, counted, for one with quotas) against the
 exact path (tierq/models/admission_exact.py, the ORM): the same jobs, prices, figures,
 refusals and idempotency, on real PostgreSQL and Redis."""
 
@@ -271,9 +271,9 @@ def _boundary(limit: str, figures: quota_repo.Figures, reserved: int, cost: Deci
 async def test_the_quota_function_reads_and_decides_as_the_orm_path_at_every_boundary(
     platform: Platform, limit: str, scope: str
 ) -> None:
-    """For each limit, in each scope, at its boundary and one past it: the function of
-    migration 0007 reads the same figures as the ORM path (models.quotas), and admits
-    exactly when the ORM rule (models.quotas.decide) does."""
+    """For each limit, in each scope, at its boundary and one past it: `tierq_admit` reads
+    the same figures as the ORM path (models.quotas), and admits exactly when the ORM rule
+    (models.quotas.decide) does."""
     tenant_id = await _tenant_with_history(platform)
     settings = platform.settings
     model = settings.served_model_name
@@ -314,10 +314,11 @@ async def test_the_quota_function_reads_and_decides_as_the_orm_path_at_every_bou
             orm = await quota_repo.check(s, quota, "standard", 300, cost, now=now)
             orm_figures = await quota_repo.read_figures(s, quota, now, online=True)
         assert (orm is None) == admits
-        outcome = await platform.jobs.admit_with_quotas(
+        outcome = await platform.jobs.admit(
             admission.Admission(
                 f"job_{limit}_{admits}_{tenant_id[-6:]}", new, None, now, 0, settings.batch_discount
             ),
+            exact=True,
         )
         assert (outcome.job is not None) == admits
         assert outcome.reserved_cost == cost

@@ -67,7 +67,7 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     env: tuple[Database, aioredis.Redis, RedisNames, SqlJobStore],
 ) -> None:
     db, r, names, jobs = env
-    assert jobs.admits_in_one_step(None) and not jobs.checks_quotas_in_one_step
+    assert jobs.admits_in_one_hop(None) and not jobs.admits_in_one_call
     settings = Settings(database_url=str(db.url))
     body = JobCreate.model_validate(CHAT)
     queue = Enqueuer(r, names)

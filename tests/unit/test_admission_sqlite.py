@@ -1,6 +1,6 @@
 """Admission's fast path on an SQLite file (tierq/models/admission_sqlite.py): one transaction
-on a thread of its own, answering as `models.admission.admit` does on PostgreSQL — the
-same prices as the ORM path, the tenant's status and the key's as of its transaction,
+on a thread of its own, answering as `tierq_admit` does on PostgreSQL for a tenant without
+quotas — the same prices as the ORM path, the tenant's status and the key's as of its transaction,
 quotas and the queue bound sent back to the exact path with nothing written — and the
 rows it writes read back by the ORM exactly as it answered them."""
 
@@ -25,7 +25,8 @@ from tierq.models import jobs as job_repo
 from tierq.models import prices as price_repo
 from tierq.models import quotas as quota_repo
 from tierq.models import tenants as tenant_repo
-from tierq.models.admission import Admission, Outcome
+from tierq.models.admission import Admission
+from tierq.models.admission_sqlite import Outcome
 from tierq.models.db import Database, LocalWriter, Unavailable
 from tierq.models.records import JobRecord
 from tierq.models.store import SqlJobStore
@@ -276,6 +277,6 @@ async def test_a_closed_writer_refuses_at_once_and_memory_databases_have_none(
     for url in ("sqlite+aiosqlite://", "sqlite+aiosqlite:///:memory:"):
         memory = Database(url)
         store = SqlJobStore(memory)  # no file a second connection would open
-        assert not store.admits_in_one_step(None) and store._local is None
+        assert not store.admits_in_one_hop(None) and store._local is None
         await store.close()
         await memory.close()

@@ -69,6 +69,7 @@ def test_the_wheel_installs_one_name_and_runs_from_what_it_ships(tmp_path: Path)
         from tierq import migrations
         assert (migrations.MIGRATIONS_DIR / "script.py.mako").is_file()
         assert list((migrations.MIGRATIONS_DIR / "versions").glob("0001_*.py"))
+        assert (migrations.MIGRATIONS_DIR / "sql" / "0016_tierq_admit.sql").is_file()
         from tierq.api import console
         assert (Path(console.__file__).parent / "static" / "console.js").is_file()
         from tierq.workers.engine import simulated_engine

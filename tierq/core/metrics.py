@@ -24,9 +24,10 @@ JOBS_SUBMITTED = Counter("tierq_jobs_submitted_total", "Jobs admitted", ["tier"]
 JOBS_REFUSED = Counter("tierq_jobs_refused_total", "Job submissions refused", ["code"])
 ADMISSION_STATEMENTS = Counter(
     "tierq_admission_statements_total",
-    "Admission decisions by path: fast (one statement, PostgreSQL, no quota for the tier), "
-    "quotas (one call of the admission function, PostgreSQL, quotas for the tier) or exact "
-    "(an ORM transaction: an Idempotency-Key used before, or SQLite)",
+    "Admission calls by path: fast (PostgreSQL's tierq_admit with the prompt's byte bound, "
+    "or SQLite's one hop, where no quota applies), quotas (tierq_admit with the prompt "
+    "counted by the tokenizer: quotas for the tier) or exact (an ORM transaction on "
+    "SQLite: an Idempotency-Key, or quotas)",
     ["path"],
 )
 JOBS_FINISHED = Counter(

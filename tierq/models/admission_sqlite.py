@@ -1,25 +1,25 @@
 """Admission's fast path on the embedded SQLite database: one transaction, one thread hop.
 
 aiosqlite runs each statement on its connection's thread: a statement is a hop there and
-back, and the exact path (tierq/services/admission.py: a session, the ORM) makes nine of them
+back, and the exact path (tierq/models/admission_exact.py: a session, the ORM) makes nine of them
 while it holds SQLite's one write lock. On an idle machine a hop costs microseconds; beside
 the CPU engine, which keeps every core busy, each hop waits for a core, so a burst of
 admissions holds the lock, one after another, for as many waits: its last job starts that
 much after its first (`tierq bench overhead` measures it against the engine alone).
 
-Here the same checks run as `models.admission.ADMIT` makes them on PostgreSQL, for a tenant
-without quotas for the job's tier and a request without an Idempotency-Key (everything
-else takes the exact path), in one `BEGIN IMMEDIATE` transaction on a connection of their
-own, on one thread of their own: one hop per admission, and the admissions that arrive
-while one transaction runs share the next one's COMMIT (models.db.LocalWriter: under
-load the WAL's fsync is most of what a commit costs). SQLite's write lock, taken at
-BEGIN, is what PostgreSQL's row locks are there: every read after it sees every commit
-before it, and nothing commits beside it, so a suspension or a revocation that committed
-first refuses the job, one that comes later waits for it. Nothing is written unless the
-job is admitted; the job's row and its transition are committed when `admit` returns.
-The statements are SQLAlchemy Core on the synchronous pysqlite dialect, so that values are
-stored exactly as the ORM path stores them (Money as text, datetimes, JSON), built once
-with bound parameters (`_statements`).
+Here the checks `tierq_admit` makes on PostgreSQL (tierq/models/admission.py) run for a
+tenant without quotas for the job's tier and a request without an Idempotency-Key
+(everything else takes the exact path, tierq/models/admission_exact.py), in one `BEGIN
+IMMEDIATE` transaction on a connection of their own, on one thread of their own: one hop per
+admission, and the admissions that arrive while one transaction runs share the next one's
+COMMIT (models.db.LocalWriter: under load the WAL's fsync is most of what a commit costs).
+SQLite's write lock, taken at BEGIN, is what PostgreSQL's row locks are there: every read
+after it sees every commit before it, and nothing commits beside it, so a suspension or a
+revocation that committed first refuses the job, one that comes later waits for it. Nothing
+is written unless the job is admitted; the job's row and its transition are committed when
+`admit` returns. The statements are SQLAlchemy Core on the synchronous pysqlite dialect, so
+that values are stored exactly as the ORM path stores them (Money as text, datetimes, JSON),
+built once with bound parameters (`_statements`).
 """
 
 from __future__ import annotations
@@ -47,14 +47,32 @@ from tierq.core.states import JobStatus
 from tierq.core.tiers import Tier
 from tierq.models import jobs, prices
 from tierq.models import quotas as quota_repo
-from tierq.models.admission import Admission, Outcome
+from tierq.models.admission import Admission, status_as_read
 from tierq.models.db import LocalWriter
+from tierq.models.records import JobRecord
 from tierq.models.tables import ApiKey, Job, JobTransition, Quota, Tenant
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What the transaction found. `job` is set when it admitted one; otherwise the first
+    reason not to: the tenant's status (None: no such tenant), the key's, quotas that
+    apply (take the exact path), or the queue bound."""
+
+    job: JobRecord | None
+    tenant_status: str | None
+    key_ok: bool
+    quotas: bool
+    queued: int
+
+    @property
+    def status(self) -> str | None:
+        return status_as_read(self.tenant_status, self.key_ok)
+
+
 async def admit(local: LocalWriter, a: Admission) -> Outcome:
-    """What `models.admission.admit` answers on PostgreSQL, in one hop to the SQLite
-    file's writer thread. Not for a request with an Idempotency-Key (the exact path
+    """What `tierq_admit` answers on PostgreSQL for a tenant without quotas, in one hop to
+    the SQLite file's writer thread. Not for a request with an Idempotency-Key (the exact path
     answers those)."""
     assert a.new.idempotency_key is None
     return await local.run(_admit, a)

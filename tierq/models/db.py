@@ -1,9 +1,10 @@
-"""The database of a process: `Database`, the SQLAlchemy engine and its sessions (`session()`
-to read, `transaction()` to write), which every repository function of this package uses;
-and the two kinds of connection the job store (tierq/models/store) opens privately for its
-hot paths, defined here beside it: on PostgreSQL a few raw asyncpg connections (`RawPool`:
-admission's single statements and a stream's first read, no session, no ORM), on an SQLite file one connection on a
-thread of its own (`LocalWriter`: admission and the worker's writes, group-committed).
+"""The database of a process: `Database`, the SQLAlchemy engine and its sessions
+(`session()` to read, `transaction()` to write), which every repository function of this
+package uses; and the two kinds of connection the job store (tierq/models/store) opens
+privately for its hot paths, defined here beside it: on PostgreSQL a few raw asyncpg
+connections (`RawPool`: admission's single statements and a stream's first read, no session,
+no ORM), on an SQLite file one connection on a thread of its own (`LocalWriter`: admission
+and the worker's writes, group-committed).
 
 Behind a pooler in transaction mode (PgBouncer's `pool_mode = transaction`, set
 DATABASE_TRANSACTION_POOLING), consecutive transactions of one client connection may run on

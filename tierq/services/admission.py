@@ -27,7 +27,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from decimal import Decimal
@@ -48,7 +48,7 @@ from tierq.models import jobs as job_repo
 from tierq.models import prices as price_repo
 from tierq.models import quotas as quota_repo
 from tierq.models import tenants as tenant_repo
-from tierq.models.admission import Admission
+from tierq.models.admission import Admission, Answer
 from tierq.models.batches import BatchLine
 from tierq.models.records import JobRecord, TenantRecord
 from tierq.models.store import SqlJobStore
@@ -226,25 +226,11 @@ async def submit(
     attributes = {"tenant_id": tenant.id, "tier": tier.value}
     admitting = tracing.span("tierq.admission", attributes=attributes)
     async with _gated(gate, tenant.id), admitting as span:
-        job = None
-        created = True
-        # PostgreSQL: one round trip admits the job; an SQLite file: one thread hop, for a
-        # request without an Idempotency-Key (tierq/models/admission_sqlite.py).
-        if jobs.admits_in_one_step(idempotency_key):
-            quotas = _quotas_seen.recent((tenant.id, tier))
-            if not quotas:
-                metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
-                job, quotas = await _admit_fast(jobs, settings, tenant, key_id, new)
-            if job is None and quotas and jobs.checks_quotas_in_one_step:
-                if not counted:
-                    new, counted = await _counted(settings, new, messages, body), True
-                metrics.ADMISSION_STATEMENTS.labels(path="quotas").inc()
-                job = await _admit_with_quotas(jobs, settings, tenant, key_id, new)
-        if job is None:
-            metrics.ADMISSION_STATEMENTS.labels(path="exact").inc()
-            if not counted:
-                new = await _counted(settings, new, messages, body)
-            job, created = await _admit_exact(jobs, settings, tenant, key_id, new)
+
+        async def count(unexact: job_repo.NewJob) -> job_repo.NewJob:
+            return await _counted(settings, unexact, messages, body)
+
+        job, created = await _admit(jobs, settings, tenant, key_id, new, counted, count)
         span.set(job_id=job.id, created=created)
     logs.bind(job_id=job.id)
     tracing.tag(job_id=job.id, tenant_id=tenant.id, tier=job.tier.value)  # the request's span
@@ -312,32 +298,100 @@ def _admission(settings: Settings, key_id: str | None, new: job_repo.NewJob) -> 
     )
 
 
-async def _admit_fast(
+async def _admit(
     jobs: SqlJobStore,
     settings: Settings,
     tenant: TenantRecord,
     key_id: str | None,
     new: job_repo.NewJob,
-) -> tuple[JobRecord | None, bool]:
-    """The job, admitted by one statement (tierq/models/admission.py) or one hop to SQLite's
-    writer (tierq/models/admission_sqlite.py), and whether quotas apply to its tier; no job when
-    they do (they are checked elsewhere) or when the Idempotency-Key was used before (the
-    exact path answers)."""
-    outcome = await jobs.admit_fast(_admission(settings, key_id, new))
-    assert outcome is not None  # asked only where the store has the way
-    if outcome.job is not None:
-        return outcome.job, False
-    if outcome.quotas:
-        _quotas_seen.note((tenant.id, new.tier))  # its next admissions go the quota way
-    if new.idempotency_key is not None:
-        # The exact path answers a replay first (as the job it made), then checks.
-        return None, outcome.quotas
-    _refuse_unless_active(outcome.status, tenant, new.tier)
-    if outcome.quotas:
-        return None, True
-    if settings.default_max_queued and outcome.queued >= settings.default_max_queued:
+    counted: bool,
+    count: Callable[[job_repo.NewJob], Awaitable[job_repo.NewJob]],
+) -> tuple[JobRecord, bool]:
+    """The job admitted (or found by its Idempotency-Key), and whether this call created
+    it; a refusal raised. `new` reserves the prompt's byte bound unless `counted` (by the
+    served model's tokenizer, which `count` does): quotas are checked against a count.
+
+    - PostgreSQL: one call of `tierq_admit`, the whole rule (tierq/models/admission.py);
+      a second, counted, when it finds quotas to check against an uncounted reservation.
+    - An SQLite file: one hop to the writer (tierq/models/admission_sqlite.py) for a
+      request without an Idempotency-Key while the tenant has no quotas for the tier;
+      else the ORM path (tierq/models/admission_exact.py), as on an in-memory database.
+
+    A tenant found with quotas is remembered for a few seconds (`_quotas_seen`): its next
+    admissions are counted first, not sent back."""
+    seen = (tenant.id, new.tier)
+    quotas_likely = _quotas_seen.recent(seen)
+    if jobs.admits_in_one_call:
+        if quotas_likely and not counted:
+            new, counted = await count(new), True
+        metrics.ADMISSION_STATEMENTS.labels(path="quotas" if counted else "fast").inc()
+        answer = await jobs.admit(_admission(settings, key_id, new), exact=counted)
+        if answer.count_first:
+            _quotas_seen.note(seen)
+            new, counted = await count(new), True
+            metrics.ADMISSION_STATEMENTS.labels(path="quotas").inc()
+            answer = await jobs.admit(_admission(settings, key_id, new), exact=True)
+        found = await _answered(jobs, settings, tenant, new, answer)
+        if found is not None:
+            return found
+        log.error(
+            "admission of tenant %s: the function refused a job that no quota rule refuses "
+            "(figures %s); the ORM path decides",
+            tenant.id,
+            answer.quotas,
+        )
+    elif not quotas_likely and jobs.admits_in_one_hop(new.idempotency_key):
+        metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
+        outcome = await jobs.admit_in_one_hop(_admission(settings, key_id, new))
+        if outcome.job is not None:
+            return outcome.job, True
+        _refuse_unless_active(outcome.status, tenant, new.tier)
+        if outcome.quotas:
+            _quotas_seen.note(seen)  # its next admissions go the ORM way at once
+        elif settings.default_max_queued and outcome.queued >= settings.default_max_queued:
+            _refuse_queue_bound(settings, tenant, new.tier)
+    if not counted:
+        new = await count(new)
+    metrics.ADMISSION_STATEMENTS.labels(path="exact").inc()
+    return await _admit_exact(jobs, settings, tenant, key_id, new)
+
+
+async def _answered(
+    jobs: SqlJobStore,
+    settings: Settings,
+    tenant: TenantRecord,
+    new: job_repo.NewJob,
+    answer: Answer,
+) -> tuple[JobRecord, bool] | None:
+    """What `tierq_admit`'s answer means: the job (created, or replayed), or a refusal
+    raised, worded by the rule the ORM path applies (models.quotas.decide). None: figures
+    that no rule refuses, which cannot happen while the function and the rule agree."""
+    if answer.replay is not None:
+        if not answer.same_request:
+            _refuse_reused_key()
+        replayed = await jobs.get(answer.replay)
+        assert replayed is not None  # jobs are never deleted while their tenant lives
+        return replayed, False
+    if answer.job is not None:
+        return answer.job, True
+    _refuse_unless_active(answer.status, tenant, new.tier)
+    if answer.queued is not None and answer.queued >= settings.default_max_queued > 0:
         _refuse_queue_bound(settings, tenant, new.tier)
-    return None, False  # an Idempotency-Key used before: a replay or a conflict
+    for quota, figures, _held in answer.quotas:
+        refusal = quota_repo.decide(
+            quota, figures, new.tier.value, new.reserved_tokens, answer.reserved_cost, utcnow()
+        )
+        if refusal is not None:
+            _refuse_quota(refusal, tenant, new.tier)
+    return None
+
+
+def _refuse_reused_key() -> NoReturn:
+    raise _refuse(
+        409,
+        "This Idempotency-Key was already used with a different request body.",
+        "idempotency_key_reused",
+    )
 
 
 def _refuse_queue_bound(settings: Settings, tenant: TenantRecord, tier: Tier) -> NoReturn:
@@ -355,42 +409,6 @@ def _refuse_quota(refusal: quota_repo.Refusal, tenant: TenantRecord, tier: Tier)
     )
 
 
-async def _admit_with_quotas(
-    jobs: SqlJobStore,
-    settings: Settings,
-    tenant: TenantRecord,
-    key_id: str | None,
-    new: job_repo.NewJob,
-) -> JobRecord | None:
-    """The job, admitted by one call that checks the tenant's quotas under its exclusive
-    lock (tierq/models/admission.py); a refusal worded by the rule the exact path uses
-    (models.quotas.decide). None: the exact path decides (an Idempotency-Key, which it
-    answers a replay of first; or figures that no rule refuses, which cannot happen while
-    the function and the rule agree)."""
-    request = _admission(settings, key_id, new)
-    now = request.created_at
-    outcome = await jobs.admit_with_quotas(request)
-    assert outcome is not None  # asked only where the store has the way
-    if outcome.job is not None or new.idempotency_key is not None:
-        return outcome.job
-    _refuse_unless_active(outcome.status, tenant, new.tier)
-    if outcome.queued is not None and outcome.queued >= settings.default_max_queued > 0:
-        _refuse_queue_bound(settings, tenant, new.tier)
-    for quota, figures, _held in outcome.quotas:
-        refusal = quota_repo.decide(
-            quota, figures, new.tier.value, new.reserved_tokens, outcome.reserved_cost, now
-        )
-        if refusal is not None:
-            _refuse_quota(refusal, tenant, new.tier)
-    log.error(
-        "admission of tenant %s: the function refused a job that no quota rule refuses "
-        "(figures %s); the exact path decides",
-        tenant.id,
-        outcome.quotas,
-    )
-    return None
-
-
 async def _admit_exact(
     jobs: SqlJobStore,
     settings: Settings,
@@ -403,11 +421,7 @@ async def _admit_exact(
     try:
         outcome = await jobs.admit_exact(_admission(settings, key_id, new))
     except job_repo.IdempotencyConflict:
-        raise _refuse(
-            409,
-            "This Idempotency-Key was already used with a different request body.",
-            "idempotency_key_reused",
-        ) from None
+        _refuse_reused_key()
     if outcome.job is not None:
         return outcome.job, outcome.created
     _refuse_unless_active(outcome.status, tenant, new.tier)

@@ -17,9 +17,10 @@ in a transaction of its own as far as it can tell:
 Creating a job (`create`) and admission's ORM way (`admit_exact`) are async sessions'
 transactions on either backend (aiosqlite on SQLite).
 
-Admission's three ways to the database are here too, for the caller to choose among
-(tierq/services/admission.py): one statement (`admit_fast`), one function call that checks
-quotas (`admit_with_quotas`, PostgreSQL), one ORM transaction (`admit_exact`).
+Admission's ways to the database are here too, for the caller to choose among
+(tierq/services/admission.py): on PostgreSQL one call of `tierq_admit`, the whole rule
+(`admit`); on an SQLite file one hop to the writer where no quota applies
+(`admit_in_one_hop`), else one ORM transaction (`admit_exact`).
 
 The store's own connections, beside the database's engine: on PostgreSQL a few raw
 asyncpg connections (`RawPool`) for the single statements of admission's fast ways and of
@@ -41,8 +42,9 @@ from tierq.core.messages import FAULT_UNIT
 from tierq.core.states import JobStatus
 from tierq.models import admission, admission_exact, admission_sqlite
 from tierq.models import jobs as repo
-from tierq.models.admission import Admission, Outcome, QuotaOutcome
+from tierq.models.admission import Admission, Answer
 from tierq.models.admission_exact import ExactOutcome
+from tierq.models.admission_sqlite import Outcome
 from tierq.models.db import Database, LocalWriter, RawPool, Unavailable, is_sqlite_file
 from tierq.models.jobs import NewJob
 from tierq.models.records import JobHead, JobRecord, Progress, Result
@@ -78,33 +80,27 @@ class SqlJobStore:
 
     # --- admission's single statements --------------------------------------------------
 
-    def admits_in_one_step(self, idempotency_key: str | None) -> bool:
-        """Whether `admit_fast` is there for a request: on PostgreSQL, and on an SQLite
-        file for a request without an Idempotency-Key."""
-        return self._raw is not None or (self._local is not None and idempotency_key is None)
-
     @property
-    def checks_quotas_in_one_step(self) -> bool:
-        """Whether `admit_with_quotas` is there (PostgreSQL)."""
+    def admits_in_one_call(self) -> bool:
+        """Whether `admit` is there: PostgreSQL's `tierq_admit`, the whole rule."""
         return self._raw is not None
 
-    async def admit_fast(self, request: Admission) -> Outcome | None:
-        """A job without quotas to check admitted in one statement (PostgreSQL,
-        tierq/models/admission.py) or one hop to SQLite's writer
-        (tierq/models/admission_sqlite.py; not for a request with an Idempotency-Key).
-        None: the backend has no such way for this request."""
-        if self._raw is not None:
-            return await admission.admit(self._raw, request)
-        if self._local is not None and request.new.idempotency_key is None:
-            return await admission_sqlite.admit(self._local, request)
-        return None
+    async def admit(self, request: Admission, exact: bool) -> Answer:
+        """Admission in one call of `tierq_admit` (tierq/models/admission.py). `exact`: the
+        reservation was counted by the served model's tokenizer."""
+        assert self._raw is not None, "PostgreSQL only: see admits_in_one_call"
+        return await admission.admit(self._raw, request, exact)
 
-    async def admit_with_quotas(self, request: Admission) -> QuotaOutcome | None:
-        """A job admitted by one call that checks the tenant's quotas under its exclusive
-        lock (PostgreSQL's `tierq_admit_with_quotas`); None elsewhere."""
-        if self._raw is None:
-            return None
-        return await admission.admit_with_quotas(self._raw, request)
+    def admits_in_one_hop(self, idempotency_key: str | None) -> bool:
+        """Whether `admit_in_one_hop` is there for a request: on an SQLite file, for a
+        request without an Idempotency-Key."""
+        return self._local is not None and idempotency_key is None
+
+    async def admit_in_one_hop(self, request: Admission) -> Outcome:
+        """A job admitted in one hop to SQLite's writer where no quota applies
+        (tierq/models/admission_sqlite.py); the outcome says why not otherwise."""
+        assert self._local is not None, "an SQLite file only: see admits_in_one_hop"
+        return await admission_sqlite.admit(self._local, request)
 
     async def admit_exact(self, request: Admission) -> ExactOutcome:
         """Admission in one ORM transaction: Idempotency-Key replays, and every quota checked
