@@ -20,6 +20,7 @@ from tierq.models import admission, spend
 from tierq.models import jobs as job_repo
 from tierq.models import prices as price_repo
 from tierq.models import quotas as quota_repo
+from tierq.models.store import SqlJobStore
 from tierq.models.tables import Batch, Job, utcnow
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -172,6 +173,82 @@ async def test_quotas_admission_does_not_check_leave_the_fast_path(platform: Pla
         assert _statements("quotas") == before
         assert (await c.post("/v1/jobs", json={**CHAT, "tier": "batch"})).status_code == 202
         assert _statements("quotas") == before + 1
+
+
+async def test_concurrent_requests_with_one_key_get_its_job_whatever_the_quota(
+    platform: Platform,
+) -> None:
+    """Ten calls of `tierq_admit` at once with one Idempotency-Key (each on a connection of
+    its own, as ten API processes would make them), for a tenant allowed one request a
+    minute: one admits the job; the others, which waited for the tenant's lock while it
+    committed and then read it in their figures, get that job back — not a refusal."""
+    tenant_id, key = await new_tenant(platform)
+    async with platform.db.transaction() as s:
+        await quota_repo.set_quota(s, tenant_id, "*", requests_per_minute=1)
+    new = job_repo.NewJob(
+        tenant_id=tenant_id,
+        tier=Tier.STANDARD,
+        model=platform.settings.served_model_name,
+        messages=None,
+        prompt="hello",
+        params={"max_tokens": 4},
+        idempotency_key="one-job",
+        request_hash="h",
+        reserved_tokens=20,
+    )
+    stores = [SqlJobStore(platform.db) for _ in range(10)]
+    try:
+        answers = await asyncio.gather(
+            *(
+                store.admit(
+                    admission.Admission(f"job_key_{i}", new, None, utcnow(), 0, Decimal(0)),
+                    exact=True,
+                )
+                for i, store in enumerate(stores)
+            )
+        )
+    finally:
+        for store in stores:
+            await store.close()
+    admitted = [a.job.id for a in answers if a.job is not None]
+    assert len(admitted) == 1, answers
+    assert all(a.replay == admitted[0] and a.same_request for a in answers if a.job is None)
+    async with client(platform.url, key) as c:  # the quota holds for a new job
+        assert (await c.post("/v1/jobs", json=CHAT)).status_code == 429
+
+
+async def test_an_uncounted_reservation_is_sent_back_with_nothing_written(
+    platform: Platform,
+) -> None:
+    """`tierq_admit` with quotas to check and a reservation that is only a bound answers
+    count_first, having written nothing; a suspended tenant is refused first."""
+    tenant_id, _key = await new_tenant(platform)
+    async with platform.db.transaction() as s:
+        await quota_repo.set_quota(s, tenant_id, "*", requests_per_minute=100)
+    new = job_repo.NewJob(
+        tenant_id=tenant_id,
+        tier=Tier.STANDARD,
+        model=platform.settings.served_model_name,
+        messages=None,
+        prompt="hello",
+        params={"max_tokens": 4},
+        reserved_tokens=20,
+    )
+
+    def request() -> admission.Admission:
+        return admission.Admission(f"job_{utcnow().timestamp()}", new, None, utcnow(), 0, 0)
+
+    sent_back = await platform.jobs.admit(request(), exact=False)
+    assert sent_back.count_first and sent_back.job is None
+    async with platform.db.session() as s:
+        assert await job_repo.tenant_job_counts(s, tenant_id) == {}
+    counted = await platform.jobs.admit(request(), exact=True)
+    assert counted.job is not None and not counted.count_first
+    async with admin(platform) as a:
+        resp = await a.post(f"/admin/tenants/{tenant_id}/suspend")
+        assert resp.is_success, resp.text
+    refused = await platform.jobs.admit(request(), exact=False)
+    assert not refused.count_first and refused.status == "suspended"
 
 
 @pytest.mark.with_settings(default_max_queued=1)

@@ -228,7 +228,7 @@ async def test_a_job_of_n_choices_reserves_and_holds_max_tokens_for_each(
 ) -> None:
     """Output at 1 a token, a spend budget of 100, no worker (jobs stay queued, holding
     their reservations): a job of n = 3 x 30 tokens holds 90; 5 more fit, 10 more do not.
-    What a waiting job holds is counted by the admission function itself (migration 0014:
+    What a waiting job holds is counted by the admission function itself (`tierq_admit`:
     max_tokens x n), not only when the job is admitted."""
     async with client(platform.url, ADMIN_KEY) as a:
         price = {

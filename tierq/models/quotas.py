@@ -186,9 +186,9 @@ def decide(
     online: bool = True,
 ) -> Refusal | None:
     """The first limit of `quota` that admitting this job would break, or None. The rule
-    itself, in one place: the ORM path (`check`) and the PostgreSQL function of admission
-    (migration 0007, which compares the same figures the same way) both word their
-    refusals here."""
+    itself, in one place: the ORM path (`check`) and PostgreSQL's admission function
+    (`tierq_admit`, tierq/migrations/sql/0016_tierq_admit.sql, which compares the same
+    figures the same way) both word their refusals here."""
     scope = f" for the {tier} tier" if quota.tier != ALL_TIERS else ""
     if online and (quota.requests_per_minute is not None or quota.tokens_per_minute is not None):
         wait = 1

@@ -324,14 +324,16 @@ async def _admit(
     if jobs.admits_in_one_call:
         if quotas_likely and not counted:
             new, counted = await count(new), True
-        metrics.ADMISSION_STATEMENTS.labels(path="quotas" if counted else "fast").inc()
-        answer = await jobs.admit(_admission(settings, key_id, new), exact=counted)
+        metrics.ADMISSION_STATEMENTS.labels(path="quotas" if quotas_likely else "fast").inc()
+        request = _admission(settings, key_id, new)
+        answer = await jobs.admit(request, exact=counted)
         if answer.count_first:
             _quotas_seen.note(seen)
             new, counted = await count(new), True
             metrics.ADMISSION_STATEMENTS.labels(path="quotas").inc()
-            answer = await jobs.admit(_admission(settings, key_id, new), exact=True)
-        found = await _answered(jobs, settings, tenant, new, answer)
+            request = _admission(settings, key_id, new)
+            answer = await jobs.admit(request, exact=True)
+        found = await _answered(jobs, settings, tenant, request, answer)
         if found is not None:
             return found
         log.error(
@@ -360,12 +362,13 @@ async def _answered(
     jobs: SqlJobStore,
     settings: Settings,
     tenant: TenantRecord,
-    new: job_repo.NewJob,
+    request: Admission,
     answer: Answer,
 ) -> tuple[JobRecord, bool] | None:
     """What `tierq_admit`'s answer means: the job (created, or replayed), or a refusal
     raised, worded by the rule the ORM path applies (models.quotas.decide). None: figures
     that no rule refuses, which cannot happen while the function and the rule agree."""
+    new = request.new
     if answer.replay is not None:
         if not answer.same_request:
             _refuse_reused_key()
@@ -379,7 +382,12 @@ async def _answered(
         _refuse_queue_bound(settings, tenant, new.tier)
     for quota, figures, _held in answer.quotas:
         refusal = quota_repo.decide(
-            quota, figures, new.tier.value, new.reserved_tokens, answer.reserved_cost, utcnow()
+            quota,
+            figures,
+            new.tier.value,
+            new.reserved_tokens,
+            answer.reserved_cost,
+            request.created_at,  # when the figures were read: the minute and period
         )
         if refusal is not None:
             _refuse_quota(refusal, tenant, new.tier)

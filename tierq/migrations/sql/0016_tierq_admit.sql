@@ -20,6 +20,18 @@
 -- A frozen copy: the migration that created the function reads it. A later change to the
 -- rule is a new file and a new migration.
 
+-- The answer to a replay of an Idempotency-Key, or NULL when the key made no job (yet).
+CREATE OR REPLACE FUNCTION tierq_admit_replay(
+    p_tenant text, p_idempotency_key text, p_request_hash text
+) RETURNS json
+LANGUAGE sql STABLE AS $fn$
+    SELECT json_build_object(
+        'replay', id, 'same_request', request_hash IS NOT DISTINCT FROM p_request_hash)
+    FROM jobs
+    WHERE p_idempotency_key IS NOT NULL
+      AND tenant_id = p_tenant AND idempotency_key = p_idempotency_key
+$fn$;
+
 CREATE OR REPLACE FUNCTION tierq_admit(
     p_tenant text, p_key text, p_tier text, p_default_max_queued integer, p_model text,
     p_batch_keep numeric, p_job text, p_messages json, p_prompt text, p_params json,
@@ -52,18 +64,15 @@ DECLARE
     s_cost numeric;
     v_ok boolean;
     v_quotas boolean;
-    v_replay text;
-    v_hash text;
+    v_replay json;
 BEGIN
     -- A replay of an Idempotency-Key is answered with the job it made, before any check:
-    -- no quota is charged twice.
-    IF p_idempotency_key IS NOT NULL THEN
-        SELECT id, request_hash INTO v_replay, v_hash FROM jobs
-        WHERE tenant_id = p_tenant AND idempotency_key = p_idempotency_key;
-        IF FOUND THEN
-            RETURN json_build_object(
-                'replay', v_replay, 'same_request', v_hash IS NOT DISTINCT FROM p_request_hash);
-        END IF;
+    -- no quota is charged twice. It is looked for again wherever the job would be refused:
+    -- a request with the same key that committed while this one waited for the tenant's
+    -- lock is in the figures read after it, and its job is this request's answer.
+    v_replay := tierq_admit_replay(p_tenant, p_idempotency_key, p_request_hash);
+    IF v_replay IS NOT NULL THEN
+        RETURN v_replay;
     END IF;
 
     -- Quotas that admission checks (max_running alone is the dispatcher's). They are
@@ -77,6 +86,17 @@ BEGIN
                OR spend_budget IS NOT NULL)
     );
     IF v_quotas AND NOT p_exact THEN
+        -- Not for a request refused anyway: its status is answered first, as it would be
+        -- after the count (read again, under the lock, on the counted call).
+        SELECT status INTO v_status FROM tenants WHERE id = p_tenant;
+        IF p_key IS NOT NULL THEN
+            SELECT revoked_at IS NULL INTO v_key_ok
+            FROM api_keys WHERE id = p_key AND tenant_id = p_tenant;
+            v_key_ok := coalesce(v_key_ok, false);
+        END IF;
+        IF v_status IS NULL OR v_status <> 'active' OR NOT v_key_ok THEN
+            RETURN json_build_object('tenant_status', v_status, 'key_ok', v_key_ok);
+        END IF;
         RETURN json_build_object('count_first', true);
     END IF;
 
@@ -99,7 +119,8 @@ BEGIN
         v_key_ok := coalesce(v_key_ok, false);
     END IF;
     IF v_status <> 'active' OR NOT v_key_ok THEN
-        RETURN json_build_object('tenant_status', v_status, 'key_ok', v_key_ok);
+        v_replay := tierq_admit_replay(p_tenant, p_idempotency_key, p_request_hash);
+        RETURN coalesce(v_replay, json_build_object('tenant_status', v_status, 'key_ok', v_key_ok));
     END IF;
 
     SELECT input_per_million::numeric, output_per_million::numeric INTO v_in, v_out
@@ -131,82 +152,84 @@ BEGIN
         END IF;
     END IF;
 
-    FOR q IN
-        SELECT tier, requests_per_minute, tokens_per_minute, max_queued, token_budget,
-               spend_budget::numeric AS spend_budget, budget_period
-        FROM quotas
-        WHERE tenant_id = p_tenant AND tier IN ('*', p_tier)
-          AND (requests_per_minute IS NOT NULL OR tokens_per_minute IS NOT NULL
-               OR max_queued IS NOT NULL OR token_budget IS NOT NULL
-               OR spend_budget IS NOT NULL)
-        ORDER BY tier <> '*', tier
-    LOOP
-        m_n := 0; m_used := 0; m_oldest := NULL; w_n := 0;
-        h_tokens := 0; h_micro := 0; s_tokens := 0; s_cost := 0;
-        IF q.requests_per_minute IS NOT NULL OR q.tokens_per_minute IS NOT NULL THEN
-            SELECT count(*),
-                   coalesce(sum(coalesce(prompt_tokens + completion_tokens, reserved_tokens)), 0),
-                   min(created_at)
-            INTO m_n, m_used, m_oldest
-            FROM jobs
-            WHERE tenant_id = p_tenant AND created_at >= p_now - interval '60 seconds'
-              AND batch_id IS NULL AND (q.tier = '*' OR tier = q.tier);
-        END IF;
-        IF q.max_queued IS NOT NULL THEN
-            SELECT count(*) INTO w_n FROM jobs
-            WHERE tenant_id = p_tenant AND status = 'queued' AND batch_id IS NULL
-              AND (q.tier = '*' OR tier = q.tier);
-        END IF;
-        IF q.token_budget IS NOT NULL OR q.spend_budget IS NOT NULL THEN
-            IF q.tier IN ('*', 'batch') THEN
-                SELECT coalesce(sum(reserved_tokens), 0),
-                       coalesce(sum(reserved_cost::numeric), 0)
-                INTO b_tokens, b_cost
-                FROM batches
-                WHERE tenant_id = p_tenant AND status IN ('validating', 'in_progress');
-                h_tokens := b_tokens;
-                h_micro := b_cost * 1000000;
+    IF v_quotas THEN  -- only those found above: none is checked under the shared lock
+        FOR q IN
+            SELECT tier, requests_per_minute, tokens_per_minute, max_queued, token_budget,
+                   spend_budget::numeric AS spend_budget, budget_period
+            FROM quotas
+            WHERE tenant_id = p_tenant AND tier IN ('*', p_tier)
+              AND (requests_per_minute IS NOT NULL OR tokens_per_minute IS NOT NULL
+                   OR max_queued IS NOT NULL OR token_budget IS NOT NULL
+                   OR spend_budget IS NOT NULL)
+            ORDER BY tier <> '*', tier
+        LOOP
+            m_n := 0; m_used := 0; m_oldest := NULL; w_n := 0;
+            h_tokens := 0; h_micro := 0; s_tokens := 0; s_cost := 0;
+            IF q.requests_per_minute IS NOT NULL OR q.tokens_per_minute IS NOT NULL THEN
+                SELECT count(*),
+                       coalesce(sum(coalesce(prompt_tokens + completion_tokens, reserved_tokens)), 0),
+                       min(created_at)
+                INTO m_n, m_used, m_oldest
+                FROM jobs
+                WHERE tenant_id = p_tenant AND created_at >= p_now - interval '60 seconds'
+                  AND batch_id IS NULL AND (q.tier = '*' OR tier = q.tier);
             END IF;
-            SELECT h_tokens + coalesce(sum(reserved_tokens), 0),
-                   h_micro + coalesce(sum(
-                       -- max_tokens for each of its n choices
-                       greatest(0, reserved_tokens - coalesce(
-                           (params->>'max_tokens')::bigint * coalesce((params->>'n')::bigint, 1), 0))
-                           * coalesce(input_price::numeric, 0)
-                       + coalesce(
-                           (params->>'max_tokens')::bigint * coalesce((params->>'n')::bigint, 1), 0)
-                           * coalesce(output_price::numeric, 0)), 0)
-            INTO h_tokens, h_micro
-            FROM jobs
-            WHERE tenant_id = p_tenant AND (q.tier = '*' OR tier = q.tier)
-              AND (status IN ('queued', 'running')
-                   OR (status = 'cancelled' AND started_at IS NOT NULL
-                       AND prompt_tokens IS NULL AND finished_at > p_now - p_grace));
-            SELECT coalesce(sum(tokens), 0), coalesce(sum(cost::numeric), 0)
-            INTO s_tokens, s_cost
-            FROM spend_counters
-            WHERE tenant_id = p_tenant AND (q.tier = '*' OR tier = q.tier)
-              AND period_key = CASE q.budget_period
-                  WHEN 'day' THEN p_day WHEN 'month' THEN p_month ELSE 'total' END;
-        END IF;
-        v_ok := (q.requests_per_minute IS NULL OR m_n < q.requests_per_minute)
-            AND (q.tokens_per_minute IS NULL OR m_used + p_reserved <= q.tokens_per_minute)
-            AND (q.max_queued IS NULL OR w_n < q.max_queued)
-            AND (q.token_budget IS NULL
-                 OR s_tokens + h_tokens + p_reserved <= q.token_budget)
-            AND (q.spend_budget IS NULL
-                 OR s_cost * 1000000 + h_micro + v_cost_micro <= q.spend_budget * 1000000);
-        v_pass := v_pass AND v_ok;
-        v_figures := v_figures || jsonb_build_array(jsonb_build_object(
-            'tier', q.tier, 'ok', v_ok,
-            'requests_per_minute', q.requests_per_minute,
-            'tokens_per_minute', q.tokens_per_minute, 'max_queued', q.max_queued,
-            'token_budget', q.token_budget, 'spend_budget', q.spend_budget::text,
-            'budget_period', q.budget_period,
-            'minute_requests', m_n, 'minute_tokens', m_used, 'minute_oldest', m_oldest,
-            'queued', w_n, 'held_tokens', h_tokens, 'held_micro', h_micro::text,
-            'spent_tokens', s_tokens, 'spent_cost', s_cost::text));
-    END LOOP;
+            IF q.max_queued IS NOT NULL THEN
+                SELECT count(*) INTO w_n FROM jobs
+                WHERE tenant_id = p_tenant AND status = 'queued' AND batch_id IS NULL
+                  AND (q.tier = '*' OR tier = q.tier);
+            END IF;
+            IF q.token_budget IS NOT NULL OR q.spend_budget IS NOT NULL THEN
+                IF q.tier IN ('*', 'batch') THEN
+                    SELECT coalesce(sum(reserved_tokens), 0),
+                           coalesce(sum(reserved_cost::numeric), 0)
+                    INTO b_tokens, b_cost
+                    FROM batches
+                    WHERE tenant_id = p_tenant AND status IN ('validating', 'in_progress');
+                    h_tokens := b_tokens;
+                    h_micro := b_cost * 1000000;
+                END IF;
+                SELECT h_tokens + coalesce(sum(reserved_tokens), 0),
+                       h_micro + coalesce(sum(
+                           -- max_tokens for each of its n choices
+                           greatest(0, reserved_tokens - coalesce(
+                               (params->>'max_tokens')::bigint * coalesce((params->>'n')::bigint, 1), 0))
+                               * coalesce(input_price::numeric, 0)
+                           + coalesce(
+                               (params->>'max_tokens')::bigint * coalesce((params->>'n')::bigint, 1), 0)
+                               * coalesce(output_price::numeric, 0)), 0)
+                INTO h_tokens, h_micro
+                FROM jobs
+                WHERE tenant_id = p_tenant AND (q.tier = '*' OR tier = q.tier)
+                  AND (status IN ('queued', 'running')
+                       OR (status = 'cancelled' AND started_at IS NOT NULL
+                           AND prompt_tokens IS NULL AND finished_at > p_now - p_grace));
+                SELECT coalesce(sum(tokens), 0), coalesce(sum(cost::numeric), 0)
+                INTO s_tokens, s_cost
+                FROM spend_counters
+                WHERE tenant_id = p_tenant AND (q.tier = '*' OR tier = q.tier)
+                  AND period_key = CASE q.budget_period
+                      WHEN 'day' THEN p_day WHEN 'month' THEN p_month ELSE 'total' END;
+            END IF;
+            v_ok := (q.requests_per_minute IS NULL OR m_n < q.requests_per_minute)
+                AND (q.tokens_per_minute IS NULL OR m_used + p_reserved <= q.tokens_per_minute)
+                AND (q.max_queued IS NULL OR w_n < q.max_queued)
+                AND (q.token_budget IS NULL
+                     OR s_tokens + h_tokens + p_reserved <= q.token_budget)
+                AND (q.spend_budget IS NULL
+                     OR s_cost * 1000000 + h_micro + v_cost_micro <= q.spend_budget * 1000000);
+            v_pass := v_pass AND v_ok;
+            v_figures := v_figures || jsonb_build_array(jsonb_build_object(
+                'tier', q.tier, 'ok', v_ok,
+                'requests_per_minute', q.requests_per_minute,
+                'tokens_per_minute', q.tokens_per_minute, 'max_queued', q.max_queued,
+                'token_budget', q.token_budget, 'spend_budget', q.spend_budget::text,
+                'budget_period', q.budget_period,
+                'minute_requests', m_n, 'minute_tokens', m_used, 'minute_oldest', m_oldest,
+                'queued', w_n, 'held_tokens', h_tokens, 'held_micro', h_micro::text,
+                'spent_tokens', s_tokens, 'spent_cost', s_cost::text));
+        END LOOP;
+    END IF;
 
     IF v_pass THEN
         INSERT INTO jobs (
@@ -224,10 +247,12 @@ BEGIN
             INSERT INTO job_transitions (job_id, status, at) VALUES (v_id, 'queued', p_now);
         ELSE
             -- A concurrent request with the same Idempotency-Key inserted first.
-            SELECT id, request_hash INTO v_replay, v_hash FROM jobs
-            WHERE tenant_id = p_tenant AND idempotency_key = p_idempotency_key;
-            RETURN json_build_object(
-                'replay', v_replay, 'same_request', v_hash IS NOT DISTINCT FROM p_request_hash);
+            RETURN tierq_admit_replay(p_tenant, p_idempotency_key, p_request_hash);
+        END IF;
+    ELSE
+        v_replay := tierq_admit_replay(p_tenant, p_idempotency_key, p_request_hash);
+        IF v_replay IS NOT NULL THEN
+            RETURN v_replay;
         END IF;
     END IF;
     RETURN json_build_object(

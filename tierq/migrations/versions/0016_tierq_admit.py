@@ -27,7 +27,10 @@ SQL = Path(__file__).resolve().parent.parent / "sql" / "0016_tierq_admit.sql"
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(SQL.read_text())
+        # One statement at a time (a driver's prepared statement takes one): each function
+        # definition ends its body's `$fn$;`.
+        for body in SQL.read_text().split("$fn$;")[:-1]:
+            op.execute(body + "$fn$;")
 
 
 def downgrade() -> None:
@@ -37,3 +40,4 @@ def downgrade() -> None:
             "text, text, text, integer, text, numeric, text, json, text, json, json, text, "
             "text, timestamptz, bigint, bigint, text, text, interval, boolean)"
         )
+        op.execute("DROP FUNCTION IF EXISTS tierq_admit_replay(text, text, text)")
