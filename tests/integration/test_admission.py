@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from sqlalchemy import text, update
@@ -175,6 +176,19 @@ async def test_quotas_admission_does_not_check_leave_the_fast_path(platform: Pla
         assert _statements("quotas") == before + 1
 
 
+def _small_job(platform: Platform, tenant_id: str, **values: Any) -> job_repo.NewJob:
+    return job_repo.NewJob(
+        tenant_id=tenant_id,
+        tier=Tier.STANDARD,
+        model=platform.settings.served_model_name,
+        messages=None,
+        prompt="hello",
+        params={"max_tokens": 4},
+        reserved_tokens=20,
+        **values,
+    )
+
+
 async def test_concurrent_requests_with_one_key_get_its_job_whatever_the_quota(
     platform: Platform,
 ) -> None:
@@ -185,17 +199,7 @@ async def test_concurrent_requests_with_one_key_get_its_job_whatever_the_quota(
     tenant_id, key = await new_tenant(platform)
     async with platform.db.transaction() as s:
         await quota_repo.set_quota(s, tenant_id, "*", requests_per_minute=1)
-    new = job_repo.NewJob(
-        tenant_id=tenant_id,
-        tier=Tier.STANDARD,
-        model=platform.settings.served_model_name,
-        messages=None,
-        prompt="hello",
-        params={"max_tokens": 4},
-        idempotency_key="one-job",
-        request_hash="h",
-        reserved_tokens=20,
-    )
+    new = _small_job(platform, tenant_id, idempotency_key="one-job", request_hash="h")
     stores = [SqlJobStore(platform.db) for _ in range(10)]
     try:
         answers = await asyncio.gather(
@@ -225,15 +229,7 @@ async def test_an_uncounted_reservation_is_sent_back_with_nothing_written(
     tenant_id, _key = await new_tenant(platform)
     async with platform.db.transaction() as s:
         await quota_repo.set_quota(s, tenant_id, "*", requests_per_minute=100)
-    new = job_repo.NewJob(
-        tenant_id=tenant_id,
-        tier=Tier.STANDARD,
-        model=platform.settings.served_model_name,
-        messages=None,
-        prompt="hello",
-        params={"max_tokens": 4},
-        reserved_tokens=20,
-    )
+    new = _small_job(platform, tenant_id)
 
     def request() -> admission.Admission:
         return admission.Admission(f"job_{utcnow().timestamp()}", new, None, utcnow(), 0, 0)
