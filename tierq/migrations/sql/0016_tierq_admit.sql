@@ -70,9 +70,11 @@ BEGIN
     -- no quota is charged twice. It is looked for again wherever the job would be refused:
     -- a request with the same key that committed while this one waited for the tenant's
     -- lock is in the figures read after it, and its job is this request's answer.
-    v_replay := tierq_admit_replay(p_tenant, p_idempotency_key, p_request_hash);
-    IF v_replay IS NOT NULL THEN
-        RETURN v_replay;
+    IF p_idempotency_key IS NOT NULL THEN
+        v_replay := tierq_admit_replay(p_tenant, p_idempotency_key, p_request_hash);
+        IF v_replay IS NOT NULL THEN
+            RETURN v_replay;
+        END IF;
     END IF;
 
     -- Quotas that admission checks (max_running alone is the dispatcher's). They are
@@ -123,30 +125,36 @@ BEGIN
         RETURN coalesce(v_replay, json_build_object('tenant_status', v_status, 'key_ok', v_key_ok));
     END IF;
 
-    SELECT input_per_million::numeric, output_per_million::numeric INTO v_in, v_out
-    FROM prices WHERE model = p_model AND tier = p_tier
-    ORDER BY effective_at DESC, id DESC LIMIT 1;
-    IF NOT FOUND AND p_tier = 'batch' THEN
+    -- The tier's own price in force, else (the batch tier) the standard one's share.
+    -- Statements are few on purpose: each costs an executor's start and end.
+    SELECT i, o INTO v_in, v_out FROM (
+        SELECT input_per_million::numeric AS i, output_per_million::numeric AS o,
+               0 AS fallback, effective_at, id
+        FROM prices WHERE model = p_model AND tier = p_tier
+        UNION ALL
         SELECT input_per_million::numeric * p_batch_keep,
-               output_per_million::numeric * p_batch_keep
-        INTO v_in, v_out
-        FROM prices WHERE model = p_model AND tier = 'standard'
-        ORDER BY effective_at DESC, id DESC LIMIT 1;
-    END IF;
+               output_per_million::numeric * p_batch_keep, 1, effective_at, id
+        FROM prices WHERE model = p_model AND tier = 'standard' AND p_tier = 'batch'
+    ) found
+    ORDER BY fallback, effective_at DESC, id DESC LIMIT 1;
     v_in := coalesce(v_in, 0);
     v_out := coalesce(v_out, 0);
     v_cost_micro := greatest(0, p_reserved - p_max_tokens) * v_in + p_max_tokens * v_out;
 
-    v_bound := p_default_max_queued > 0 AND NOT EXISTS (
-        SELECT 1 FROM quotas
-        WHERE tenant_id = p_tenant AND tier = '*' AND max_queued IS NOT NULL
-    );
+    -- The waiting jobs, up to the bound; NULL where no bound applies.
+    SELECT CASE WHEN p_default_max_queued > 0 AND NOT EXISTS (
+               SELECT 1 FROM quotas
+               WHERE tenant_id = p_tenant AND tier = '*' AND max_queued IS NOT NULL
+           ) THEN (
+               SELECT count(*) FROM (
+                   SELECT 1 FROM jobs
+                   WHERE tenant_id = p_tenant AND status = 'queued' AND batch_id IS NULL
+                   LIMIT p_default_max_queued
+               ) waiting
+           ) END
+    INTO v_queued;
+    v_bound := v_queued IS NOT NULL;
     IF v_bound THEN
-        SELECT count(*) INTO v_queued FROM (
-            SELECT 1 FROM jobs
-            WHERE tenant_id = p_tenant AND status = 'queued' AND batch_id IS NULL
-            LIMIT p_default_max_queued
-        ) waiting;
         IF v_queued >= p_default_max_queued THEN
             v_pass := false;
         END IF;
@@ -232,20 +240,24 @@ BEGIN
     END IF;
 
     IF v_pass THEN
-        INSERT INTO jobs (
-            id, tenant_id, tier, model, status, messages, prompt, params, metadata,
-            idempotency_key, request_hash, created_at, deliveries, preemptions,
-            reserved_tokens, input_price, output_price
-        ) VALUES (
-            p_job, p_tenant, p_tier, p_model, 'queued', p_messages, p_prompt, p_params,
-            p_metadata, p_idempotency_key, p_request_hash, p_now, 0, 0, p_reserved,
-            v_in::text, v_out::text
+        -- The job and its first transition, in one statement.
+        WITH ins AS (
+            INSERT INTO jobs (
+                id, tenant_id, tier, model, status, messages, prompt, params, metadata,
+                idempotency_key, request_hash, created_at, deliveries, preemptions,
+                reserved_tokens, input_price, output_price
+            ) VALUES (
+                p_job, p_tenant, p_tier, p_model, 'queued', p_messages, p_prompt, p_params,
+                p_metadata, p_idempotency_key, p_request_hash, p_now, 0, 0, p_reserved,
+                v_in::text, v_out::text
+            )
+            ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+            RETURNING id
         )
-        ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
-        RETURNING id INTO v_id;
-        IF v_id IS NOT NULL THEN
-            INSERT INTO job_transitions (job_id, status, at) VALUES (v_id, 'queued', p_now);
-        ELSE
+        INSERT INTO job_transitions (job_id, status, at)
+        SELECT id, 'queued', p_now FROM ins
+        RETURNING job_id INTO v_id;
+        IF v_id IS NULL THEN
             -- A concurrent request with the same Idempotency-Key inserted first.
             RETURN tierq_admit_replay(p_tenant, p_idempotency_key, p_request_hash);
         END IF;
