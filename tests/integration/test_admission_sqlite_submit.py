@@ -1,7 +1,8 @@
 """Which way `services.admission.submit` admits on the embedded SQLite file, against real
-Redis: a plain request by the writer's one hop (path "fast"), a request with an
-Idempotency-Key and a tenant with quotas by the exact ORM path, a suspended tenant refused
-with nothing written — and every admitted job on its tier's stream."""
+Redis: a plain request and one with an Idempotency-Key (its replay answered, another body
+refused) by the writer's one hop (path "fast"), a tenant with quotas by the exact ORM path,
+a suspended tenant refused with nothing written — and every admitted job on its tier's
+stream."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     env: tuple[Database, aioredis.Redis, RedisNames, SqlJobStore],
 ) -> None:
     db, r, names, jobs = env
-    assert jobs.admits_in_one_hop(None) and not jobs.admits_in_one_call
+    assert jobs.admits_in_one_hop and not jobs.admits_in_one_call
     settings = Settings(database_url=str(db.url))
     body = JobCreate.model_validate(CHAT)
     queue = Enqueuer(r, names)
@@ -81,11 +82,16 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     fast, exact = _path("fast"), _path("exact")
     await submit(plain)
     assert (_path("fast"), _path("exact")) == (fast + 1, exact)
-    # An Idempotency-Key: the exact path (which answers a replay as the same job).
+    # An Idempotency-Key: the one hop too, which answers a replay as the same job and
+    # refuses another body with the key.
     keyed = await submit(plain, "k-1")
     again, created = await admission.submit(jobs, queue, settings, plain, body, "k-1")
     assert again.id == keyed and not created
-    assert (_path("fast"), _path("exact")) == (fast + 1, exact + 2)
+    other = JobCreate.model_validate({**CHAT, "max_tokens": 9})
+    with pytest.raises(Refused) as reused:
+        await admission.submit(jobs, queue, settings, plain, other, "k-1")
+    assert (reused.value.status, reused.value.code) == (409, "idempotency_key_reused")
+    assert (_path("fast"), _path("exact")) == (fast + 4, exact)
 
     limited = await _tenant(db)
     async with db.transaction() as s:

@@ -131,6 +131,32 @@ async def test_admitted_jobs_read_back_as_answered_at_the_prices_of_the_orm_path
     await _close(db, local)
 
 
+async def test_a_replay_is_answered_first_and_writes_nothing(tmp_path: Path) -> None:
+    """A request with an Idempotency-Key used before gets the job it made back (another
+    body: told so), before any check — a suspended tenant's retry included — and nothing
+    more is written."""
+    db, local = await _database(tmp_path)
+    tenant_id, key_id = await _tenant(db)
+
+    async def keyed(body: str) -> Outcome:
+        new = dataclasses.replace(_new(tenant_id), idempotency_key="k", request_hash=body)
+        return await admission_sqlite.admit(
+            local, Admission(new_id("job"), new, key_id, utcnow(), 0, DISCOUNT)
+        )
+
+    first = await keyed("a")
+    assert first.job is not None and first.replay is None
+    again = await keyed("a")
+    assert again.job is None and (again.replay, again.same_request) == (first.job.id, True)
+    other = await keyed("b")
+    assert other.job is None and (other.replay, other.same_request) == (first.job.id, False)
+    async with db.transaction() as s:
+        await tenant_repo.update_tenant(s, tenant_id, status="suspended")
+    assert (await keyed("a")).replay == first.job.id
+    assert await _counts(db, tenant_id) == {("standard", "queued"): 1}
+    await _close(db, local)
+
+
 async def test_a_suspended_tenant_a_revoked_key_and_quotas_write_nothing(
     tmp_path: Path,
 ) -> None:
@@ -277,6 +303,6 @@ async def test_a_closed_writer_refuses_at_once_and_memory_databases_have_none(
     for url in ("sqlite+aiosqlite://", "sqlite+aiosqlite:///:memory:"):
         memory = Database(url)
         store = SqlJobStore(memory)  # no file a second connection would open
-        assert not store.admits_in_one_hop(None) and store._local is None
+        assert not store.admits_in_one_hop and store._local is None
         await store.close()
         await memory.close()

@@ -27,7 +27,7 @@ ADMISSION_STATEMENTS = Counter(
     "Admission calls by path: fast (PostgreSQL's tierq_admit with the prompt's byte bound, "
     "or SQLite's one hop, where no quota applies), quotas (tierq_admit with the prompt "
     "counted by the tokenizer: quotas for the tier) or exact (an ORM transaction on "
-    "SQLite: an Idempotency-Key, or quotas)",
+    "SQLite: quotas for the tier)",
     ["path"],
 )
 JOBS_FINISHED = Counter(

@@ -8,8 +8,8 @@ admissions holds the lock, one after another, for as many waits: its last job st
 much after its first (`tierq bench overhead` measures it against the engine alone).
 
 Here the checks `tierq_admit` makes on PostgreSQL (tierq/models/admission.py) run for a
-tenant without quotas for the job's tier and a request without an Idempotency-Key
-(everything else takes the exact path, tierq/models/admission_exact.py), in one `BEGIN
+tenant without quotas for the job's tier, a replay of an Idempotency-Key answered first
+(a tenant with quotas takes the exact path, tierq/models/admission_exact.py), in one `BEGIN
 IMMEDIATE` transaction on a connection of their own, on one thread of their own: one hop per
 admission, and the admissions that arrive while one transaction runs share the next one's
 COMMIT (models.db.LocalWriter: under load the WAL's fsync is most of what a commit costs).
@@ -56,14 +56,17 @@ from tierq.models.tables import ApiKey, Job, JobTransition, Quota, Tenant
 @dataclass(frozen=True)
 class Outcome:
     """What the transaction found. `job` is set when it admitted one; otherwise the first
-    reason not to: the tenant's status (None: no such tenant), the key's, quotas that
-    apply (take the exact path), or the queue bound."""
+    reason not to: a replay of an Idempotency-Key (`replay`, the job it made), the
+    tenant's status (None: no such tenant), the key's, quotas that apply (take the exact
+    path), or the queue bound."""
 
     job: JobRecord | None
     tenant_status: str | None
     key_ok: bool
     quotas: bool
     queued: int
+    replay: str | None = None  # the job the request's Idempotency-Key made before
+    same_request: bool = True  # ...for a request with this body
 
     @property
     def status(self) -> str | None:
@@ -72,9 +75,7 @@ class Outcome:
 
 async def admit(local: LocalWriter, a: Admission) -> Outcome:
     """What `tierq_admit` answers on PostgreSQL for a tenant without quotas, in one hop to
-    the SQLite file's writer thread. Not for a request with an Idempotency-Key (the exact path
-    answers those)."""
-    assert a.new.idempotency_key is None
+    the SQLite file's writer thread."""
     return await local.run(_admit, a)
 
 
@@ -85,6 +86,13 @@ def _admit(conn: Connection, a: Admission) -> Outcome:
     q = _statements()
     tier = new.tier.value
     tenant = {"tenant_id": new.tenant_id}
+    if new.idempotency_key is not None:
+        # A replay is answered with the job the key made, before any check (no quota is
+        # charged twice). Under the write lock no request with the key commits meanwhile.
+        made = conn.execute(q.replay, {**tenant, "key": new.idempotency_key}).one_or_none()
+        if made is not None:
+            same = made.request_hash == new.request_hash
+            return Outcome(None, None, True, False, 0, replay=made.id, same_request=same)
     status = conn.execute(q.tenant_status, tenant).scalar_one_or_none()
     key_ok = True
     if a.key_id is not None:
@@ -141,6 +149,7 @@ class _Statements:
     their cache keys would cost more CPU than running the statements, in a writer thread
     that admits one at a time."""
 
+    replay: Executable
     tenant_status: Executable
     key_revoked: Executable
     quotas: Executable
@@ -169,6 +178,9 @@ def _statements() -> _Statements:
     )
     latest = prices.latest_query(bindparam("model"), bindparam("tier"))
     return _Statements(
+        replay=select(Job.id, Job.request_hash).where(
+            Job.tenant_id == tenant_id, Job.idempotency_key == bindparam("key")
+        ),
         tenant_status=select(Tenant.status).where(Tenant.id == tenant_id),
         key_revoked=select(ApiKey.revoked_at).where(
             ApiKey.id == bindparam("key_id"), ApiKey.tenant_id == tenant_id

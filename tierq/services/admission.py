@@ -313,9 +313,9 @@ async def _admit(
 
     - PostgreSQL: one call of `tierq_admit`, the whole rule (tierq/models/admission.py);
       a second, counted, when it finds quotas to check against an uncounted reservation.
-    - An SQLite file: one hop to the writer (tierq/models/admission_sqlite.py) for a
-      request without an Idempotency-Key while the tenant has no quotas for the tier;
-      else the ORM path (tierq/models/admission_exact.py), as on an in-memory database.
+    - An SQLite file: one hop to the writer (tierq/models/admission_sqlite.py), which
+      answers a replay and admits while the tenant has no quotas for the tier; else the
+      ORM path (tierq/models/admission_exact.py), as on an in-memory database.
 
     A tenant found with quotas is remembered for a few seconds (`_quotas_seen`): its next
     admissions are counted first, not sent back."""
@@ -342,9 +342,11 @@ async def _admit(
             tenant.id,
             answer.quotas,
         )
-    elif not quotas_likely and jobs.admits_in_one_hop(new.idempotency_key):
+    elif not quotas_likely and jobs.admits_in_one_hop:
         metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
         outcome = await jobs.admit_in_one_hop(_admission(settings, key_id, new))
+        if outcome.replay is not None:
+            return await _replayed(jobs, outcome.replay, outcome.same_request)
         if outcome.job is not None:
             return outcome.job, True
         _refuse_unless_active(outcome.status, tenant, new.tier)
@@ -370,11 +372,7 @@ async def _answered(
     that no rule refuses, which cannot happen while the function and the rule agree."""
     new = request.new
     if answer.replay is not None:
-        if not answer.same_request:
-            _refuse_reused_key()
-        replayed = await jobs.get(answer.replay)
-        assert replayed is not None  # jobs are never deleted while their tenant lives
-        return replayed, False
+        return await _replayed(jobs, answer.replay, answer.same_request)
     if answer.job is not None:
         return answer.job, True
     _refuse_unless_active(answer.status, tenant, new.tier)
@@ -392,6 +390,16 @@ async def _answered(
         if refusal is not None:
             _refuse_quota(refusal, tenant, new.tier)
     return None
+
+
+async def _replayed(jobs: SqlJobStore, job_id: str, same_request: bool) -> tuple[JobRecord, bool]:
+    """A replay of an Idempotency-Key: the job it made (not created now), or 409 for
+    another request body."""
+    if not same_request:
+        _refuse_reused_key()
+    replayed = await jobs.get(job_id)
+    assert replayed is not None  # jobs are never deleted while their tenant lives
+    return replayed, False
 
 
 def _refuse_reused_key() -> NoReturn:

@@ -19,8 +19,8 @@ transactions on either backend (aiosqlite on SQLite).
 
 Admission's ways to the database are here too, for the caller to choose among
 (tierq/services/admission.py): on PostgreSQL one call of `tierq_admit`, the whole rule
-(`admit`); on an SQLite file one hop to the writer where no quota applies
-(`admit_in_one_hop`), else one ORM transaction (`admit_exact`).
+(`admit`); on an SQLite file one hop to the writer where no quota applies, replays
+answered (`admit_in_one_hop`), else one ORM transaction (`admit_exact`).
 
 The store's own connections, beside the database's engine: on PostgreSQL a few raw
 asyncpg connections (`RawPool`) for the single statements of admission's fast ways and of
@@ -91,10 +91,10 @@ class SqlJobStore:
         assert self._raw is not None, "PostgreSQL only: see admits_in_one_call"
         return await admission.admit(self._raw, request, exact)
 
-    def admits_in_one_hop(self, idempotency_key: str | None) -> bool:
-        """Whether `admit_in_one_hop` is there for a request: on an SQLite file, for a
-        request without an Idempotency-Key."""
-        return self._local is not None and idempotency_key is None
+    @property
+    def admits_in_one_hop(self) -> bool:
+        """Whether `admit_in_one_hop` is there: on an SQLite file."""
+        return self._local is not None
 
     async def admit_in_one_hop(self, request: Admission) -> Outcome:
         """A job admitted in one hop to SQLite's writer where no quota applies
