@@ -376,7 +376,6 @@ class Database:
 
     def __init__(self, url: str, *, transaction_pooling: bool = False, **kwargs: Any) -> None:
         self.url = url
-        self.dialect = url.split(":", 1)[0].split("+", 1)[0]  # postgresql, sqlite
         self.transaction_pooling = transaction_pooling
         self.pool_size: int = kwargs.get("pool_size", 10)
         self.pool_timeout_s: float = kwargs.get("pool_timeout", 30.0)
@@ -386,6 +385,11 @@ class Database:
         self._reads = async_sessionmaker(
             self.engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False
         )
+
+    @property
+    def dialect(self) -> str:
+        """The engine's dialect: postgresql or sqlite."""
+        return str(self.engine.dialect.name)
 
     @classmethod
     def for_settings(cls, settings: Settings) -> Database:

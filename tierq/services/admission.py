@@ -352,8 +352,8 @@ async def _admit(
         _refuse_unless_active(outcome.status, tenant, new.tier)
         if outcome.quotas:
             _quotas_seen.note(seen)  # its next admissions go the ORM way at once
-        elif settings.default_max_queued and outcome.queued >= settings.default_max_queued:
-            _refuse_queue_bound(settings, tenant, new.tier)
+        else:
+            _refuse_if_queue_full(settings, tenant, new.tier, outcome.queued)
     if not counted:
         new = await count(new)
     metrics.ADMISSION_STATEMENTS.labels(path="exact").inc()
@@ -376,8 +376,7 @@ async def _answered(
     if answer.job is not None:
         return answer.job, True
     _refuse_unless_active(answer.status, tenant, new.tier)
-    if answer.queued is not None and answer.queued >= settings.default_max_queued > 0:
-        _refuse_queue_bound(settings, tenant, new.tier)
+    _refuse_if_queue_full(settings, tenant, new.tier, answer.queued)
     for quota, figures, _held in answer.quotas:
         refusal = quota_repo.decide(
             quota,
@@ -408,6 +407,15 @@ def _refuse_reused_key() -> NoReturn:
         "This Idempotency-Key was already used with a different request body.",
         "idempotency_key_reused",
     )
+
+
+def _refuse_if_queue_full(
+    settings: Settings, tenant: TenantRecord, tier: Tier, queued: int | None
+) -> None:
+    """DEFAULT_MAX_QUEUED, against the waiting jobs a way in counted (None: the bound did
+    not apply)."""
+    if queued is not None and queued >= settings.default_max_queued > 0:
+        _refuse_queue_bound(settings, tenant, tier)
 
 
 def _refuse_queue_bound(settings: Settings, tenant: TenantRecord, tier: Tier) -> NoReturn:

@@ -87,30 +87,20 @@ BEGIN
                OR max_queued IS NOT NULL OR token_budget IS NOT NULL
                OR spend_budget IS NOT NULL)
     );
-    IF v_quotas AND NOT p_exact THEN
-        -- Not for a request refused anyway: its status is answered first, as it would be
-        -- after the count (read again, under the lock, on the counted call).
-        SELECT status INTO v_status FROM tenants WHERE id = p_tenant;
-        IF p_key IS NOT NULL THEN
-            SELECT revoked_at IS NULL INTO v_key_ok
-            FROM api_keys WHERE id = p_key AND tenant_id = p_tenant;
-            v_key_ok := coalesce(v_key_ok, false);
-        END IF;
-        IF v_status IS NULL OR v_status <> 'active' OR NOT v_key_ok THEN
-            RETURN json_build_object('tenant_status', v_status, 'key_ok', v_key_ok);
-        END IF;
-        RETURN json_build_object('count_first', true);
-    END IF;
 
     -- With quotas, the tenant's admissions run one at a time (the exclusive lock): each
     -- one's figures include every admission before it. Without, side by side (shared).
     -- Either way a suspension or a key's revocation, which take the exclusive lock first,
     -- committed before this one refuses it, and every statement after the lock reads
     -- what committed before it (a VOLATILE function's statements each take a snapshot).
-    IF v_quotas THEN
+    -- A reservation still to be counted takes no lock: nothing is checked or written now,
+    -- and its status is read only so that a request refused anyway is not counted first.
+    IF NOT v_quotas THEN
+        SELECT status INTO v_status FROM tenants WHERE id = p_tenant FOR SHARE;
+    ELSIF p_exact THEN
         SELECT status INTO v_status FROM tenants WHERE id = p_tenant FOR UPDATE;
     ELSE
-        SELECT status INTO v_status FROM tenants WHERE id = p_tenant FOR SHARE;
+        SELECT status INTO v_status FROM tenants WHERE id = p_tenant;
     END IF;
     IF NOT FOUND THEN
         RETURN json_build_object('tenant_status', NULL);
@@ -123,6 +113,9 @@ BEGIN
     IF v_status <> 'active' OR NOT v_key_ok THEN
         v_replay := tierq_admit_replay(p_tenant, p_idempotency_key, p_request_hash);
         RETURN coalesce(v_replay, json_build_object('tenant_status', v_status, 'key_ok', v_key_ok));
+    END IF;
+    IF v_quotas AND NOT p_exact THEN
+        RETURN json_build_object('count_first', true);
     END IF;
 
     -- The tier's own price in force, else (the batch tier) the standard one's share.
@@ -154,10 +147,8 @@ BEGIN
            ) END
     INTO v_queued;
     v_bound := v_queued IS NOT NULL;
-    IF v_bound THEN
-        IF v_queued >= p_default_max_queued THEN
-            v_pass := false;
-        END IF;
+    IF v_queued >= p_default_max_queued THEN  -- NULL (no bound): not refused
+        v_pass := false;
     END IF;
 
     IF v_quotas THEN  -- only those found above: none is checked under the shared lock
