@@ -21,12 +21,14 @@ async def _read_that_turns_a_cancel_into_an_error() -> None:
 
 async def test_a_loop_that_asks_being_cancelled_ends_at_its_first_cancel() -> None:
     turns = 0
+    reading = asyncio.Event()
 
     async def loop() -> None:
         nonlocal turns
         while True:
             turns += 1
             try:
+                reading.set()
                 await _read_that_turns_a_cancel_into_an_error()
             except Exception as exc:
                 if being_cancelled():
@@ -34,7 +36,7 @@ async def test_a_loop_that_asks_being_cancelled_ends_at_its_first_cancel() -> No
                 await asyncio.sleep(0.01)  # an outage: carry on
 
     task = asyncio.create_task(loop())
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(reading.wait(), 1)  # cancelled in its read, as redis-py's are
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 2)
@@ -81,8 +83,10 @@ async def test_cancel_and_wait_ends_a_loop_that_swallowed_its_cancel() -> None:
 
 async def test_cancel_and_wait_gives_up_on_a_task_that_will_not_end() -> None:
     release = asyncio.Event()
+    entered = asyncio.Event()
 
     async def stubborn() -> None:
+        entered.set()
         while not release.is_set():
             try:
                 await asyncio.sleep(10)
@@ -90,7 +94,7 @@ async def test_cancel_and_wait_gives_up_on_a_task_that_will_not_end() -> None:
                 continue
 
     task = asyncio.create_task(stubborn(), name="stubborn")
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(entered.wait(), 1)  # a task not yet started would end at its cancel
     loop = asyncio.get_running_loop()
     started = loop.time()
     stuck = await cancel_and_wait([task], timeout_s=0.5, recancel_s=0.1)
@@ -118,6 +122,7 @@ async def test_detached_work_outlives_its_callers_cancel_and_its_errors_are_logg
 ) -> None:
     detached = Detached("a clean-up")
     finished = asyncio.Event()
+    spawned = asyncio.Event()
 
     async def clean_up() -> None:
         await asyncio.sleep(0.05)
@@ -129,10 +134,11 @@ async def test_detached_work_outlives_its_callers_cancel_and_its_errors_are_logg
     async def caller() -> None:
         detached.spawn(clean_up())
         detached.spawn(fail())
+        spawned.set()
         await asyncio.sleep(30)
 
     task = asyncio.create_task(caller())
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(spawned.wait(), 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

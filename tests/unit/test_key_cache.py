@@ -25,22 +25,30 @@ class Loads:
 
     def __init__(self, result: KeyOwner | None = OWNER, error: Exception | None = None) -> None:
         self.calls = 0
+        self.called = asyncio.Event()
         self.release = asyncio.Event()
         self.result = result
         self.error = error
 
     async def __call__(self) -> KeyOwner | None:
         self.calls += 1
+        self.called.set()
         await self.release.wait()
         if self.error is not None:
             raise self.error
         return self.result
 
 
+async def under_way(*loads: Loads) -> None:
+    """Until each of `loads` has been called: its lookup is under way (and every waiter
+    started before it has had its turn)."""
+    await asyncio.wait_for(asyncio.gather(*(load.called.wait() for load in loads)), 1)
+
+
 async def test_a_cold_burst_shares_one_lookup_and_then_hits_the_cache() -> None:
     cache, load = KeyCache(ttl_s=60), Loads()
     waiters = [asyncio.create_task(cache.lookup("h", load)) for _ in range(20)]
-    await asyncio.sleep(0.01)
+    await under_way(load)
     load.release.set()
     assert await asyncio.gather(*waiters) == [OWNER] * 20
     assert load.calls == 1
@@ -51,7 +59,7 @@ async def test_a_waiter_that_goes_away_does_not_end_the_lookup_for_the_others() 
     cache, load = KeyCache(ttl_s=60), Loads()
     first = asyncio.create_task(cache.lookup("h", load))
     second = asyncio.create_task(cache.lookup("h", load))
-    await asyncio.sleep(0.01)
+    await under_way(load)
     first.cancel()
     load.release.set()
     assert await second == OWNER
@@ -61,7 +69,7 @@ async def test_a_waiter_that_goes_away_does_not_end_the_lookup_for_the_others() 
 async def test_a_revocation_during_the_lookup_is_not_undone_by_it() -> None:
     cache, load = KeyCache(ttl_s=60), Loads()
     waiter = asyncio.create_task(cache.lookup("h", load))
-    await asyncio.sleep(0.01)
+    await under_way(load)
     cache.forget("key:key_1")  # revoked while the lookup ran
     load.release.set()
     assert await waiter == OWNER  # it read before the revocation
@@ -71,7 +79,7 @@ async def test_a_revocation_during_the_lookup_is_not_undone_by_it() -> None:
 async def test_a_failed_lookup_fails_its_waiters_and_is_not_kept() -> None:
     cache, load = KeyCache(ttl_s=60), Loads(error=ConnectionError("database down"))
     waiters = [asyncio.create_task(cache.lookup("h", load)) for _ in range(3)]
-    await asyncio.sleep(0.01)
+    await under_way(load)
     load.release.set()
     for outcome in await asyncio.gather(*waiters, return_exceptions=True):
         assert isinstance(outcome, ConnectionError)
@@ -103,12 +111,12 @@ async def test_lookups_run_a_few_at_once_and_a_full_queue_refuses_at_once() -> N
     cache = KeyCache(ttl_s=60, lookup_concurrency=2, lookup_queue=3)
     loads = [Loads(result=None) for _ in range(5)]
     waiters = [asyncio.create_task(cache.lookup(f"h{i}", load)) for i, load in enumerate(loads)]
-    await asyncio.sleep(0.01)
+    await under_way(*loads[:2])
     assert [load.calls for load in loads] == [1, 1, 0, 0, 0]  # two run, three wait
     with pytest.raises(LookupsOverloaded):
         await cache.lookup("h-more", Loads())
     loads[0].release.set()  # one ends: a waiting one runs, and the queue has room again
-    await asyncio.sleep(0.01)
+    await under_way(loads[2])
     assert [load.calls for load in loads] == [1, 1, 1, 0, 0]
     more = Loads(result=None)
     more.release.set()

@@ -12,11 +12,14 @@ import tracemalloc
 from pathlib import Path
 
 PROGRAM = """
-import sys, time
+import sys, time, tracemalloc
 from tierq.core import memory_snapshots
 assert memory_snapshots.install("probe")
 print("up", flush=True)
-sys.stdin.readline()          # traced from here on
+deadline = time.monotonic() + 10
+while not tracemalloc.is_tracing() and time.monotonic() < deadline:
+    time.sleep(0.01)          # until the first SIGUSR2 is answered
+print("tracing" if tracemalloc.is_tracing() else "not tracing", flush=True)
 held = [bytearray(1000) for _ in range(5000)]  # ~5 MB, allocated on this line
 print("allocated", flush=True)
 sys.stdin.readline()
@@ -36,10 +39,8 @@ def test_sigusr2_starts_tracing_then_snapshots(tmp_path: Path) -> None:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline().strip() == "up"
         proc.send_signal(signal.SIGUSR2)  # tracing starts
-        time.sleep(0.3)
-        assert list(tmp_path.iterdir()) == []
-        proc.stdin.write("\n")
-        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "tracing"
+        assert list(tmp_path.iterdir()) == []  # the first signal wrote no snapshot
         assert proc.stdout.readline().strip() == "allocated"
         proc.send_signal(signal.SIGUSR2)  # a snapshot
         deadline = time.monotonic() + 10
