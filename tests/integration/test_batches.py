@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import update
 
 from tests.conftest import Platform
-from tests.helpers import assert_openai_error
+from tests.helpers import assert_openai_error, until, until_async
 from tests.integration.batch_helpers import CHAT, finished, jsonl, line, lines_of, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
 from tierq.api.app import build_app
@@ -24,6 +24,16 @@ from tierq.models.tables import Batch
 from tierq.workers.engine.simulated_engine import CostModel
 
 pytestmark = pytest.mark.integration
+
+
+async def completed(client: openai.AsyncOpenAI, batch_id: str, n: int, timeout: float = 60) -> None:
+    """Until at least `n` of the batch's lines have completed."""
+
+    async def enough() -> bool:
+        counts = (await client.batches.retrieve(batch_id)).request_counts
+        return counts is not None and counts.completed >= n
+
+    await until_async(enough, f"{n} lines of {batch_id} completed", timeout)
 
 
 @pytest.fixture
@@ -183,8 +193,7 @@ async def test_cancel_drops_queued_work_and_keeps_finished_results(
     await platform.start_worker("w1", cost=CostModel(slots=8))  # real-time speed: slow
     client = sdk(platform, tenant_key)
     batch = await submit(client, jsonl([line(f"c{i}", max_tokens=40) for i in range(80)]))
-    while (await client.batches.retrieve(batch.id)).request_counts.completed < 3:  # type: ignore[union-attr]
-        await asyncio.sleep(0.1)
+    await completed(client, batch.id, 3)
     cancelling = await client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = await finished(client, batch.id, celery)
@@ -196,11 +205,8 @@ async def test_cancel_drops_queued_work_and_keeps_finished_results(
     async with platform.db.session() as s:
         counts = await batch_repo.job_counts(s, batch.id)
     assert counts.get("queued", 0) == counts.get("running", 0) == 0  # type: ignore[call-overload]
-    for _ in range(50):  # the worker lets go of the aborted jobs
-        if not platform.workers["w1"][0]._runs:
-            break
-        await asyncio.sleep(0.1)
-    assert not platform.workers["w1"][0]._runs
+    worker = platform.workers["w1"][0]
+    await until(lambda: not worker._runs, "the worker let go of the aborted jobs", 5)
     again = await client.batches.cancel(batch.id)  # harmless twice
     assert again.status == "cancelled"
 
@@ -212,8 +218,7 @@ async def test_an_expired_batch_keeps_finished_results_and_reports_the_rest(
     await platform.start_worker("w1", cost=CostModel(slots=8))
     client = sdk(platform, tenant_key)
     batch = await submit(client, jsonl([line(f"e{i}", max_tokens=40) for i in range(120)]))
-    while (await client.batches.retrieve(batch.id)).request_counts.completed < 2:  # type: ignore[union-attr]
-        await asyncio.sleep(0.1)
+    await completed(client, batch.id, 2)
     async with platform.db.transaction() as s:  # the 24 h window passes
         await s.execute(
             update(Batch).where(Batch.id == batch.id).values(expires_at=Batch.created_at)
@@ -238,13 +243,9 @@ async def test_a_batch_survives_its_celery_worker_being_killed_midway(
     client = sdk(running, tenant_key)
     try:
         batch = await submit(client, jsonl([line(f"k{i}") for i in range(150)]))
-        while True:
-            current = await client.batches.retrieve(batch.id)
-            if current.request_counts and current.request_counts.completed >= 30:
-                break
-            await asyncio.sleep(0.05)
+        await completed(client, batch.id, 30)
         celery.kill()
-        await asyncio.sleep(1)
+        await asyncio.sleep(1)  # down a while, as a crashed worker is before its restart
         celery.start()
         done = await finished(client, batch.id, celery, timeout=120)
     finally:
@@ -320,12 +321,12 @@ async def test_a_batch_over_the_tenants_budget_is_refused_before_it_starts(
         counts = await batch_repo.job_counts(s, batch.id)
     assert counts == {}  # refused whole: nothing of it ran
     small = await submit(client, jsonl([line(f"s{i}") for i in range(3)]))
-    for _ in range(100):
-        current = await client.batches.retrieve(small.id)
-        if current.status != "validating":
-            break
-        await asyncio.sleep(0.1)
-    assert current.status == "in_progress"
+
+    async def validated() -> bool:
+        return (await client.batches.retrieve(small.id)).status != "validating"
+
+    await until_async(validated, "the small batch validated", 10)
+    assert (await client.batches.retrieve(small.id)).status == "in_progress"
 
 
 async def test_the_batch_cli_submits_waits_and_downloads(

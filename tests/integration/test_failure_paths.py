@@ -24,7 +24,15 @@ import redis.asyncio as aioredis
 from sqlalchemy import exc as sa_exc
 
 from tests.conftest import REDIS_TEST_URL, Platform
-from tests.helpers import client, jobs_of, read_sse, until, until_streamed, wait_for
+from tests.helpers import (
+    client,
+    jobs_of,
+    read_sse,
+    until,
+    until_async,
+    until_streamed,
+    wait_for,
+)
 from tierq.core import metrics
 from tierq.core.queue import enqueue
 from tierq.core.redis_names import DISPATCH_GROUP, WORKER_GROUP
@@ -81,11 +89,12 @@ async def _assert_nothing_left(
             finals.append(job.to_api())
     # The inboxes of every worker are empty: each slot was given back.
     for worker_id in platform.workers:
-        for _ in range(100):
-            if await r.xlen(names.inbox(worker_id)) == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert await r.xlen(names.inbox(worker_id)) == 0, worker_id
+        inbox = names.inbox(worker_id)
+
+        async def emptied(inbox: str = inbox) -> bool:
+            return await r.xlen(inbox) == 0
+
+        await until_async(emptied, f"{worker_id}'s inbox emptied", 5)
         if await r.exists(names.inbox(worker_id)):
             pending: Any = await r.xpending(names.inbox(worker_id), WORKER_GROUP)
             assert pending["pending"] == 0
@@ -237,11 +246,13 @@ async def test_a_cancelled_job_is_billed_for_what_the_engine_generated_and_once(
         assert (await c.post(f"/v1/jobs/{running}/cancel")).status_code == 200
         (queued,) = await submit(c, 1, {**CHAT, "tier": "batch"})
         assert (await c.post(f"/v1/jobs/{queued}/cancel")).status_code == 200  # never ran
-        for _ in range(100):
-            billed = (await c.get(f"/v1/jobs/{running}")).json()
-            if billed["usage"] is not None:
-                break
-            await asyncio.sleep(0.05)
+        billed: dict[str, Any] = {}
+
+        async def is_billed() -> bool:
+            billed.update((await c.get(f"/v1/jobs/{running}")).json())
+            return billed["usage"] is not None
+
+        await until_async(is_billed, "the cancelled run billed", 5)
         never_ran = (await c.get(f"/v1/jobs/{queued}")).json()
         await until(lambda: not worker._runs, "the worker is done with the cancelled run", 10)
         again = (await c.post(f"/v1/jobs/{running}/cancel")).json()
@@ -340,11 +351,11 @@ async def test_a_duplicate_entry_for_a_running_job_holds_no_slot_and_is_acknowle
         assert record is not None
         names = platform.dispatcher.names
         await platform.r.xadd(names.inbox("w1"), record.to_message().encode())  # type: ignore[arg-type]
-        for _ in range(100):  # the worker adopts the new entry and lets the old one go
-            if await platform.r.xlen(names.inbox("w1")) == 1:
-                break
-            await asyncio.sleep(0.02)
-        assert await platform.r.xlen(names.inbox("w1")) == 1
+
+        async def one_entry() -> bool:  # the worker adopts the new entry, lets the old one go
+            return await platform.r.xlen(names.inbox("w1")) == 1
+
+        await until_async(one_entry, "one entry left in w1's inbox", 2)
         final = await wait_for(c, job_id)
     assert final["status"] == "succeeded"
     await assert_nothing_left(platform, [job_id])
@@ -375,11 +386,11 @@ async def test_a_job_run_twice_streams_and_finishes_once(
         # the duplicate would go to `first`, which holds the job and lets it go (a CI run
         # once lost that race).
         names = platform.dispatcher.names
-        for _ in range(250):
-            if await platform.r.hget(names.workers, "second") is not None:
-                break
-            await asyncio.sleep(0.02)
-        assert await platform.r.hget(names.workers, "second") is not None
+
+        async def second_beats() -> bool:
+            return await platform.r.hget(names.workers, "second") is not None
+
+        await until_async(second_beats, "the second worker's first heartbeat", 5)
         async with platform.db.session() as s:
             record = await job_repo.get_job(s, job_id)
         assert record is not None
@@ -407,7 +418,8 @@ async def test_after_a_redis_flush_a_job_a_live_worker_runs_is_not_run_again(
         await wait_for(c, job_id, ("running",))
         keys = [k async for k in platform.r.scan_iter(match=f"{platform.settings.redis_prefix}:*")]
         await platform.r.delete(*keys)  # Redis restarted empty
-        for _ in range(4):  # the reconciler runs while the worker still generates
+        # The reconciler runs while the worker still generates, past the 1 s orphan grace.
+        for _ in range(4):
             assert await reconcile(platform.settings, platform.db, platform.jobs, platform.r) == []
             await asyncio.sleep(0.4)
         final = await wait_for(c, job_id, timeout=30)
@@ -463,7 +475,7 @@ async def test_client_kill_during_hand_offs_loses_nothing(
             finally:
                 await killer.aclose()
             assert killed > 0
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the kills spread over the run, between the submissions
         finals = [await wait_for(c, i, timeout=60) for i in ids]
     assert {f["status"] for f in finals} == {"succeeded"}
     await assert_nothing_left(platform, ids)
@@ -487,7 +499,7 @@ async def test_postgres_dropping_every_connection_mid_run_loses_nothing(
         ids: list[str] = []
         for _ in range(5):
             ids += await submit(c, 4, {**CHAT, "max_tokens": 30})
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # the drops spread over the run, between the submissions
             async with platform.db.session() as s:
                 assert (await s.execute(terminate)).scalar_one() > 0
         finals = [await wait_for(c, i, timeout=60) for i in ids]
