@@ -451,7 +451,9 @@ def bench_admission(
     n: int = typer.Option(5000, min=1, help="Measured requests per phase."),
     api_workers: int = typer.Option(1, min=1, help="API processes (`tierq api --workers`)."),
     tenants: int = typer.Option(8, min=1, help="Tenants the clients are spread over."),
-    quota: bool = typer.Option(False, "--quota", help="Give each tenant a quota (exact path)."),
+    quota: bool = typer.Option(
+        False, "--quota", help="Give each tenant a quota (jobs counted first)."
+    ),
     keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the API's log."),
 ) -> None:
     """Jobs admitted per second by the real API on PostgreSQL and Redis (no engine), and

@@ -1,15 +1,18 @@
 """One contract for every job store (tierq/models/store): PostgreSQL and the SQLite file
 (tests/integration/test_job_store.py), and the in-memory one (tests/unit/test_job_store.py)
-run these same tests. A module subclasses `JobStoreContract` and gives two fixtures:
-`store`, an empty store, and `tenants`, which makes tenants that jobs may belong to; or
-`SqlJobStoreContract`, and gives `db`."""
+run these same tests. A module subclasses `JobStoreContract` and gives three fixtures:
+`store`, an empty store; `tenants`, which makes tenants that jobs may belong to; and
+`admin`, which sets what admission reads beside jobs (keys, a tenant's status, quotas,
+prices); or subclasses `SqlJobStoreContract`, and gives `db`."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from decimal import Decimal
+from typing import Any, Protocol
 
 import pytest
 
@@ -17,7 +20,10 @@ from tierq.core.ids import new_id
 from tierq.core.messages import FAULT_UNIT
 from tierq.core.states import JobStatus
 from tierq.core.tiers import Tier
+from tierq.models import prices as price_repo
+from tierq.models import quotas as quota_repo
 from tierq.models import tenants as tenant_repo
+from tierq.models.admission import Admission, Answer
 from tierq.models.db import Database
 from tierq.models.jobs import IdempotencyConflict, NewJob
 from tierq.models.records import JobRecord, Progress
@@ -27,6 +33,7 @@ from tierq.models.tables import utcnow
 MakeTenants = Callable[[int], Awaitable[list[str]]]
 
 PRICE_IN, PRICE_OUT = Decimal("2.5"), Decimal("10")  # per million tokens
+DISCOUNT = Decimal("0.5")  # the batch tier's, off the standard price
 PROGRESS = Progress((11, 12, 13, 14), "abcd", 6, "simulated:bundled:m")
 RESULT = Result("done", "length", 7, 3)
 
@@ -39,6 +46,42 @@ def tenant_maker(db: Database) -> MakeTenants:
             return [(await tenant_repo.create_tenant(s, new_id("name"))).id for _ in range(n)]
 
     return make
+
+
+class Admin(Protocol):
+    """What an operator sets that admission reads: on a database through the admin API's
+    repository functions, in memory through the store's own setters."""
+
+    async def key(self, tenant_id: str) -> str: ...
+    async def revoke(self, key_id: str) -> None: ...
+    async def suspend(self, tenant_id: str) -> None: ...
+    async def quota(self, tenant_id: str, tier: str, **limits: Any) -> None: ...
+    async def price(self, model: str, tier: Tier, input_: Decimal, output: Decimal) -> None: ...
+
+
+class SqlAdmin:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def key(self, tenant_id: str) -> str:
+        async with self.db.transaction() as s:
+            return (await tenant_repo.issue_key(s, tenant_id)).id
+
+    async def revoke(self, key_id: str) -> None:
+        async with self.db.transaction() as s:
+            await tenant_repo.revoke_key(s, key_id)
+
+    async def suspend(self, tenant_id: str) -> None:
+        async with self.db.transaction() as s:
+            await tenant_repo.update_tenant(s, tenant_id, status="suspended")
+
+    async def quota(self, tenant_id: str, tier: str, **limits: Any) -> None:
+        async with self.db.transaction() as s:
+            await quota_repo.set_quota(s, tenant_id, tier, **limits)
+
+    async def price(self, model: str, tier: Tier, input_: Decimal, output: Decimal) -> None:
+        async with self.db.transaction() as s:
+            await price_repo.set_price(s, model, tier.value, input_, output)
 
 
 def new_job(tenant_id: str, key: str | None = None, body: str = "a") -> NewJob:
@@ -57,10 +100,194 @@ def new_job(tenant_id: str, key: str | None = None, body: str = "a") -> NewJob:
     )
 
 
+def admission(
+    tenant_id: str,
+    *,
+    tier: Tier = Tier.STANDARD,
+    key_id: str | None = None,
+    key: str | None = None,
+    body: str = "a",
+    model: str = "m",
+    bound: int = 0,
+) -> Admission:
+    """An online job's admission (it reserves 10 tokens, 3 of them its output)."""
+    new = dataclasses.replace(
+        new_job(tenant_id, key, body), tier=tier, model=model, input_price=None, output_price=None
+    )
+    return Admission(new_id("job"), new, key_id, utcnow(), bound, DISCOUNT)
+
+
+def refusal(a: Admission, answer: Answer) -> quota_repo.Refusal | None:
+    """The first refusal the rule words from a store's figures (as the service does)."""
+    for quota, figures, held in answer.quotas:
+        decided = quota_repo.decide(
+            quota,
+            figures,
+            a.new.tier.value,
+            a.new.reserved_tokens,
+            answer.reserved_cost,
+            a.created_at,
+        )
+        assert (decided is None) == held  # the store and the rule agree
+        if decided is not None:
+            return decided
+    return None
+
+
 class JobStoreContract:
     @pytest.fixture
     async def tenant(self, tenants: MakeTenants) -> str:
         return (await tenants(1))[0]
+
+    async def mine(self, store: JobStore, tenant: str) -> list[JobRecord]:
+        """The tenant's unfinished jobs: what admissions wrote."""
+        return [
+            j
+            for j in await store.unfinished(utcnow() + timedelta(hours=1))
+            if j.tenant_id == tenant
+        ]
+
+    # --- admission ----------------------------------------------------------------------
+
+    async def test_an_admitted_job_is_written_at_the_price_in_force(
+        self, store: JobStore, tenant: str, admin: Admin
+    ) -> None:
+        await admin.price("m", Tier.STANDARD, Decimal("0.37"), Decimal("1.1"))
+        await admin.price("m", Tier.INTERACTIVE, Decimal("2.5"), Decimal("4"))
+        answers = {t: await store.admit(admission(tenant, tier=t), counted=False) for t in Tier}
+        for tier, answer in answers.items():
+            assert answer.job is not None and answer.status == "active", tier
+            assert answer.job.status == JobStatus.QUEUED and answer.job.tier == tier
+            assert await store.get(answer.job.id, tenant) == answer.job
+            assert await store.transitions(answer.job.id) == [("queued", None)]
+        prices = {t: (a.job.input_price, a.job.output_price) for t, a in answers.items() if a.job}
+        keep = 1 - DISCOUNT  # the batch tier without a price of its own: standard's, less it
+        assert prices == {
+            Tier.INTERACTIVE: (Decimal("2.5"), Decimal("4")),
+            Tier.STANDARD: (Decimal("0.37"), Decimal("1.1")),
+            Tier.BATCH: (Decimal("0.37") * keep, Decimal("1.1") * keep),
+        }
+        free = await store.admit(admission(tenant, model="unpriced"), counted=False)
+        assert free.job is not None and (free.job.input_price, free.job.output_price) == (0, 0)
+
+    async def test_a_replay_is_answered_first_and_writes_nothing(
+        self, store: JobStore, tenants: MakeTenants, admin: Admin
+    ) -> None:
+        """A request with an Idempotency-Key used before gets the job it made back
+        (another body: told so), before any check — a suspended tenant's retry included."""
+        mine, other = await tenants(2)
+        first = await store.admit(admission(mine, key="k"), counted=False)
+        assert first.job is not None and first.replay is None
+        again = await store.admit(admission(mine, key="k"), counted=False)
+        assert again.job is None and (again.replay, again.same_request) == (first.job.id, True)
+        changed = await store.admit(admission(mine, key="k", body="b"), counted=False)
+        assert (changed.job, changed.replay, changed.same_request) == (None, first.job.id, False)
+        await admin.suspend(mine)
+        assert (await store.admit(admission(mine, key="k"), counted=False)).replay == first.job.id
+        assert [j.id for j in await self.mine(store, mine)] == [first.job.id]
+        theirs = await store.admit(admission(other, key="k"), counted=False)  # keys per tenant
+        assert theirs.job is not None and theirs.replay is None
+
+    async def test_a_suspended_tenant_or_a_revoked_key_is_refused_with_nothing_written(
+        self, store: JobStore, tenants: MakeTenants, admin: Admin
+    ) -> None:
+        mine, other = await tenants(2)
+        key, theirs = await admin.key(mine), await admin.key(other)
+        assert (await store.admit(admission(mine, key_id=key), counted=False)).job is not None
+        await admin.revoke(key)
+        for key_id in (key, "key_unknown", theirs):  # another tenant's key is not this one's
+            refused = await store.admit(admission(mine, key_id=key_id), counted=False)
+            assert refused.job is None and refused.status == tenant_repo.REVOKED, key_id
+        await admin.suspend(mine)
+        suspended = await store.admit(admission(mine), counted=True)
+        assert suspended.job is None and suspended.status == "suspended"
+        unknown = await store.admit(admission("ten_unknown"), counted=False)
+        assert unknown.job is None and unknown.status is None
+        assert len(await self.mine(store, mine)) == 1
+
+    async def test_a_tenant_with_quotas_is_counted_first_and_others_are_not(
+        self, store: JobStore, tenant: str, admin: Admin
+    ) -> None:
+        await admin.quota(tenant, "*", max_running=2)  # the dispatcher's: not admission's
+        assert (await store.admit(admission(tenant), counted=False)).job is not None
+        await admin.quota(tenant, "batch", token_budget=100)
+        sent_back = await store.admit(admission(tenant, tier=Tier.BATCH), counted=False)
+        assert sent_back.job is None and sent_back.count_first
+        assert len(await self.mine(store, tenant)) == 1  # nothing written
+        standard = await store.admit(admission(tenant), counted=False)  # not its tier
+        assert standard.job is not None and not standard.quotas
+        counted = await store.admit(admission(tenant, tier=Tier.BATCH), counted=True)
+        assert counted.job is not None
+        [(quota, _figures, held)] = counted.quotas
+        assert (quota.tier, quota.token_budget, held) == ("batch", 100, True)
+
+    async def test_the_default_queue_bound_yields_to_a_quota_of_every_tier(
+        self, store: JobStore, tenant: str, admin: Admin
+    ) -> None:
+        answers = [await store.admit(admission(tenant, bound=3), counted=False) for _ in range(4)]
+        assert [a.job is not None for a in answers] == [True, True, True, False]
+        assert answers[-1].queued == 3 and not answers[-1].quotas
+        await admin.quota(tenant, "*", max_queued=4)
+        fourth = await store.admit(admission(tenant, bound=3), counted=True)
+        assert fourth.job is not None and fourth.queued is None
+        fifth = await store.admit(admission(tenant, bound=3), counted=True)
+        assert fifth.job is None
+        decided = refusal(admission(tenant, bound=3), fifth)
+        assert decided is not None and decided.code == "quota_exceeded"
+        assert len(await self.mine(store, tenant)) == 4
+
+    async def test_a_rate_limit_admits_exactly_its_number_of_concurrent_requests(
+        self, store: JobStore, tenant: str, admin: Admin
+    ) -> None:
+        """Ten admissions of one tenant at once against 3 requests a minute: exactly 3 are
+        written, and each refusal carries the figures the rule refuses it by."""
+        await admin.quota(tenant, "standard", requests_per_minute=3)
+        requests = [admission(tenant) for _ in range(10)]
+        answers = await asyncio.gather(*(store.admit(a, counted=True) for a in requests))
+        assert sum(a.job is not None for a in answers) == 3
+        for a, answer in zip(requests, answers, strict=True):
+            if answer.job is None:
+                decided = refusal(a, answer)
+                assert decided is not None and decided.code == "rate_limit_exceeded"
+                assert 1 <= decided.retry_after_s <= 60
+        assert len(await self.mine(store, tenant)) == 3
+
+    async def test_a_token_budget_counts_what_is_held_and_what_was_spent(
+        self, store: JobStore, tenant: str, admin: Admin
+    ) -> None:
+        """Each job reserves 10 tokens until it is billed, then counts what it used."""
+        await admin.quota(tenant, "*", token_budget=28, budget_period="day")
+        first = await store.admit(admission(tenant), counted=True)
+        second = await store.admit(admission(tenant), counted=True)
+        assert first.job is not None and second.job is not None
+        third = await store.admit(admission(tenant), counted=True)
+        assert third.job is None
+        [(_quota, figures, held)] = third.quotas
+        assert (figures.held_tokens, figures.spent_tokens, held) == (20, 0, False)
+        decided = refusal(admission(tenant), third)
+        assert decided is not None and decided.code == "budget_exceeded"
+        # Billed for 7 + 1 tokens: the budget holds 8 spent + 10 held + 10 asked, to the token.
+        assert await store.claim(first.job.id, "w1", 3) is not None
+        assert await store.finish(first.job.id, Result("done", "stop", 7, 1)) is not None
+        fourth = await store.admit(admission(tenant), counted=True)
+        assert fourth.job is not None
+        [(_quota, figures, _held)] = fourth.quotas
+        assert (figures.held_tokens, figures.spent_tokens) == (10, 8)
+
+    async def test_a_spend_budget_counts_the_most_each_waiting_job_can_cost(
+        self, store: JobStore, tenant: str, admin: Admin
+    ) -> None:
+        # 7 prompt tokens at 1 per million and 3 output tokens at 100 per million: each job
+        # reserves at most 0.000307.
+        await admin.price("m", Tier.STANDARD, Decimal(1), Decimal(100))
+        await admin.quota(tenant, "standard", spend_budget=Decimal("0.0007"))
+        answers = [await store.admit(admission(tenant), counted=True) for _ in range(3)]
+        assert [a.job is not None for a in answers] == [True, True, False]
+        assert answers[-1].reserved_cost == Decimal("0.000307")
+        [(_quota, figures, _held)] = answers[-1].quotas
+        assert figures.held_cost == Decimal("0.000614")
+        decided = refusal(admission(tenant), answers[-1])
+        assert decided is not None and decided.code == "budget_exceeded"
 
     async def queued(self, store: JobStore, tenant: str, n: int = 1) -> list[JobRecord]:
         return [(await store.create(new_job(tenant)))[0] for _ in range(n)]
@@ -328,3 +555,7 @@ class SqlJobStoreContract(JobStoreContract):
     @pytest.fixture
     def tenants(self, db: Database) -> MakeTenants:
         return tenant_maker(db)
+
+    @pytest.fixture
+    def admin(self, db: Database) -> Admin:
+        return SqlAdmin(db)

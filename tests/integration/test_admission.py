@@ -1,7 +1,10 @@
 """Admission's one round trip on PostgreSQL (tierq/models/admission.py: `tierq_admit`, for a
-tenant without quotas and, counted, for one with quotas) against the
-exact path (tierq/models/admission_exact.py, the ORM): the same jobs, prices, figures,
-refusals and idempotency, on real PostgreSQL and Redis."""
+tenant without quotas and, counted, for one with quotas), through the API and the service on
+real PostgreSQL and Redis: prices, idempotency under concurrency, refusals under the
+tenant's lock, dropped connections, and at every quota's boundary the figures and the
+decision of the rule as models.quotas states it (the statements that check a batch, and that
+SQLite's admission runs). What every store answers alike is the job store's contract
+(tests/job_store_contract.py)."""
 
 from __future__ import annotations
 
@@ -38,10 +41,13 @@ async def _job_prices(platform: Platform, job_id: str) -> tuple[Decimal | None, 
     return job.input_price, job.output_price
 
 
-async def test_the_fast_path_prices_every_tier_as_the_exact_path(platform: Platform) -> None:
+async def test_both_ways_through_the_function_price_every_tier_as_the_price_repository(
+    platform: Platform,
+) -> None:
     """A tier's own price; the batch tier without one pays the standard price less the
-    discount (computed in SQL on the fast path, in Python on the exact one); a model
-    without a price costs 0. A tenant with a quota takes the quota function: both agree."""
+    discount (computed in SQL by the function, in Python by models.prices); a model
+    without a price costs 0. A tenant without quotas and one with quotas (counted
+    first) get the same prices."""
     model = platform.settings.served_model_name
     async with admin(platform) as a:
         price = {"model": model, "input_per_million": "0.37", "output_per_million": "1.1"}
@@ -49,12 +55,12 @@ async def test_the_fast_path_prices_every_tier_as_the_exact_path(platform: Platf
         interactive = {**price, "tier": "interactive", "input_per_million": "2.50"}
         assert (await a.put("/admin/prices", json=interactive)).is_success
     _fast_tenant, fast_key = await new_tenant(platform)
-    exact_tenant, exact_key = await new_tenant(platform)
+    quota_tenant, quota_key = await new_tenant(platform)
     async with admin(platform) as a:
         quota = {"requests_per_minute": 1000}
-        assert (await a.put(f"/admin/tenants/{exact_tenant}/quota", json=quota)).is_success
+        assert (await a.put(f"/admin/tenants/{quota_tenant}/quota", json=quota)).is_success
     seen: dict[str, dict[str, tuple[Decimal | None, Decimal | None]]] = {}
-    for path, key in (("fast", fast_key), ("quotas", exact_key)):
+    for path, key in (("fast", fast_key), ("quotas", quota_key)):
         before = _statements("quotas")
         async with client(platform.url, key) as c:
             for tier in ("interactive", "standard", "batch"):
@@ -206,7 +212,7 @@ async def test_concurrent_requests_with_one_key_get_its_job_whatever_the_quota(
             *(
                 store.admit(
                     admission.Admission(f"job_key_{i}", new, None, utcnow(), 0, Decimal(0)),
-                    exact=True,
+                    counted=True,
                 )
                 for i, store in enumerate(stores)
             )
@@ -234,16 +240,16 @@ async def test_an_uncounted_reservation_is_sent_back_with_nothing_written(
     def request() -> admission.Admission:
         return admission.Admission(f"job_{utcnow().timestamp()}", new, None, utcnow(), 0, 0)
 
-    sent_back = await platform.jobs.admit(request(), exact=False)
+    sent_back = await platform.jobs.admit(request(), counted=False)
     assert sent_back.count_first and sent_back.job is None
     async with platform.db.session() as s:
         assert await job_repo.tenant_job_counts(s, tenant_id) == {}
-    counted = await platform.jobs.admit(request(), exact=True)
+    counted = await platform.jobs.admit(request(), counted=True)
     assert counted.job is not None and not counted.count_first
     async with admin(platform) as a:
         resp = await a.post(f"/admin/tenants/{tenant_id}/suspend")
         assert resp.is_success, resp.text
-    refused = await platform.jobs.admit(request(), exact=False)
+    refused = await platform.jobs.admit(request(), counted=False)
     assert not refused.count_first and refused.status == "suspended"
 
 
@@ -341,11 +347,11 @@ def _boundary(limit: str, figures: quota_repo.Figures, reserved: int, cost: Deci
 
 @pytest.mark.parametrize("scope", ["*", "standard"])
 @pytest.mark.parametrize("limit", LIMITS)
-async def test_the_quota_function_reads_and_decides_as_the_orm_path_at_every_boundary(
+async def test_the_quota_function_reads_and_decides_as_models_quotas_at_every_boundary(
     platform: Platform, limit: str, scope: str
 ) -> None:
     """For each limit, in each scope, at its boundary and one past it: `tierq_admit` reads
-    the same figures as the ORM path (models.quotas), and admits exactly when the ORM rule
+    the same figures as models.quotas' statements, and admits exactly when the rule
     (models.quotas.decide) does."""
     tenant_id = await _tenant_with_history(platform)
     settings = platform.settings
@@ -384,20 +390,20 @@ async def test_the_quota_function_reads_and_decides_as_the_orm_path_at_every_bou
         async with platform.db.transaction() as s:
             limits = {field: None for field in LIMITS} | {limit: value}
             quota = await quota_repo.set_quota(s, tenant_id, scope, **limits, **period)
-            orm = await quota_repo.check(s, quota, "standard", 300, cost, now=now)
-            orm_figures = await quota_repo.read_figures(s, quota, now, online=True)
-        assert (orm is None) == admits
+            rule = await quota_repo.check(s, quota, "standard", 300, cost, now=now)
+            rule_figures = await quota_repo.read_figures(s, quota, now, online=True)
+        assert (rule is None) == admits
         outcome = await platform.jobs.admit(
             admission.Admission(
                 f"job_{limit}_{admits}_{tenant_id[-6:]}", new, None, now, 0, settings.batch_discount
             ),
-            exact=True,
+            counted=True,
         )
         assert (outcome.job is not None) == admits
         assert outcome.reserved_cost == cost
         [(read, read_figures, held)] = outcome.quotas
         assert read == quota
         assert held == admits
-        assert read_figures == orm_figures
+        assert read_figures == rule_figures
         decided = quota_repo.decide(read, read_figures, "standard", 300, cost, now)
-        assert decided == orm
+        assert decided == rule

@@ -1,8 +1,8 @@
-"""Which way `services.admission.submit` admits on the embedded SQLite file, against real
-Redis: a plain request and one with an Idempotency-Key (its replay answered, another body
-refused) by the writer's one hop (path "fast"), a tenant with quotas by the exact ORM path,
-a suspended tenant refused with nothing written — and every admitted job on its tier's
-stream."""
+"""`services.admission.submit` on the embedded SQLite file, against real Redis: a plain
+request and one with an Idempotency-Key (its replay answered, another body refused) in one
+hop to the writer uncounted (path "fast"); a tenant with quotas sent back once to be counted
+by the tokenizer, then counted first (path "quotas") and refused by its limit; a suspended
+tenant refused with nothing written — and every admitted job on its tier's stream."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     env: tuple[Database, aioredis.Redis, RedisNames, SqlJobStore],
 ) -> None:
     db, r, names, jobs = env
-    assert jobs.admits_in_one_hop and not jobs.admits_in_one_call
+    assert jobs._local is not None  # the writer thread's one hop
     settings = Settings(database_url=str(db.url))
     body = JobCreate.model_validate(CHAT)
     queue = Enqueuer(r, names)
@@ -79,9 +79,9 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
         return job.id
 
     plain = await _tenant(db)
-    fast, exact = _path("fast"), _path("exact")
+    fast, quotas = _path("fast"), _path("quotas")
     await submit(plain)
-    assert (_path("fast"), _path("exact")) == (fast + 1, exact)
+    assert (_path("fast"), _path("quotas")) == (fast + 1, quotas)
     # An Idempotency-Key: the one hop too, which answers a replay as the same job and
     # refuses another body with the key.
     keyed = await submit(plain, "k-1")
@@ -91,13 +91,15 @@ async def test_each_request_takes_its_path_and_lands_on_the_stream(
     with pytest.raises(Refused) as reused:
         await admission.submit(jobs, queue, settings, plain, other, "k-1")
     assert (reused.value.status, reused.value.code) == (409, "idempotency_key_reused")
-    assert (_path("fast"), _path("exact")) == (fast + 4, exact)
+    assert (_path("fast"), _path("quotas")) == (fast + 4, quotas)
 
     limited = await _tenant(db)
     async with db.transaction() as s:
         await quota_repo.set_quota(s, limited.id, "*", requests_per_minute=2)
-    await submit(limited)  # the fast path finds the quota, the exact path admits
-    await submit(limited)
+    await submit(limited)  # sent back to be counted, then admitted
+    assert (_path("fast"), _path("quotas")) == (fast + 5, quotas + 1)
+    await submit(limited)  # counted first: its quotas were seen a moment ago
+    assert (_path("fast"), _path("quotas")) == (fast + 5, quotas + 2)
     with pytest.raises(Refused) as refused:
         await submit(limited)
     assert (refused.value.status, refused.value.code) == (429, "rate_limit_exceeded")

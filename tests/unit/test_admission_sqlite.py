@@ -1,8 +1,8 @@
-"""Admission's fast path on an SQLite file (tierq/models/admission_sqlite.py): one transaction
-on a thread of its own, answering as `tierq_admit` does on PostgreSQL for a tenant without
-quotas — the same prices as the ORM path, the tenant's status and the key's as of its transaction,
-quotas and the queue bound sent back to the exact path with nothing written — and the
-rows it writes read back by the ORM exactly as it answered them."""
+"""Admission on an SQLite file (tierq/models/admission_sqlite.py) as only SQLite does it: one
+transaction on a thread of its own, whose writes share commits; the rows it writes read back
+by the ORM exactly as it answered them, at the prices the ORM finds; the queue bound under a
+burst. What every store answers alike (replays, refusals, quotas) is the job store's
+contract (tests/job_store_contract.py)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,11 @@ from tierq.models import jobs as job_repo
 from tierq.models import prices as price_repo
 from tierq.models import quotas as quota_repo
 from tierq.models import tenants as tenant_repo
-from tierq.models.admission import Admission
-from tierq.models.admission_sqlite import Outcome
+from tierq.models.admission import Admission, Answer
 from tierq.models.db import Database, LocalWriter, Unavailable
 from tierq.models.records import JobRecord
 from tierq.models.store import SqlJobStore
-from tierq.models.tables import utcnow
+from tierq.models.tables import Base, utcnow
 
 MODEL = "m"
 DISCOUNT = Decimal("0.5")
@@ -75,9 +74,9 @@ async def _admit(
     key_id: str | None,
     tier: Tier = Tier.STANDARD,
     bound: int = 0,
-) -> Outcome:
+) -> Answer:
     request = Admission(new_id("job"), _new(tenant_id, tier), key_id, utcnow(), bound, DISCOUNT)
-    return await admission_sqlite.admit(local, request)
+    return await admission_sqlite.admit(local, request, counted=False)
 
 
 async def _one_group(local: LocalWriter, *writes: Awaitable[Any]) -> list[Any]:
@@ -125,67 +124,9 @@ async def test_admitted_jobs_read_back_as_answered_at_the_prices_of_the_orm_path
         other = await tenant_repo.create_tenant(s, "other")
     unpriced = dataclasses.replace(_new(other.id), model="x")
     free = await admission_sqlite.admit(
-        local, Admission(new_id("job"), unpriced, None, utcnow(), 0, DISCOUNT)
+        local, Admission(new_id("job"), unpriced, None, utcnow(), 0, DISCOUNT), counted=False
     )
     assert free.job is not None and (free.job.input_price, free.job.output_price) == (0, 0)
-    await _close(db, local)
-
-
-async def test_a_replay_is_answered_first_and_writes_nothing(tmp_path: Path) -> None:
-    """A request with an Idempotency-Key used before gets the job it made back (another
-    body: told so), before any check — a suspended tenant's retry included — and nothing
-    more is written."""
-    db, local = await _database(tmp_path)
-    tenant_id, key_id = await _tenant(db)
-
-    async def keyed(body: str) -> Outcome:
-        new = dataclasses.replace(_new(tenant_id), idempotency_key="k", request_hash=body)
-        return await admission_sqlite.admit(
-            local, Admission(new_id("job"), new, key_id, utcnow(), 0, DISCOUNT)
-        )
-
-    first = await keyed("a")
-    assert first.job is not None and first.replay is None
-    again = await keyed("a")
-    assert again.job is None and (again.replay, again.same_request) == (first.job.id, True)
-    other = await keyed("b")
-    assert other.job is None and (other.replay, other.same_request) == (first.job.id, False)
-    async with db.transaction() as s:
-        await tenant_repo.update_tenant(s, tenant_id, status="suspended")
-    assert (await keyed("a")).replay == first.job.id
-    assert await _counts(db, tenant_id) == {("standard", "queued"): 1}
-    await _close(db, local)
-
-
-async def test_a_suspended_tenant_a_revoked_key_and_quotas_write_nothing(
-    tmp_path: Path,
-) -> None:
-    db, local = await _database(tmp_path)
-    tenant_id, key_id = await _tenant(db)
-    async with db.transaction() as s:
-        await tenant_repo.revoke_key(s, key_id)
-    revoked = await _admit(local, tenant_id, key_id)
-    assert revoked.job is None and revoked.status == tenant_repo.REVOKED
-    unknown = await _admit(local, tenant_id, "key_unknown")
-    assert unknown.job is None and unknown.status == tenant_repo.REVOKED
-    async with db.transaction() as s:
-        await tenant_repo.update_tenant(s, tenant_id, status="suspended")
-    suspended = await _admit(local, tenant_id, None)
-    assert suspended.job is None and suspended.status == "suspended"
-    missing = await _admit(local, "ten_missing", None)
-    assert missing.job is None and missing.status is None
-    assert await _counts(db, tenant_id) == {}
-
-    limited, _key = await _tenant(db)
-    async with db.transaction() as s:  # max_running alone is the dispatcher's: not here
-        await quota_repo.set_quota(s, limited, "*", max_running=2)
-    assert (await _admit(local, limited, None)).job is not None
-    async with db.transaction() as s:
-        await quota_repo.set_quota(s, limited, "batch", token_budget=100)
-    sent_back = await _admit(local, limited, None, Tier.BATCH)
-    assert sent_back.job is None and sent_back.quotas and sent_back.status == "active"
-    assert (await _admit(local, limited, None, Tier.STANDARD)).job is not None  # not its tier
-    assert await _counts(db, limited) == {("standard", "queued"): 2}
     await _close(db, local)
 
 
@@ -246,7 +187,7 @@ async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alo
 
     def admit_then_raise(conn: Connection) -> None:
         doomed = Admission("job_doomed", _new(tenant_id), None, utcnow(), 0, DISCOUNT)
-        admission_sqlite._admit(conn, doomed)
+        admission_sqlite.admit_in(conn, doomed, False)
         raise Boom
 
     commits = 0
@@ -258,7 +199,7 @@ async def test_a_burst_shares_commits_and_a_write_that_raises_is_rolled_back_alo
     )
     assert commits == 1  # one group, one transaction
     assert isinstance(results[1], Boom)
-    assert all(isinstance(r, Outcome) and r.job is not None for r in (results[0], results[2]))
+    assert all(isinstance(r, Answer) and r.job is not None for r in (results[0], results[2]))
     async with db.session() as s:
         assert await job_repo.get_job(s, "job_doomed") is None
     assert await _counts(db, tenant_id) == {("standard", "queued"): 66}
@@ -291,18 +232,33 @@ async def test_a_group_sqlite_rolled_back_whole_answers_every_write_with_the_err
     await _close(db, local)
 
 
-async def test_a_closed_writer_refuses_at_once_and_memory_databases_have_none(
-    tmp_path: Path,
-) -> None:
+async def test_a_closed_writer_refuses_at_once(tmp_path: Path) -> None:
     db, local = await _database(tmp_path)
     tenant_id, _key = await _tenant(db)
     await _close(db, local)
     for _ in range(2):  # neither waits forever
         with pytest.raises(Unavailable):
             await asyncio.wait_for(_admit(local, tenant_id, None), 5)
+
+
+async def test_an_in_memory_database_admits_by_the_same_statements_without_a_writer() -> None:
+    """An in-memory database is one per connection: no writer thread opens it beside the
+    engine, and the store runs the same rule in the engine's own transaction."""
     for url in ("sqlite+aiosqlite://", "sqlite+aiosqlite:///:memory:"):
         memory = Database(url)
-        store = SqlJobStore(memory)  # no file a second connection would open
-        assert not store.admits_in_one_hop and store._local is None
+        async with memory.engine.begin() as conn:
+            await conn.run_sync(Base.metadata.create_all)
+        async with memory.transaction() as s:
+            tenant = await tenant_repo.create_tenant(s, "t")
+            await quota_repo.set_quota(s, tenant.id, "*", requests_per_minute=1)
+        store = SqlJobStore(memory)
+        assert store._local is None
+        request = Admission(new_id("job"), _new(tenant.id), None, utcnow(), 0, DISCOUNT)
+        assert (await store.admit(request, counted=False)).count_first
+        admitted = await store.admit(request, counted=True)
+        assert admitted.job is not None and await store.get(admitted.job.id) == admitted.job
+        again = dataclasses.replace(request, job_id=new_id("job"))
+        refused = await store.admit(again, counted=True)
+        assert refused.job is None and [held for *_, held in refused.quotas] == [False]
         await store.close()
         await memory.close()

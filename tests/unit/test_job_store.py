@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import AsyncIterator
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.job_store_contract import JobStoreContract, MakeTenants, SqlJobStoreContract
+from tests.job_store_contract import Admin, JobStoreContract, MakeTenants, SqlJobStoreContract
 from tierq import migrations
 from tierq.core.ids import new_id
+from tierq.core.tiers import Tier
 from tierq.models.db import Database
-from tierq.models.store import JobStore, MemoryJobStore
+from tierq.models.store import MemoryJobStore
 
 
 @pytest.fixture(scope="session")
@@ -28,17 +31,43 @@ def migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class TestMemoryJobStore(JobStoreContract):
     @pytest.fixture
-    async def store(self) -> AsyncIterator[JobStore]:
+    async def store(self) -> AsyncIterator[MemoryJobStore]:
         store = MemoryJobStore()
         yield store
         await store.close()
 
     @pytest.fixture
-    def tenants(self) -> MakeTenants:
+    def tenants(self, store: MemoryJobStore) -> MakeTenants:
         async def make(n: int) -> list[str]:
-            return [new_id("ten") for _ in range(n)]
+            return [store.add_tenant(new_id("ten")) for _ in range(n)]
 
         return make
+
+    @pytest.fixture
+    def admin(self, store: MemoryJobStore) -> Admin:
+        return MemoryAdmin(store)
+
+
+class MemoryAdmin:
+    """`Admin` on the in-memory store: its own setters."""
+
+    def __init__(self, store: MemoryJobStore) -> None:
+        self.store = store
+
+    async def key(self, tenant_id: str) -> str:
+        return self.store.add_key(tenant_id)
+
+    async def revoke(self, key_id: str) -> None:
+        self.store.revoke_key(key_id)
+
+    async def suspend(self, tenant_id: str) -> None:
+        self.store.set_tenant_status(tenant_id, "suspended")
+
+    async def quota(self, tenant_id: str, tier: str, **limits: Any) -> None:
+        self.store.set_quota(tenant_id, tier, **limits)
+
+    async def price(self, model: str, tier: Tier, input_: Decimal, output: Decimal) -> None:
+        self.store.set_price(model, tier, input_, output)
 
 
 class TestSqliteJobStore(SqlJobStoreContract):

@@ -1,14 +1,18 @@
-"""Admission on PostgreSQL: one call of `tierq_admit` (tierq/migrations/sql/0016_tierq_admit.sql)
-admits a job, in its own implicit transaction on a raw connection (models.db.RawPool): the
-replay of an Idempotency-Key, the tenant's status and the key's under the tenant's lock,
-the default queue bound, every quota that applies (under the exclusive lock, against a
-reservation counted by the tokenizer), the price in force, and the job's row and first
-transition — the rule stated once on this backend. The function words nothing: a refusal
-is worded from the figures it sends back by `models.quotas.decide`, the rule the ORM path
-(tierq/models/admission_exact.py) checks on SQLite.
+"""Admission's values, and admission on PostgreSQL.
 
-Also here: `Admission`, one admission as every way in takes it (this function, SQLite's
-writer, the ORM path), and what they share in reading their answers.
+`Admission` is one admission as every store takes it (`JobStore.admit`): the request, the
+key it came with, the job's id and time, and the settings its checks read. `Answer` is what
+every store answers: the job, or what refused it with the figures each quota was checked
+against, which the caller words by the rule `models.quotas.decide` states
+(tierq/services/admission.py).
+
+On PostgreSQL one call of `tierq_admit` (tierq/migrations/sql/0016_tierq_admit.sql) admits a
+job, in its own implicit transaction on a raw connection (models.db.RawPool): the replay of
+an Idempotency-Key, the tenant's status and the key's under the tenant's lock, the default
+queue bound, every quota that applies (under the exclusive lock, against a reservation
+counted by the tokenizer), the price in force, and the job's row and first transition —
+the rule stated once on this backend, as tierq/models/admission_sqlite.py states it on
+SQLite and tierq/models/store/memory.py in memory.
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ from tierq.models.tenants import REVOKED
 
 @dataclass(frozen=True)
 class Admission:
-    """One admission as every fast way in takes it (PostgreSQL's statement and function,
-    SQLite's writer): the request, the key it came with, the job's id and time, and the
-    settings its checks read."""
+    """One admission as every store takes it: the request, the key it came with, the job's
+    id and time (`created_at`, also when its quotas' figures are read), and the settings
+    its checks read."""
 
     job_id: str
     new: NewJob
@@ -47,14 +51,14 @@ class Admission:
 def _admitted(
     new: NewJob, job_id: str, input_price: str, output_price: str, created_at: datetime
 ) -> JobRecord:
-    """The record of the job either way in inserted, at the prices it found (as text)."""
+    """The record of the job the function inserted, at the prices it found (as text)."""
     priced = replace(new, input_price=Decimal(input_price), output_price=Decimal(output_price))
     return jobs.new_record(priced, job_id, created_at)
 
 
 def status_as_read(tenant_status: str | None, key_ok: bool) -> str | None:
     """The tenant's status as read under its lock, or REVOKED for the request's key (as
-    models.tenants.lock_tenant answers on the ORM path); None: no such tenant."""
+    models.tenants.lock_tenant answers); None: no such tenant."""
     return REVOKED if tenant_status is not None and not key_ok else tenant_status
 
 
@@ -87,13 +91,15 @@ def _job_args(a: Admission) -> tuple[Any, ...]:
 
 @dataclass(frozen=True)
 class Answer:
-    """What `tierq_admit` answered. `job` is set when it admitted one. Otherwise, in the
-    order it looks: `replay`, the job an Idempotency-Key made before (`same_request`: with
-    this request's body); `count_first`, quotas apply and the reservation must be counted
-    by the tokenizer first (nothing was locked or written); the tenant's status (None: no
-    such tenant) and the key's; the default queue bound (`queued` is None where it did not
-    apply); each quota that applies, with the figures it was checked against and whether
-    it held."""
+    """What a store answered (PostgreSQL: what `tierq_admit` did). `job` is set when it
+    admitted one. Otherwise, in the order every store looks: `replay`, the job an
+    Idempotency-Key made before (`same_request`: with this request's body); the tenant's
+    status (None: no such tenant) and the key's; `count_first`, quotas apply and the
+    reservation must be counted by the tokenizer first (nothing was written); the default
+    queue bound (`queued`, the tenant's waiting jobs as far as counted; None where the
+    bound did not apply); each quota that applies, with the figures it was checked against
+    and whether it held, up to the first that did not (`reserved_cost`: the most the job
+    can cost, what spend budgets were checked against)."""
 
     job: JobRecord | None
     tenant_status: str | None = None
@@ -115,9 +121,9 @@ class Answer:
 ADMIT = "SELECT tierq_admit(" + ", ".join(f"${i}" for i in range(1, 21)) + ")::text AS outcome"
 
 
-async def admit(pool: RawPool, a: Admission, exact: bool) -> Answer:
-    """One round trip: the module's docstring. `exact`: the reservation was counted by the
-    served model's tokenizer (else a tenant with quotas is answered `count_first`)."""
+async def admit(pool: RawPool, a: Admission, counted: bool) -> Answer:
+    """One round trip: the module's docstring. `counted`: the reservation was counted by
+    the served model's tokenizer (else a tenant with quotas is answered `count_first`)."""
     day, month, _total = period_keys(a.created_at)
     row = await pool.fetchrow(
         ADMIT,
@@ -126,7 +132,7 @@ async def admit(pool: RawPool, a: Admission, exact: bool) -> Answer:
         day,
         month,
         quota_repo.BILLING_GRACE,
-        exact,
+        counted,
     )
     found = json.loads(row["outcome"])
     if "replay" in found:

@@ -1,87 +1,72 @@
-"""Admission's fast path on the embedded SQLite database: one transaction, one thread hop.
+"""Admission on the embedded SQLite database: the whole rule in one transaction, one thread
+hop.
 
 aiosqlite runs each statement on its connection's thread: a statement is a hop there and
-back, and the exact path (tierq/models/admission_exact.py: a session, the ORM) makes nine of them
-while it holds SQLite's one write lock. On an idle machine a hop costs microseconds; beside
-the CPU engine, which keeps every core busy, each hop waits for a core, so a burst of
-admissions holds the lock, one after another, for as many waits: its last job starts that
-much after its first (`tierq bench overhead` measures it against the engine alone).
+back, and an ORM session's admission makes about nine of them while it holds SQLite's one
+write lock. On an idle machine a hop costs microseconds; beside the CPU engine, which keeps
+every core busy, each hop waits for a core, so a burst of admissions holds the lock, one
+after another, for as many waits: its last job starts that much after its first (`tierq
+bench overhead` measures it against the engine alone).
 
-Here the checks `tierq_admit` makes on PostgreSQL (tierq/models/admission.py) run for a
-tenant without quotas for the job's tier, a replay of an Idempotency-Key answered first
-(a tenant with quotas takes the exact path, tierq/models/admission_exact.py), in one `BEGIN
-IMMEDIATE` transaction on a connection of their own, on one thread of their own: one hop per
+So the rule runs as synchronous statements (`admit_in`) in one `BEGIN IMMEDIATE`
+transaction on a connection and a thread of their own (models.db.LocalWriter): one hop per
 admission, and the admissions that arrive while one transaction runs share the next one's
-COMMIT (models.db.LocalWriter: under load the WAL's fsync is most of what a commit costs).
+COMMIT (under load the WAL's fsync is most of what a commit costs). In the order
+`tierq_admit` takes on PostgreSQL (tierq/models/admission.py): a replay of an
+Idempotency-Key is answered first (no quota is charged twice); the tenant's status and the
+key's; a tenant with quotas for the tier is sent back to have its reservation counted by
+the tokenizer first, unless it was; the default queue bound; the price in force; every
+quota that applies, each against the figures `models.quotas.figures` reads and by the rule
+`models.quotas.decide` states; then the job's row and its first transition.
+
 SQLite's write lock, taken at BEGIN, is what PostgreSQL's row locks are there: every read
 after it sees every commit before it, and nothing commits beside it, so a suspension or a
-revocation that committed first refuses the job, one that comes later waits for it. Nothing
-is written unless the job is admitted; the job's row and its transition are committed when
-`admit` returns. The statements are SQLAlchemy Core on the synchronous pysqlite dialect, so
-that values are stored exactly as the ORM path stores them (Money as text, datetimes, JSON),
-built once with bound parameters (`_statements`).
+revocation that committed first refuses the job, one that comes later waits for it, and a
+tenant's admissions are checked against its quotas one at a time. Nothing is written unless
+the job is admitted; the job's row and its transition are committed when `admit` returns.
+The statements are SQLAlchemy Core on the synchronous pysqlite dialect, so that values are
+stored exactly as the ORM stores them (Money as text, datetimes, JSON), built once with
+bound parameters (`_statements`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from decimal import Decimal
 from functools import cache
 
 from sqlalchemy import (
     BindParameter,
     Connection,
-    Integer,
     bindparam,
-    exists,
-    func,
     insert,
     inspect,
-    literal,
     or_,
     select,
 )
 from sqlalchemy.sql.expression import Executable
 
-from tierq.core.states import JobStatus
+from tierq.core.messages import output_bound
+from tierq.core.states import TenantStatus
 from tierq.core.tiers import Tier
 from tierq.models import jobs, prices
 from tierq.models import quotas as quota_repo
-from tierq.models.admission import Admission, status_as_read
+from tierq.models.admission import Admission, Answer
 from tierq.models.db import LocalWriter
-from tierq.models.records import JobRecord
 from tierq.models.tables import ApiKey, Job, JobTransition, Quota, Tenant
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What the transaction found. `job` is set when it admitted one; otherwise the first
-    reason not to: a replay of an Idempotency-Key (`replay`, the job it made), the
-    tenant's status (None: no such tenant), the key's, quotas that apply (take the exact
-    path), or the queue bound."""
-
-    job: JobRecord | None
-    tenant_status: str | None
-    key_ok: bool
-    quotas: bool
-    queued: int
-    replay: str | None = None  # the job the request's Idempotency-Key made before
-    same_request: bool = True  # ...for a request with this body
-
-    @property
-    def status(self) -> str | None:
-        return status_as_read(self.tenant_status, self.key_ok)
+async def admit(local: LocalWriter, a: Admission, counted: bool) -> Answer:
+    """Admission on an SQLite file, in one hop to its writer thread: the module's
+    docstring. `counted`: the reservation was counted by the served model's tokenizer
+    (else a tenant with quotas is answered `count_first`)."""
+    return await local.run(admit_in, a, counted)
 
 
-async def admit(local: LocalWriter, a: Admission) -> Outcome:
-    """What `tierq_admit` answers on PostgreSQL for a tenant without quotas, in one hop to
-    the SQLite file's writer thread."""
-    return await local.run(_admit, a)
-
-
-def _admit(conn: Connection, a: Admission) -> Outcome:
-    """In the writer's transaction (LocalWriter: BEGIN IMMEDIATE, SQLite's write lock,
-    held since before the first read)."""
+def admit_in(conn: Connection, a: Admission, counted: bool) -> Answer:
+    """The rule, in the caller's transaction on `conn`: the writer's (LocalWriter: BEGIN
+    IMMEDIATE, SQLite's write lock, held since before the first read), or an in-memory
+    database's session's (tierq/models/store/sql.py)."""
     new, default_max_queued = a.new, a.default_max_queued
     q = _statements()
     tier = new.tier.value
@@ -92,36 +77,58 @@ def _admit(conn: Connection, a: Admission) -> Outcome:
         made = conn.execute(q.replay, {**tenant, "key": new.idempotency_key}).one_or_none()
         if made is not None:
             same = made.request_hash == new.request_hash
-            return Outcome(None, None, True, False, 0, replay=made.id, same_request=same)
+            return Answer(None, replay=made.id, same_request=same)
     status = conn.execute(q.tenant_status, tenant).scalar_one_or_none()
     key_ok = True
     if a.key_id is not None:
         key = conn.execute(q.key_revoked, {**tenant, "key_id": a.key_id}).one_or_none()
         key_ok = key is not None and key[0] is None
-    quotas = bool(conn.execute(q.quotas, {**tenant, "tier": tier}).scalar())
-    cap = {**tenant, "cap": default_max_queued}
-    queued = int(conn.execute(q.queued, cap).scalar() or 0)
-    admitted = (
-        status == "active"
-        and key_ok
-        and not quotas
-        and (default_max_queued == 0 or queued < default_max_queued)
-    )
-    if not admitted:
-        return Outcome(None, status, key_ok, quotas, queued)
+    if status != TenantStatus.ACTIVE.value or not key_ok:
+        return Answer(None, tenant_status=status, key_ok=key_ok)
+    quotas = [
+        quota_repo.QuotaRecord(*row)
+        for row in conn.execute(q.quotas, {**tenant, "tier": tier}).all()
+    ]
+    if quotas and not counted:
+        return Answer(None, tenant_status=status, count_first=True)
+    queued = None
+    # The default bound on what one tenant may leave waiting, where no quota of every tier
+    # bounds it: all a bound needs is whether the tenant has that many waiting.
+    if default_max_queued > 0 and not any(
+        quota.tier == quota_repo.ALL_TIERS and quota.max_queued is not None for quota in quotas
+    ):
+        queued = quota_repo.queued_jobs(
+            conn, new.tenant_id, quota_repo.ALL_TIERS, cap=default_max_queued
+        )
+        if queued >= default_max_queued:
+            return Answer(None, tenant_status=status, queued=queued)
     price_in, price_out = _price(conn, q, new.model, new.tier, a.batch_discount)
+    cost = quota_repo.reservation_cost(
+        new.reserved_tokens, output_bound(new.params), price_in, price_out
+    )
+    checked = []
+    for quota in quotas:
+        figures = quota_repo.figures(conn, quota, a.created_at, online=True)
+        held = (
+            quota_repo.decide(quota, figures, tier, new.reserved_tokens, cost, a.created_at) is None
+        )
+        checked.append((quota, figures, held))
+        if not held:
+            return Answer(
+                None, tenant_status=status, queued=queued, quotas=checked, reserved_cost=cost
+            )
     priced = replace(new, input_price=price_in, output_price=price_out)
     values = jobs.row_values(priced, a.job_id, a.created_at)
     conn.execute(q.insert_job, {q.job_columns[name]: value for name, value in values.items()})
     conn.execute(
         q.insert_transition, {"job_id": a.job_id, "status": values["status"], "at": a.created_at}
     )
-    return Outcome(
+    return Answer(
         jobs.new_record(priced, a.job_id, a.created_at),
-        status,
-        key_ok,
-        quotas,
-        queued,
+        tenant_status=status,
+        queued=queued,
+        quotas=checked,
+        reserved_cost=cost,
     )
 
 
@@ -153,7 +160,6 @@ class _Statements:
     tenant_status: Executable
     key_revoked: Executable
     quotas: Executable
-    queued: Executable
     latest_price: Executable
     insert_job: Executable
     insert_transition: Executable
@@ -162,20 +168,14 @@ class _Statements:
     job_columns: dict[str, str]
 
 
+# QuotaRecord's fields, in its order: a row of `quotas` is one.
+_QUOTA_FIELDS = tuple(f.name for f in fields(quota_repo.QuotaRecord))
+
+
 @cache
 def _statements() -> _Statements:
     tenant_id: BindParameter[str] = bindparam("tenant_id")
     limited = or_(*(getattr(Quota, f).is_not(None) for f in quota_repo.ADMISSION_FIELDS))
-    waiting = (
-        select(literal(1))
-        .where(
-            Job.tenant_id == tenant_id,
-            Job.status == JobStatus.QUEUED.value,
-            Job.batch_id.is_(None),
-        )
-        .limit(bindparam("cap", type_=Integer))
-        .subquery()
-    )
     latest = prices.latest_query(bindparam("model"), bindparam("tier"))
     return _Statements(
         replay=select(Job.id, Job.request_hash).where(
@@ -185,14 +185,13 @@ def _statements() -> _Statements:
         key_revoked=select(ApiKey.revoked_at).where(
             ApiKey.id == bindparam("key_id"), ApiKey.tenant_id == tenant_id
         ),
-        quotas=select(
-            exists().where(
-                Quota.tenant_id == tenant_id,
-                or_(Quota.tier == quota_repo.ALL_TIERS, Quota.tier == bindparam("tier")),
-                limited,
-            )
-        ),
-        queued=select(func.count()).select_from(waiting),
+        quotas=select(*(getattr(Quota, f) for f in _QUOTA_FIELDS))
+        .where(
+            Quota.tenant_id == tenant_id,
+            or_(Quota.tier == quota_repo.ALL_TIERS, Quota.tier == bindparam("tier")),
+            limited,
+        )
+        .order_by(Quota.tier),
         latest_price=latest,
         insert_job=insert(Job),
         insert_transition=insert(JobTransition),

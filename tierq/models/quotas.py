@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import Connection, and_, func, literal, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tierq.core import clock
@@ -186,14 +186,17 @@ def decide(
     online: bool = True,
 ) -> Refusal | None:
     """The first limit of `quota` that admitting this job would break, or None. The rule
-    itself, in one place: the ORM path (`check`) and PostgreSQL's admission function
-    (`tierq_admit`, tierq/migrations/sql/0016_tierq_admit.sql, which compares the same
-    figures the same way) both word their refusals here."""
+    itself, in one place: a batch's check (`check`), SQLite's and the in-memory store's
+    admission judge by it, PostgreSQL's admission function (`tierq_admit`,
+    tierq/migrations/sql/0016_tierq_admit.sql) compares the same figures the same way, and
+    every refusal is worded here."""
     scope = f" for the {tier} tier" if quota.tier != ALL_TIERS else ""
     if online and (quota.requests_per_minute is not None or quota.tokens_per_minute is not None):
         wait = 1
         if figures.minute_oldest is not None:
-            wait = max(1, math.ceil(60 - (now - figures.minute_oldest).total_seconds()))
+            # Never past the window: admissions racing this one may be stamped after it.
+            elapsed = (now - figures.minute_oldest).total_seconds()
+            wait = min(60, max(1, math.ceil(60 - elapsed)))
         if (
             quota.requests_per_minute is not None
             and figures.minute_requests >= quota.requests_per_minute
@@ -251,7 +254,7 @@ async def check(
     online: bool = True,
     now: datetime | None = None,
 ) -> Refusal | None:
-    """The first limit of `quota` that admitting this job would break, or None (read in
+    """The first limit of `quota` that admitting this work would break, or None (read in
     the caller's transaction, after the tenant's lock)."""
     now = now or clock.utcnow()
     return decide(
@@ -268,38 +271,39 @@ async def check(
 async def read_figures(
     s: AsyncSession, quota: QuotaRecord, now: datetime, *, online: bool
 ) -> Figures:
-    """The figures `quota`'s limits need, and only those."""
+    """`figures`, in an async session's transaction."""
+    return await s.run_sync(lambda ss: figures(ss.connection(), quota, now, online=online))
+
+
+def figures(conn: Connection, quota: QuotaRecord, now: datetime, *, online: bool) -> Figures:
+    """The figures `quota`'s limits need, and only those. Synchronous, so that SQLite's
+    admission reads them on its writer's thread (tierq/models/admission_sqlite.py) and an
+    async session through `run_sync` (`read_figures`): one statement of each read."""
     tenant, tier = quota.tenant_id, quota.tier
     minute: tuple[int, int, datetime | None] = (0, 0, None)
     if online and (quota.requests_per_minute is not None or quota.tokens_per_minute is not None):
-        minute = await _minute_window(s, tenant, tier, now)
+        minute = _minute_window(conn, tenant, tier, now)
     queued = 0
     if online and quota.max_queued is not None:
-        queued = await _queued(s, tenant, tier)
+        queued = queued_jobs(conn, tenant, tier)
     held: tuple[int, Decimal] = (0, Decimal(0))
     used: tuple[int, Decimal] = (0, Decimal(0))
     if quota.token_budget is not None or quota.spend_budget is not None:
         # Reserved work first, spend after: on PostgreSQL each statement sees its own
         # snapshot, and work moves batch -> job -> ledger; read in that order, a move that
         # commits between two reads is counted twice (erring safe), never not at all.
-        held = await held_reservations(s, tenant, tier, now)
-        used = await spent(s, tenant, tier, quota.budget_period, now)
+        held = held_in(conn, tenant, tier, now)
+        used = spend.spent_in(
+            conn, tenant, None if tier == ALL_TIERS else tier, quota.budget_period, now
+        )
     return Figures(*minute, queued, *held, *used)
 
 
-async def queued_refusal(
-    s: AsyncSession, tenant_id: str, limit: int, tier: str = ALL_TIERS, scope: str = ""
-) -> Refusal | None:
-    """A refusal when the tenant already has `limit` online jobs waiting (in `tier`)."""
-    if await _queued(s, tenant_id, tier) < limit:
-        return None
-    return too_many_queued(limit, scope)
-
-
-async def _queued(s: AsyncSession, tenant_id: str, tier: str) -> int:
-    """The tenant's online jobs waiting (in `tier`, or every tier: "*")."""
-    stmt = _scope(
-        select(func.count()).where(
+def queued_jobs(conn: Connection, tenant_id: str, tier: str, cap: int | None = None) -> int:
+    """The tenant's online jobs waiting (in `tier`, or every tier: "*"); counted up to
+    `cap` at most, given one (all a bound needs to know)."""
+    waiting = _scope(
+        select(literal(1)).where(
             Job.tenant_id == tenant_id,
             Job.status == JobStatus.QUEUED.value,
             Job.batch_id.is_(None),
@@ -307,27 +311,15 @@ async def _queued(s: AsyncSession, tenant_id: str, tier: str) -> int:
         Job.tier,
         tier,
     )
-    return int((await s.execute(stmt)).scalar_one())
+    if cap is not None:
+        waiting = waiting.limit(cap)
+    return int(conn.execute(select(func.count()).select_from(waiting.subquery())).scalar_one())
 
 
 def too_many_queued(limit: int, scope: str = "") -> Refusal:
     return Refusal(
         "quota_exceeded", f"Too many queued jobs{scope}: at most {limit} may wait at once.", 1
     )
-
-
-async def spent(
-    s: AsyncSession, tenant_id: str, tier: str, period: str, now: datetime
-) -> tuple[int, Decimal]:
-    """Tokens and cost of the tenant's ledger over the budget period holding `now`, in the
-    quota's scope (a tier, or every tier: "*"), from the spend counters."""
-    return await spend.spent(s, tenant_id, None if tier == ALL_TIERS else tier, period, now)
-
-
-async def last_minute(s: AsyncSession, tenant_id: str, tier: str, now: datetime) -> tuple[int, int]:
-    """(requests, tokens) of the tenant's online jobs admitted over the last 60 s."""
-    count, used, _oldest = await _minute_window(s, tenant_id, tier, now)
-    return count, used
 
 
 @dataclass(frozen=True)
@@ -369,26 +361,33 @@ async def usage_report(
     """Every quota of the tenant (as `quotas_of` orders them) with its usage at `now`."""
     quotas = await quotas_of(s, tenant_id)
     counts = await tenant_job_counts(s, tenant_id)
-    report = []
-    for q in quotas:
-        requests, tokens = await last_minute(s, tenant_id, q.tier, now)
-        start, _end = period_bounds(q.budget_period, now)
-        period_tokens, period_cost = await spent(s, tenant_id, q.tier, q.budget_period, now)
-        usage = QuotaUsage(
-            requests_last_minute=requests,
-            tokens_last_minute=tokens,
-            running=in_scope(counts, q.tier, JobStatus.RUNNING.value),
-            queued=in_scope(counts, q.tier, JobStatus.QUEUED.value),
-            period_start=start,
-            tokens_this_period=period_tokens,
-            spend_this_period=period_cost,
-        )
-        report.append((q, usage))
-    return report
+
+    def report(conn: Connection) -> list[tuple[QuotaRecord, QuotaUsage]]:
+        found = []
+        for q in quotas:
+            requests, tokens, _oldest = _minute_window(conn, tenant_id, q.tier, now)
+            start, _end = period_bounds(q.budget_period, now)
+            scope = None if q.tier == ALL_TIERS else q.tier
+            period_tokens, period_cost = spend.spent_in(
+                conn, tenant_id, scope, q.budget_period, now
+            )
+            usage = QuotaUsage(
+                requests_last_minute=requests,
+                tokens_last_minute=tokens,
+                running=in_scope(counts, q.tier, JobStatus.RUNNING.value),
+                queued=in_scope(counts, q.tier, JobStatus.QUEUED.value),
+                period_start=start,
+                tokens_this_period=period_tokens,
+                spend_this_period=period_cost,
+            )
+            found.append((q, usage))
+        return found
+
+    return await s.run_sync(lambda ss: report(ss.connection()))
 
 
-async def _minute_window(
-    s: AsyncSession, tenant_id: str, tier: str, now: datetime
+def _minute_window(
+    conn: Connection, tenant_id: str, tier: str, now: datetime
 ) -> tuple[int, int, datetime | None]:
     """Requests, tokens (the reservation until a job finishes, its real count after) and
     the oldest admission of the tenant's online jobs over the last 60 s (sliding)."""
@@ -402,24 +401,29 @@ async def _minute_window(
         Job.tier,
         tier,
     )
-    count, used, oldest = (await s.execute(stmt)).one()
+    count, used, oldest = conn.execute(stmt).one()
     return int(count), int(used), as_utc(oldest)
 
 
 async def held_reservations(
     s: AsyncSession, tenant_id: str, tier: str, now: datetime
 ) -> tuple[int, Decimal]:
+    """`held_in`, in an async session's transaction."""
+    return await s.run_sync(lambda ss: held_in(ss.connection(), tenant_id, tier, now))
+
+
+def held_in(conn: Connection, tenant_id: str, tier: str, now: datetime) -> tuple[int, Decimal]:
     """What the tenant's unfinished work holds against its budget: for every batch still
     expanding, the reservation of its lines not yet jobs; the reservation of each queued
     or running job (online or a batch's); and of each job cancelled while it ran whose
     usage the worker has not recorded yet, for BILLING_GRACE after the cancel (a worker
     bills nothing for a job that generated nothing, or that died with it)."""
     tokens, cost = 0, Decimal(0)
-    if tier in (ALL_TIERS, Tier.BATCH.value):  # read first: see `check`
+    if tier in (ALL_TIERS, Tier.BATCH.value):  # read first: see `figures`
         held = select(Batch.reserved_tokens, Batch.reserved_cost).where(
             Batch.tenant_id == tenant_id, Batch.status.in_(EXPANDING)
         )
-        for batch_tokens, batch_cost in (await s.execute(held)).all():
+        for batch_tokens, batch_cost in conn.execute(held).all():
             tokens += int(batch_tokens)
             cost += batch_cost
     unbilled_cancel = and_(
@@ -439,7 +443,7 @@ async def held_reservations(
         Job.tier,
         tier,
     )
-    for reserved, params, price_in, price_out in (await s.execute(stmt)).all():
+    for reserved, params, price_in, price_out in conn.execute(stmt).all():
         tokens += reserved
         cost += reservation_cost(reserved, output_bound(params or {}), price_in, price_out)
     return tokens, cost

@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from decimal import Decimal
 
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -82,8 +82,16 @@ def add(
 async def spent(
     s: AsyncSession, tenant_id: str, tier: str | None, period: str, now: datetime
 ) -> tuple[int, Decimal]:
+    """`spent_in`, in an async session's transaction."""
+    return await s.run_sync(lambda ss: spent_in(ss.connection(), tenant_id, tier, period, now))
+
+
+def spent_in(
+    conn: Connection, tenant_id: str, tier: str | None, period: str, now: datetime
+) -> tuple[int, Decimal]:
     """Tokens and cost of the tenant's ledger over the budget period holding `now`, in one
-    tier (or all of them: `tier` None)."""
+    tier (or all of them: `tier` None). Synchronous, so that SQLite's admission reads it on
+    its writer's thread (tierq/models/admission_sqlite.py)."""
     stmt = select(SpendCounter.tokens, SpendCounter.cost).where(
         SpendCounter.tenant_id == tenant_id,
         SpendCounter.period_key == period_key(period, now),
@@ -91,7 +99,7 @@ async def spent(
     if tier is not None:
         stmt = stmt.where(SpendCounter.tier == tier)
     tokens, cost = 0, Decimal(0)
-    for row_tokens, row_cost in (await s.execute(stmt)).all():
+    for row_tokens, row_cost in conn.execute(stmt).all():
         tokens += int(row_tokens)
         cost += row_cost
     return tokens, cost

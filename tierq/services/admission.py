@@ -51,7 +51,7 @@ from tierq.models import tenants as tenant_repo
 from tierq.models.admission import Admission, Answer
 from tierq.models.batches import BatchLine
 from tierq.models.records import JobRecord, TenantRecord
-from tierq.models.store import SqlJobStore
+from tierq.models.store import JobStore
 from tierq.models.tables import utcnow
 from tierq.services import openai_compat, structured
 from tierq.services.batch_input import RawLine, requests_from
@@ -65,9 +65,9 @@ QUEUE_RETRY_AFTER_S = 2
 
 class _Recent:
     """Keys noted within the last `ttl_s` (at most `limit` kept): which tenants' tiers the
-    fast path found quotas for, so that their next admissions skip straight to the exact
-    path. A hint only: the fast path checks quotas itself, and the exact path is always
-    right, so a stale entry costs one round trip at most."""
+    store found quotas for, so that their next admissions are counted by the tokenizer
+    before they reach it. A hint only: the store finds quotas itself, so a stale entry
+    costs a tokenizer run, a missing one a second call."""
 
     def __init__(self, ttl_s: float, limit: int = 10_000) -> None:
         self.ttl_s = ttl_s
@@ -171,7 +171,7 @@ def resolve_tier(tenant: TenantRecord, requested: Tier | None) -> Tier:
 
 
 async def submit(
-    jobs: SqlJobStore,
+    jobs: JobStore,
     queue: Enqueuer,
     settings: Settings,
     tenant: TenantRecord,
@@ -201,9 +201,10 @@ async def submit(
             400, "Idempotency-Key must be 1 to 255 characters.", "invalid_idempotency_key"
         )
     messages = _messages(body)
-    # A reservation is never below what the engine will bill. The fast path admits only
-    # where no quota applies, so nothing is checked against it: it reserves the byte bound
-    # (no tokenizer run); the exact path counts with the served model's tokenizer.
+    # A reservation is never below what the engine will bill. Where no quota applies
+    # nothing is checked against it, so it is the byte bound (no tokenizer run); where one
+    # does, the store sends the request back to be counted by the served model's tokenizer
+    # (`_admit`).
     reserved = token_count.BYTE_BOUND.reserve(messages, body.prompt, body.output_tokens)
     new = job_repo.NewJob(
         tenant_id=tenant.id,
@@ -292,14 +293,14 @@ async def _counted(
 
 
 def _admission(settings: Settings, key_id: str | None, new: job_repo.NewJob) -> Admission:
-    """A new job's admission, as every fast way in takes it."""
+    """A new job's admission, as every store takes it."""
     return Admission(
         new_id("job"), new, key_id, utcnow(), settings.default_max_queued, settings.batch_discount
     )
 
 
 async def _admit(
-    jobs: SqlJobStore,
+    jobs: JobStore,
     settings: Settings,
     tenant: TenantRecord,
     key_id: str | None,
@@ -309,67 +310,35 @@ async def _admit(
 ) -> tuple[JobRecord, bool]:
     """The job admitted (or found by its Idempotency-Key), and whether this call created
     it; a refusal raised. `new` reserves the prompt's byte bound unless `counted` (by the
-    served model's tokenizer, which `count` does): quotas are checked against a count.
-
-    - PostgreSQL: one call of `tierq_admit`, the whole rule (tierq/models/admission.py);
-      a second, counted, when it finds quotas to check against an uncounted reservation.
-    - An SQLite file: one hop to the writer (tierq/models/admission_sqlite.py), which
-      answers a replay and admits while the tenant has no quotas for the tier; else the
-      ORM path (tierq/models/admission_exact.py), as on an in-memory database.
-
-    A tenant found with quotas is remembered for a few seconds (`_quotas_seen`): its next
-    admissions are counted first, not sent back."""
+    served model's tokenizer, which `count` does): quotas are checked against a count, so
+    the store sends an uncounted request of a tenant with quotas back to be counted
+    (`count_first`) and it is admitted a second time. A tenant found with quotas is
+    remembered for a few seconds (`_quotas_seen`): its next admissions are counted first."""
     seen = (tenant.id, new.tier)
     quotas_likely = _quotas_seen.recent(seen)
-    if jobs.admits_in_one_call:
-        if quotas_likely and not counted:
-            new, counted = await count(new), True
-        metrics.ADMISSION_STATEMENTS.labels(path="quotas" if quotas_likely else "fast").inc()
-        request = _admission(settings, key_id, new)
-        answer = await jobs.admit(request, exact=counted)
-        if answer.count_first:
-            _quotas_seen.note(seen)
-            new, counted = await count(new), True
-            metrics.ADMISSION_STATEMENTS.labels(path="quotas").inc()
-            request = _admission(settings, key_id, new)
-            answer = await jobs.admit(request, exact=True)
-        found = await _answered(jobs, settings, tenant, request, answer)
-        if found is not None:
-            return found
-        log.error(
-            "admission of tenant %s: the function refused a job that no quota rule refuses "
-            "(figures %s); the ORM path decides",
-            tenant.id,
-            answer.quotas,
-        )
-    elif not quotas_likely and jobs.admits_in_one_hop:
-        metrics.ADMISSION_STATEMENTS.labels(path="fast").inc()
-        outcome = await jobs.admit_in_one_hop(_admission(settings, key_id, new))
-        if outcome.replay is not None:
-            return await _replayed(jobs, outcome.replay, outcome.same_request)
-        if outcome.job is not None:
-            return outcome.job, True
-        _refuse_unless_active(outcome.status, tenant, new.tier)
-        if outcome.quotas:
-            _quotas_seen.note(seen)  # its next admissions go the ORM way at once
-        else:
-            _refuse_if_queue_full(settings, tenant, new.tier, outcome.queued)
-    if not counted:
+    if quotas_likely and not counted:
+        new, counted = await count(new), True
+    metrics.ADMISSION_STATEMENTS.labels(path="quotas" if quotas_likely else "fast").inc()
+    request = _admission(settings, key_id, new)
+    answer = await jobs.admit(request, counted=counted)
+    if answer.count_first:
+        _quotas_seen.note(seen)
         new = await count(new)
-    metrics.ADMISSION_STATEMENTS.labels(path="exact").inc()
-    return await _admit_exact(jobs, settings, tenant, key_id, new)
+        metrics.ADMISSION_STATEMENTS.labels(path="quotas").inc()
+        request = _admission(settings, key_id, new)
+        answer = await jobs.admit(request, counted=True)
+    return await _answered(jobs, settings, tenant, request, answer)
 
 
 async def _answered(
-    jobs: SqlJobStore,
+    jobs: JobStore,
     settings: Settings,
     tenant: TenantRecord,
     request: Admission,
     answer: Answer,
-) -> tuple[JobRecord, bool] | None:
-    """What `tierq_admit`'s answer means: the job (created, or replayed), or a refusal
-    raised, worded by the rule the ORM path applies (models.quotas.decide). None: figures
-    that no rule refuses, which cannot happen while the function and the rule agree."""
+) -> tuple[JobRecord, bool]:
+    """What a store's answer means: the job (created, or replayed), or a refusal raised,
+    worded by the rule (models.quotas.decide) from the figures the store checked."""
     new = request.new
     if answer.replay is not None:
         return await _replayed(jobs, answer.replay, answer.same_request)
@@ -388,10 +357,20 @@ async def _answered(
         )
         if refusal is not None:
             _refuse_quota(refusal, tenant, new.tier)
-    return None
+    # Every store decides by `decide` on the figures it sends: a refusal that no rule
+    # words is a store and the rule disagreeing. The job was not written; the client may
+    # retry.
+    log.error(
+        "admission of tenant %s refused by the store for no reason the rule gives (answer %r)",
+        tenant.id,
+        answer,
+    )
+    raise _refuse(
+        503, "The job could not be admitted. Retry after a moment.", "service_unavailable"
+    )
 
 
-async def _replayed(jobs: SqlJobStore, job_id: str, same_request: bool) -> tuple[JobRecord, bool]:
+async def _replayed(jobs: JobStore, job_id: str, same_request: bool) -> tuple[JobRecord, bool]:
     """A replay of an Idempotency-Key: the job it made (not created now), or 409 for
     another request body."""
     if not same_request:
@@ -415,11 +394,7 @@ def _refuse_if_queue_full(
     """DEFAULT_MAX_QUEUED, against the waiting jobs a way in counted (None: the bound did
     not apply)."""
     if queued is not None and queued >= settings.default_max_queued > 0:
-        _refuse_queue_bound(settings, tenant, tier)
-
-
-def _refuse_queue_bound(settings: Settings, tenant: TenantRecord, tier: Tier) -> NoReturn:
-    _refuse_quota(quota_repo.too_many_queued(settings.default_max_queued), tenant, tier)
+        _refuse_quota(quota_repo.too_many_queued(settings.default_max_queued), tenant, tier)
 
 
 def _refuse_quota(refusal: quota_repo.Refusal, tenant: TenantRecord, tier: Tier) -> NoReturn:
@@ -431,28 +406,6 @@ def _refuse_quota(refusal: quota_repo.Refusal, tenant: TenantRecord, tier: Tier)
         tier=tier,
         retry_after_s=refusal.retry_after_s,
     )
-
-
-async def _admit_exact(
-    jobs: SqlJobStore,
-    settings: Settings,
-    tenant: TenantRecord,
-    key_id: str | None,
-    new: job_repo.NewJob,
-) -> tuple[JobRecord, bool]:
-    """Admission in one ORM transaction (tierq/models/admission_exact.py): quotas checked
-    under the tenant's exclusive lock, and Idempotency-Key replays. Returns (job, created)."""
-    try:
-        outcome = await jobs.admit_exact(_admission(settings, key_id, new))
-    except job_repo.IdempotencyConflict:
-        _refuse_reused_key()
-    if outcome.job is not None:
-        return outcome.job, outcome.created
-    _refuse_unless_active(outcome.status, tenant, new.tier)
-    if outcome.queue_bound:
-        _refuse_queue_bound(settings, tenant, new.tier)
-    assert outcome.refusal is not None  # the one reason left
-    _refuse_quota(outcome.refusal, tenant, new.tier)
 
 
 # --- batch lines ---------------------------------------------------------------------------

@@ -1,13 +1,15 @@
-"""The job store: a job's life after it is admitted — claimed by a worker, finished,
-failed, handed back, cancelled by its tenant, billed — and the reads around it, behind one
-interface (`JobStore`) that services and workers call, in the manner of procrastinate's
-connector and job manager. Still outside it: admission's checks (`SqlJobStore`'s
-`admit_*`, not yet the interface's: the in-memory store does not admit), and the bulk
-cancels of a tenant's or a batch's jobs (`models.jobs.cancel_unfinished`,
-`models.batches.stop_unfinished`), which run in their callers' transactions.
+"""The job store: a job's life — admitted by the whole rule (the tenant's status and key,
+the queue bound, quotas, the price), claimed by a worker, finished, failed, handed back,
+cancelled by its tenant, billed — and the reads around it, behind one interface
+(`JobStore`) that services and workers call, in the manner of procrastinate's connector and
+job manager. Still outside it: the bulk cancels of a tenant's or a batch's jobs
+(`models.jobs.cancel_unfinished`, `models.batches.stop_unfinished`), which run in their
+callers' transactions.
 
 - `SqlJobStore` (`sql.py`): PostgreSQL and the embedded SQLite file, through the
-  repository functions of `tierq.models.jobs`. It owns the hot paths' own connections
+  repository functions of `tierq.models.jobs`; admission is one call of the `tierq_admit`
+  function on PostgreSQL (tierq/models/admission.py), one hop to the writer thread on SQLite
+  (tierq/models/admission_sqlite.py). It owns the hot paths' own connections
   privately: a few raw asyncpg connections on PostgreSQL (`RawPool`), one connection on a
   thread of its own on an SQLite file (`LocalWriter`, group-committed), beside the
   database's SQLAlchemy engine that every other repository shares.
@@ -15,9 +17,9 @@ cancels of a tenant's or a batch's jobs (`models.jobs.cancel_unfinished`,
   that exercise a worker's or a service's logic and not a database.
 
 Both pass one contract suite (tests/job_store_contract.py), which is what keeps them
-equal: the state machine (`tierq.core.states`), one ending per delivery, the ledger's one
-row per job, the progress that resumes a handed-back job and is billed when it is
-cancelled instead.
+equal: admission's answers, the state machine (`tierq.core.states`), one ending per
+delivery, the ledger's one row per job, the progress that resumes a handed-back job and is
+billed when it is cancelled instead.
 """
 
 from typing import TYPE_CHECKING

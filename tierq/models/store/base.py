@@ -10,6 +10,7 @@ from typing import Protocol
 
 from tierq.core.messages import FAULT_UNIT
 from tierq.core.states import JobStatus
+from tierq.models.admission import Admission, Answer
 from tierq.models.jobs import NewJob
 from tierq.models.records import JobHead, JobRecord, Progress, Result
 
@@ -31,8 +32,20 @@ class JobStore(Protocol):
     one job — a worker finishing it while its tenant cancels it, a job delivered twice —
     cannot both win: the loser gets None and stands down."""
 
+    async def admit(self, request: Admission, *, counted: bool) -> Answer:
+        """Admit a job by the whole rule, in one step that writes nothing unless it admits:
+        a replay of the request's Idempotency-Key is answered with the job the key made (no
+        quota is charged twice); then, as of now and not as of authentication, the tenant's
+        status and the request's key's; a tenant with quotas for the tier is answered
+        `count_first` unless the reservation was `counted` by the served model's tokenizer;
+        the default bound on its waiting jobs; the price in force; every quota that
+        applies (`models.quotas.decide`, on the figures `models.quotas.figures` names),
+        checked one admission of the tenant at a time. The answer carries the job, or what
+        refused it (the caller words the refusal: tierq/services/admission.py)."""
+        ...
+
     async def create(self, new: NewJob) -> tuple[JobRecord, bool]:
-        """Insert a queued job, unchecked (admission's checks are the caller's); with an
+        """Insert a queued job, unchecked (`admit` is the checked way in); with an
         Idempotency-Key already used, that job instead (`IdempotencyConflict` for another
         request body). Returns (job, created)."""
         ...

@@ -4,20 +4,30 @@ process, and nothing is shared with another one.
 
 Each method changes the store without awaiting in between, so on one event loop it is as
 atomic as a transaction is on the database.
+
+Admission needs what the database holds beside jobs: tenants and their keys, quotas and
+prices. Here they are the store's own, set by its owner (`add_tenant`, `add_key`,
+`set_quota`, `set_price` and the like), and the ledger keeps when each row was billed, for
+budgets' periods.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 from tierq.core import metrics
 from tierq.core.ids import new_id
-from tierq.core.messages import FAULT_UNIT
-from tierq.core.states import TERMINAL, JobStatus, sources_for
+from tierq.core.messages import FAULT_UNIT, output_bound
+from tierq.core.states import TERMINAL, JobStatus, TenantStatus, sources_for
+from tierq.core.tiers import Tier
+from tierq.models import prices
+from tierq.models import quotas as quota_repo
+from tierq.models.admission import Admission, Answer
 from tierq.models.jobs import (
     IdempotencyConflict,
     NewJob,
@@ -26,7 +36,9 @@ from tierq.models.jobs import (
     result_values,
 )
 from tierq.models.prices import cost_of
+from tierq.models.quotas import ALL_TIERS, BILLING_GRACE, Figures, QuotaRecord
 from tierq.models.records import JobHead, JobRecord, Progress, Result
+from tierq.models.spend import period_key
 from tierq.models.store.base import Usage
 from tierq.models.tables import utcnow
 
@@ -37,6 +49,156 @@ class MemoryJobStore:
         self._keys: dict[tuple[str, str], str] = {}  # (tenant, Idempotency-Key) -> job id
         self._history: dict[str, list[tuple[str, str | None]]] = {}
         self._ledger: dict[str, Usage] = {}
+        self._billed_at: dict[str, datetime] = {}  # job id -> when its ledger row was written
+        self._tenants: dict[str, str] = {}  # id -> status
+        self._api_keys: dict[str, tuple[str, bool]] = {}  # id -> (tenant, revoked)
+        self._quotas: dict[tuple[str, str], QuotaRecord] = {}  # (tenant, tier or "*")
+        self._prices: dict[tuple[str, str], _Price] = {}  # (model, tier)
+
+    # --- what admission reads beside jobs ---------------------------------------------
+
+    def add_tenant(self, tenant_id: str, status: str = TenantStatus.ACTIVE.value) -> str:
+        self._tenants[tenant_id] = status
+        return tenant_id
+
+    def set_tenant_status(self, tenant_id: str, status: str) -> None:
+        self._tenants[tenant_id] = status
+
+    def add_key(self, tenant_id: str) -> str:
+        key_id = new_id("key")
+        self._api_keys[key_id] = (tenant_id, False)
+        return key_id
+
+    def revoke_key(self, key_id: str) -> None:
+        tenant_id, _revoked = self._api_keys[key_id]
+        self._api_keys[key_id] = (tenant_id, True)
+
+    def set_quota(self, tenant_id: str, tier: str, **limits: Any) -> QuotaRecord:
+        """`models.quotas.set_quota`: the limits given replace those of the tenant's quota
+        for `tier` ("*": every tier), the others stay."""
+        unset = QuotaRecord(tenant_id, tier, None, None, None, None, None, None, "month")
+        quota = dataclasses.replace(self._quotas.get((tenant_id, tier), unset), **limits)
+        self._quotas[(tenant_id, tier)] = quota
+        return quota
+
+    def set_price(
+        self, model: str, tier: Tier, input_per_million: Decimal, output_per_million: Decimal
+    ) -> None:
+        self._prices[(model, tier.value)] = _Price(
+            model, tier.value, input_per_million, output_per_million, utcnow()
+        )
+
+    # --- admission --------------------------------------------------------------------
+
+    async def admit(self, request: Admission, *, counted: bool) -> Answer:
+        """The rule `tierq_admit` states on PostgreSQL, in the same order, over this
+        store's dicts (tierq/models/admission.py's `Answer`)."""
+        new, now, tier = request.new, request.created_at, request.new.tier.value
+        if new.idempotency_key is not None:
+            made = self._keys.get((new.tenant_id, new.idempotency_key))
+            if made is not None:
+                same = self._jobs[made].request_hash == new.request_hash
+                return Answer(None, replay=made, same_request=same)
+        status = self._tenants.get(new.tenant_id)
+        key_ok = True
+        if request.key_id is not None:
+            key = self._api_keys.get(request.key_id)
+            key_ok = key is not None and key == (new.tenant_id, False)
+        if status != TenantStatus.ACTIVE.value or not key_ok:
+            return Answer(None, tenant_status=status, key_ok=key_ok)
+        quotas = sorted(
+            (
+                q
+                for (tenant_id, scope), q in self._quotas.items()
+                if tenant_id == new.tenant_id
+                and scope in (ALL_TIERS, tier)
+                and any(getattr(q, f) is not None for f in quota_repo.ADMISSION_FIELDS)
+            ),
+            key=lambda q: q.tier,
+        )
+        if quotas and not counted:
+            return Answer(None, tenant_status=status, count_first=True)
+        queued = None
+        cap = request.default_max_queued
+        if cap > 0 and not any(q.tier == ALL_TIERS and q.max_queued is not None for q in quotas):
+            queued = min(cap, self._figures_of(new.tenant_id, ALL_TIERS, now).queued)
+            if queued >= cap:
+                return Answer(None, tenant_status=status, queued=queued)
+        price = prices.in_force(
+            new.model,
+            new.tier,
+            self._prices.get((new.model, tier)),
+            self._prices.get((new.model, Tier.STANDARD.value)),
+            request.batch_discount,
+        )
+        price_in = price.input_per_million if price else Decimal(0)
+        price_out = price.output_per_million if price else Decimal(0)
+        cost = quota_repo.reservation_cost(
+            new.reserved_tokens, output_bound(new.params), price_in, price_out
+        )
+        checked = []
+        for quota in quotas:
+            figures = self._figures_of(new.tenant_id, quota.tier, now, quota.budget_period)
+            refusal = quota_repo.decide(quota, figures, tier, new.reserved_tokens, cost, now)
+            checked.append((quota, figures, refusal is None))
+            if refusal is not None:
+                return Answer(
+                    None, tenant_status=status, queued=queued, quotas=checked, reserved_cost=cost
+                )
+        priced = dataclasses.replace(new, input_price=price_in, output_price=price_out)
+        job = self._insert(priced, request.job_id, now)
+        return Answer(job, tenant_status=status, queued=queued, quotas=checked, reserved_cost=cost)
+
+    def _figures_of(
+        self, tenant_id: str, scope: str, now: datetime, period: str = "total"
+    ) -> Figures:
+        """`models.quotas.figures`, every one of them, over the dicts: the tenant's jobs in
+        `scope` (a tier, or every tier: "*")."""
+        mine = [
+            j
+            for j in self._jobs.values()
+            if j.tenant_id == tenant_id and scope in (ALL_TIERS, j.tier.value)
+        ]
+        online = [j for j in mine if j.batch_id is None]
+        minute = [j for j in online if j.created_at >= now - timedelta(seconds=60)]
+        held = [
+            j
+            for j in mine
+            if j.status in (JobStatus.QUEUED, JobStatus.RUNNING)
+            or (
+                j.status == JobStatus.CANCELLED
+                and j.started_at is not None
+                and j.prompt_tokens is None
+                and j.finished_at is not None
+                and j.finished_at > now - BILLING_GRACE
+            )
+        ]
+        period_now = period_key(period, now)
+        spent = [
+            row
+            for row in self._ledger.values()
+            if row.tenant_id == tenant_id
+            and scope in (ALL_TIERS, self._jobs[row.job_id].tier.value)
+            and period_key(period, self._billed_at[row.job_id]) == period_now
+        ]
+        return Figures(
+            minute_requests=len(minute),
+            minute_tokens=sum(_minute_tokens(j) for j in minute),
+            minute_oldest=min((j.created_at for j in minute), default=None),
+            queued=sum(1 for j in online if j.status == JobStatus.QUEUED),
+            held_tokens=sum(j.reserved_tokens for j in held),
+            held_cost=sum(
+                (
+                    quota_repo.reservation_cost(
+                        j.reserved_tokens, output_bound(j.params), j.input_price, j.output_price
+                    )
+                    for j in held
+                ),
+                Decimal(0),
+            ),
+            spent_tokens=sum(row.prompt_tokens + row.completion_tokens for row in spent),
+            spent_cost=sum((row.cost for row in spent), Decimal(0)),
+        )
 
     async def create(self, new: NewJob) -> tuple[JobRecord, bool]:
         if new.idempotency_key is not None:
@@ -46,12 +208,7 @@ class MemoryJobStore:
                 if existing.request_hash != new.request_hash:
                     raise IdempotencyConflict(new.idempotency_key)
                 return existing, False
-        job = new_record(new, new_id("job"), utcnow())
-        self._jobs[job.id] = job
-        self._history[job.id] = [(JobStatus.QUEUED.value, None)]
-        if new.idempotency_key is not None:
-            self._keys[(new.tenant_id, new.idempotency_key)] = job.id
-        return job, True
+        return self._insert(new, new_id("job"), utcnow()), True
 
     async def get(self, job_id: str, tenant_id: str | None = None) -> JobRecord | None:
         job = self._jobs.get(job_id)
@@ -225,6 +382,14 @@ class MemoryJobStore:
     async def close(self) -> None:
         return None
 
+    def _insert(self, new: NewJob, job_id: str, now: datetime) -> JobRecord:
+        job = new_record(new, job_id, now)
+        self._jobs[job.id] = job
+        self._history[job.id] = [(JobStatus.QUEUED.value, None)]
+        if new.idempotency_key is not None:
+            self._keys[(new.tenant_id, new.idempotency_key)] = job.id
+        return job
+
     # --- the state machine ------------------------------------------------------------
 
     def _transition(
@@ -264,3 +429,22 @@ class MemoryJobStore:
         price_out = job.output_price or Decimal(0)
         cost = cost_of(prompt_tokens, completion_tokens, price_in, price_out)
         self._ledger[job.id] = Usage(job.id, job.tenant_id, prompt_tokens, completion_tokens, cost)
+        self._billed_at[job.id] = utcnow()
+
+
+@dataclass(frozen=True)
+class _Price:
+    """A tier's newest price (a row of `prices`, as `models.prices.in_force` reads one)."""
+
+    model: str
+    tier: str
+    input_per_million: Decimal
+    output_per_million: Decimal
+    effective_at: datetime
+
+
+def _minute_tokens(job: JobRecord) -> int:
+    """What a job counts against tokens per minute: its reservation until it has usage."""
+    if job.prompt_tokens is not None and job.completion_tokens is not None:
+        return job.prompt_tokens + job.completion_tokens
+    return job.reserved_tokens

@@ -14,13 +14,10 @@ in a transaction of its own as far as it can tell:
   fails, each of its claims is tried again alone, so that one job's failure never becomes
   another's.
 
-Creating a job (`create`) and admission's ORM way (`admit_exact`) are async sessions'
-transactions on either backend (aiosqlite on SQLite).
+Creating a job unchecked (`create`) is an async session's transaction on either backend.
 
-Admission's ways to the database are here too, for the caller to choose among
-(tierq/services/admission.py): on PostgreSQL one call of `tierq_admit`, the whole rule
-(`admit`); on an SQLite file one hop to the writer where no quota applies, replays
-answered (`admit_in_one_hop`), else one ORM transaction (`admit_exact`).
+Admission (`admit`), the whole rule in one step on each backend: on PostgreSQL one call of
+the `tierq_admit` function; on an SQLite file one hop to the writer.
 
 The store's own connections, beside the database's engine: on PostgreSQL a few raw
 asyncpg connections (`RawPool`) for the single statements of admission's fast ways and of
@@ -40,11 +37,9 @@ from sqlalchemy.orm import Session
 
 from tierq.core.messages import FAULT_UNIT
 from tierq.core.states import JobStatus
-from tierq.models import admission, admission_exact, admission_sqlite
+from tierq.models import admission, admission_sqlite
 from tierq.models import jobs as repo
 from tierq.models.admission import Admission, Answer
-from tierq.models.admission_exact import ExactOutcome
-from tierq.models.admission_sqlite import Outcome
 from tierq.models.db import Database, LocalWriter, RawPool, Unavailable, is_sqlite_file
 from tierq.models.jobs import NewJob
 from tierq.models.records import JobHead, JobRecord, Progress, Result
@@ -78,36 +73,21 @@ class SqlJobStore:
         self._claiming: asyncio.Task[None] | None = None
         self._closed = False
 
-    # --- admission's single statements --------------------------------------------------
+    # --- admission --------------------------------------------------------------------
 
-    @property
-    def admits_in_one_call(self) -> bool:
-        """Whether `admit` is there: PostgreSQL's `tierq_admit`, the whole rule."""
-        return self._raw is not None
-
-    async def admit(self, request: Admission, exact: bool) -> Answer:
-        """Admission in one call of `tierq_admit` (tierq/models/admission.py). `exact`: the
-        reservation was counted by the served model's tokenizer."""
-        assert self._raw is not None, "PostgreSQL only: see admits_in_one_call"
-        return await admission.admit(self._raw, request, exact)
-
-    @property
-    def admits_in_one_hop(self) -> bool:
-        """Whether `admit_in_one_hop` is there: on an SQLite file."""
-        return self._local is not None
-
-    async def admit_in_one_hop(self, request: Admission) -> Outcome:
-        """A job admitted in one hop to SQLite's writer where no quota applies
-        (tierq/models/admission_sqlite.py); the outcome says why not otherwise."""
-        assert self._local is not None, "an SQLite file only: see admits_in_one_hop"
-        return await admission_sqlite.admit(self._local, request)
-
-    async def admit_exact(self, request: Admission) -> ExactOutcome:
-        """Admission in one ORM transaction: Idempotency-Key replays, and every quota checked
-        under the tenant's exclusive lock (tierq/models/admission_exact.py). Raises
-        `IdempotencyConflict` for a key used before with another request body."""
+    async def admit(self, request: Admission, *, counted: bool) -> Answer:
+        """The whole rule in one step: one call of `tierq_admit` on PostgreSQL
+        (tierq/models/admission.py), one hop to the writer on an SQLite file
+        (tierq/models/admission_sqlite.py), whose statements run in one transaction of the
+        engine's on an in-memory database."""
+        if self._raw is not None:
+            return await admission.admit(self._raw, request, counted)
+        if self._local is not None:
+            return await admission_sqlite.admit(self._local, request, counted)
         async with self.db.transaction() as s:
-            return await admission_exact.admit(s, request)
+            return await s.run_sync(
+                lambda ss: admission_sqlite.admit_in(ss.connection(), request, counted)
+            )
 
     # --- reads ------------------------------------------------------------------------
 
