@@ -542,6 +542,34 @@ class JobStoreContract:
         assert plain is not None and plain.to_api()["usage"] is None
         assert await store.usage(fresh.id) == []
 
+    async def test_a_tenant_stopped_has_every_unfinished_job_cancelled_once(
+        self, store: JobStore, tenants: MakeTenants
+    ) -> None:
+        """A suspension's bulk cancel: the tenant's queued and running jobs, not its ended
+        ones nor another tenant's; kept progress billed as `cancel` bills it; a second
+        bulk cancel finds nothing."""
+        mine, other = await tenants(2)
+        kept, busy, ended = await self.running(store, mine, 3)
+        (waiting,) = await self.queued(store, mine)
+        (theirs,) = await self.queued(store, other)
+        assert await store.requeue(kept.id, "preempted", kept.deliveries, progress=PROGRESS)
+        assert await store.finish(ended.id, RESULT) is not None
+        stopped = await store.cancel_all(mine, "tenant_suspended", "the tenant was suspended")
+        assert sorted(j.id for j in stopped) == sorted((kept.id, busy.id, waiting.id))
+        for job in stopped:
+            assert job.status == JobStatus.CANCELLED and job.error_code == "tenant_suspended"
+            assert job.error_message == "the tenant was suspended" and job.progress is None
+            assert await store.get(job.id) == job
+            assert (await store.transitions(job.id))[-1] == ("cancelled", "tenant_suspended")
+        billed = {j.id: j.to_api()["usage"] for j in stopped}
+        assert billed[kept.id] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+        assert billed[busy.id] is None and billed[waiting.id] is None  # the run bills busy
+        assert len(await store.usage(kept.id)) == 1
+        assert (await store.get(ended.id)).status == JobStatus.SUCCEEDED  # type: ignore[union-attr]
+        assert (await store.get(theirs.id)).status == JobStatus.QUEUED  # type: ignore[union-attr]
+        assert await store.cancel_all(mine, "tenant_suspended", "again") == []
+        assert len(await store.usage(kept.id)) == 1
+
 
 class SqlJobStoreContract(JobStoreContract):
     """The contract on `SqlJobStore`: a module gives `db`, an empty migrated database."""

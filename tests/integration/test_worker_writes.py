@@ -175,16 +175,15 @@ async def test_a_cancelled_run_is_billed_once_on_the_spend_counters(
 async def test_the_bulk_cancel_bills_the_tokens_queued_jobs_kept(
     database: Database, store: SqlJobStore
 ) -> None:
-    # The bulk path (a tenant suspended, a batch cancelled or expired) bills kept tokens as
-    # the job store's cancel does; a running job is left to its own run's bill (the
-    # worker's).
+    # The bulk cancel (a tenant suspended; a batch cancelled or expired runs the same
+    # statements) bills kept tokens as the job store's cancel does; a running job is left to
+    # its own run's bill (the worker's).
     db = database
     kept, plain, busy = await _claimed(db, store, 3)
     progress = Progress((11, 12, 13, 14), "abcd", 6, "simulated:bundled:m")
     assert await store.requeue(kept.id, "preempted", kept.deliveries, progress=progress)
     assert await store.requeue(plain.id, "drain", plain.deliveries)
-    async with db.transaction() as s:
-        stopped = await job_repo.cancel_tenant_jobs(s, kept.tenant_id, "tenant_suspended", "x")
+    stopped = await store.cancel_all(kept.tenant_id, "tenant_suspended", "x")
     assert {j.id for j in stopped} == {kept.id, plain.id, busy.id}
     usage = {j.id: j.to_api()["usage"] for j in stopped}
     assert usage[kept.id] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
@@ -194,13 +193,14 @@ async def test_the_bulk_cancel_bills_the_tokens_queued_jobs_kept(
     assert (await _billed(db, busy))[:2] == (0, 0)
 
 
-@pytest.mark.parametrize("cancel_by", ["tenant", "suspension"])
+@pytest.mark.parametrize("cancel_by", ["tenant", "suspension", "wind-up"])
 async def test_a_cancel_racing_hand_backs_bills_the_kept_tokens_once(
     database: Database, store: SqlJobStore, cancel_by: str
 ) -> None:
     # A worker hands each job back with 4 kept tokens while it is cancelled: by its tenant
-    # (the store's cancel, job by job), or all at once by a suspension (the bulk cancel, in
-    # a session's transaction beside the store's own writes: on SQLite its writer thread's
+    # (the store's cancel, job by job), all at once by a suspension (the store's bulk
+    # cancel), or by the same statements in a session's transaction beside the store's
+    # own writes, as a batch's wind-up runs them (on SQLite beside the writer thread's
     # connection). Whoever commits first, the tokens are billed once: by the cancel when
     # the hand-back landed first, else by the worker's run (its hand-back finds the job
     # cancelled).
@@ -217,14 +217,19 @@ async def test_a_cancel_racing_hand_backs_bills_the_kept_tokens_once(
         assert await store.cancel(job.id) is not None
 
     async def suspend() -> None:
+        await store.cancel_all(jobs[0].tenant_id, "tenant_suspended", "x")
+
+    async def wind_up() -> None:
+        tenant_id = jobs[0].tenant_id
         async with db.transaction() as s:
-            await job_repo.cancel_tenant_jobs(s, jobs[0].tenant_id, "tenant_suspended", "x")
+            await s.run_sync(job_repo.cancel_tenant_jobs, tenant_id, "batch_cancelled", "x")
 
     if cancel_by == "tenant":
         await asyncio.gather(*(f(j) for j in jobs for f in (hand_back, cancel)))
     else:
         backs = [hand_back(j) for j in jobs]
-        await asyncio.gather(*backs[:6], suspend(), *backs[6:])
+        bulk = suspend() if cancel_by == "suspension" else wind_up()
+        await asyncio.gather(*backs[:6], bulk, *backs[6:])
     for job in jobs:
         current = await store.get(job.id)
         assert current is not None and current.status == JobStatus.CANCELLED

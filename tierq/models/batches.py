@@ -306,8 +306,10 @@ async def batch_jobs(
 async def stop_unfinished(
     s: AsyncSession, batch_id: str, code: str, message: str
 ) -> list[JobRecord]:
-    """Cancel the batch's queued and running jobs (cancelled, expired)."""
-    return await cancel_unfinished(s, Job.batch_id == batch_id, code, message)
+    """Cancel the batch's queued and running jobs (cancelled, expired), in the caller's
+    transaction: the one that holds the batch's fence (`hold`), so that only the batch's
+    holder winds it up. Not the job store's, whose writes are transactions of their own."""
+    return await s.run_sync(cancel_unfinished, Job.batch_id == batch_id, code, message)
 
 
 async def cancel_tenant_batches(s: AsyncSession, tenant_id: str) -> list[str]:

@@ -567,13 +567,12 @@ async def usage_for_job(s: AsyncSession, job_id: str) -> list[UsageRecord]:
     )
 
 
-async def cancel_unfinished(
-    s: AsyncSession, where: Any, code: str, message: str
-) -> list[JobRecord]:
+def cancel_unfinished(s: Session, where: Any, code: str, message: str) -> list[JobRecord]:
     """Cancel every queued or running job matching `where`, each with its transition;
     returns the cancelled jobs (tierq/services/cancellation.py announces them). A queued one with
-    kept progress is billed for it."""
-    kept = await s.run_sync(_kept_progress, where)
+    kept progress is billed for it. Synchronous, as the job store's writes are
+    (`JobStore.cancel_of_tenant`); a batch's wind-up runs it in its fenced transaction."""
+    kept = _kept_progress(s, where)
     stmt = (
         update(Job)
         .where(where, Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)))
@@ -587,18 +586,17 @@ async def cancel_unfinished(
         .returning(Job)
         .execution_options(synchronize_session=False)
     )
-    stopped = [JobRecord.from_row(row) for row in (await s.execute(stmt)).scalars()]
+    stopped = [JobRecord.from_row(row) for row in s.execute(stmt).scalars()]
     now = utcnow()
     for job in stopped:
         s.add(JobTransition(job_id=job.id, status=JobStatus.CANCELLED.value, at=now, detail=code))
-    return await s.run_sync(_bill_kept, stopped, kept) if kept else stopped
+    s.flush()
+    return _bill_kept(s, stopped, kept) if kept else stopped
 
 
-async def cancel_tenant_jobs(
-    s: AsyncSession, tenant_id: str, code: str, message: str
-) -> list[JobRecord]:
+def cancel_tenant_jobs(s: Session, tenant_id: str, code: str, message: str) -> list[JobRecord]:
     """Cancel every queued or running job of a tenant (suspension, deletion)."""
-    return await cancel_unfinished(s, Job.tenant_id == tenant_id, code, message)
+    return cancel_unfinished(s, Job.tenant_id == tenant_id, code, message)
 
 
 async def tenant_job_counts(s: AsyncSession, tenant_id: str) -> dict[tuple[str, str], int]:

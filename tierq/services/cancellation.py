@@ -1,9 +1,9 @@
 """Cancelling jobs. The Redis half (`announce`) once, for every path that cancels: a tenant
 cancelling its job (`cancel_job`, the native and OpenAI routes), a tenant suspended or
-deleted (tierq/api/admin/tenants.py), a batch cancelled or expired (tierq/workers/batches.py). The
-database
-half is the job store's (`JobStore.cancel`) or the repository's (`models.jobs.cancel_unfinished`,
-`models.batches.stop_unfinished`); `announce` runs once that has committed.
+deleted (tierq/api/admin/tenants.py), a batch cancelled or expired (tierq/workers/batches.py).
+The database half is the job store's (`JobStore.cancel`, `JobStore.cancel_all`) or, for a
+batch, its fenced transaction's (`models.batches.stop_unfinished`); `announce` runs once
+that has committed.
 
 Cancelling a batch (`cancel_batch`: its tenant, or an operator through the admin API) only
 moves it to `cancelling` and asks Celery to advance it: Celery stops its jobs.

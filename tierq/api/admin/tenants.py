@@ -21,7 +21,6 @@ from tierq.api.schemas import Deleted, answered
 from tierq.core.redis_names import RedisNames
 from tierq.core.states import TenantStatus
 from tierq.models import batches as batch_repo
-from tierq.models import jobs as job_repo
 from tierq.models import tenants as tenant_repo
 from tierq.models.db import Database
 from tierq.models.records import TenantRecord
@@ -56,9 +55,11 @@ async def _stop_work(parts: AppParts, tenant_id: str, why: str) -> None:
     jobs (running ones are aborted in their engines, every follower gets the final event)
     and its active batches, then tell the dispatcher and every API process."""
     db, r, names, settings = parts.db, parts.redis, parts.names, parts.settings
+    # Batches first: a batch that expanded lines into jobs before it was stopped has them
+    # cancelled next, and one stopped expands no more.
     async with db.transaction() as s:
-        stopped = await job_repo.cancel_tenant_jobs(s, tenant_id, "tenant_suspended", why)
         batches = await batch_repo.cancel_tenant_batches(s, tenant_id)
+    stopped = await parts.jobs.cancel_all(tenant_id, "tenant_suspended", why)
     await cancellation.announce(r, names, parts.events, stopped)
     for batch_id in batches:
         await batch_signal.poke(settings, r, names, batch_id)

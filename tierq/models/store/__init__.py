@@ -2,9 +2,9 @@
 the queue bound, quotas, the price), claimed by a worker, finished, failed, handed back,
 cancelled by its tenant, billed — and the reads around it, behind one interface
 (`JobStore`) that services and workers call, in the manner of procrastinate's connector and
-job manager. Still outside it: the bulk cancels of a tenant's or a batch's jobs
-(`models.jobs.cancel_unfinished`, `models.batches.stop_unfinished`), which run in their
-callers' transactions.
+job manager. A tenant stopped has its jobs cancelled here too (`cancel_all`); a batch
+winding up cancels its own by the same statements (`models.batches.stop_unfinished`), in
+the transaction that holds its fence, so that only its holder does.
 
 - `SqlJobStore` (`sql.py`): PostgreSQL and the embedded SQLite file, through the
   repository functions of `tierq.models.jobs`; admission is one call of the `tierq_admit`

@@ -129,6 +129,12 @@ class JobStore(Protocol):
         bill it now); a running job's run bills what it computed (`bill_cancelled`)."""
         ...
 
+    async def cancel_all(self, tenant_id: str, code: str, message: str) -> list[JobRecord]:
+        """Every queued or running job of the tenant -> cancelled with `code` and `message`
+        (its suspension, its deletion), as `cancel` does each: kept progress billed, a
+        running job's run left to bill what it computed. The jobs cancelled."""
+        ...
+
     async def bill_cancelled(
         self, job_id: str, prompt_tokens: int, completion_tokens: int
     ) -> JobRecord | None:

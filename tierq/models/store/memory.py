@@ -348,20 +348,44 @@ class MemoryJobStore:
         current = await self.get(job_id, tenant_id)
         if current is None:
             return None
+        return self._cancel(current, "cancelled", "the job was cancelled by its tenant", None)
+
+    async def cancel_all(self, tenant_id: str, code: str, message: str) -> list[JobRecord]:
+        mine = sorted(
+            (
+                j
+                for j in self._jobs.values()
+                if j.tenant_id == tenant_id and j.status in (JobStatus.QUEUED, JobStatus.RUNNING)
+            ),
+            key=lambda j: j.id,
+        )
+        return [job for j in mine if (job := self._cancel(j, code, message, code)) is not None]
+
+    def _cancel(
+        self, current: JobRecord, code: str, message: str, detail: str | None
+    ) -> JobRecord | None:
+        """queued or running -> cancelled; a queued job's kept progress billed (no run
+        will bill it now)."""
         kept = current.progress if current.status == JobStatus.QUEUED else None
         job = self._transition(
-            job_id,
+            current.id,
             JobStatus.CANCELLED,
             (JobStatus.QUEUED, JobStatus.RUNNING),
+            detail=detail,
             finished_at=utcnow(),
-            error_code="cancelled",
-            error_message="the job was cancelled by its tenant",
+            error_code=code,
+            error_message=message,
         )
         if job is not None and kept is not None and current.deliveries > 0:
-            return await self.bill_cancelled(job_id, kept.prompt_tokens, len(kept.token_ids))
+            return self._bill_cancelled(job.id, kept.prompt_tokens, len(kept.token_ids)) or job
         return job
 
     async def bill_cancelled(
+        self, job_id: str, prompt_tokens: int, completion_tokens: int
+    ) -> JobRecord | None:
+        return self._bill_cancelled(job_id, prompt_tokens, completion_tokens)
+
+    def _bill_cancelled(
         self, job_id: str, prompt_tokens: int, completion_tokens: int
     ) -> JobRecord | None:
         current = self._jobs.get(job_id)

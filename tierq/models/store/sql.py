@@ -199,6 +199,9 @@ class SqlJobStore:
     async def cancel(self, job_id: str, tenant_id: str | None = None) -> JobRecord | None:
         return await self._write(repo.cancel_one, job_id, tenant_id)
 
+    async def cancel_all(self, tenant_id: str, code: str, message: str) -> list[JobRecord]:
+        return await self._write(repo.cancel_tenant_jobs, tenant_id, code, message)
+
     async def bill_cancelled(
         self, job_id: str, prompt_tokens: int, completion_tokens: int
     ) -> JobRecord | None:
