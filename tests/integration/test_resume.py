@@ -16,7 +16,7 @@ from sqlalchemy import select, update
 
 from benchmarks.decode_ledger import DecodeLedger
 from tests.conftest import Platform
-from tests.helpers import admin, client, read_sse, wait_for
+from tests.helpers import admin, client, read_sse, until, until_async, wait_for
 from tierq.models import jobs as job_repo
 from tierq.models.records import Progress
 from tierq.models.tables import Job
@@ -199,6 +199,8 @@ class _ResumeStalls(EngineWrapper):
         self, request_id: str, resume: Sequence[int], run: AsyncIterator[Chunk]
     ) -> AsyncIterator[Chunk]:
         if resume:
+            # Only this run's abort ends its stall, not the one that preempted the last run.
+            self.aborted.discard(request_id)
             self.stalled.add(request_id)
             for _ in range(3000):  # 30 s at most
                 if request_id in self.aborted:
@@ -232,22 +234,19 @@ async def test_a_resumed_run_cancelled_before_its_first_token_bills_what_was_kep
         job_id = (await c.post("/v1/jobs", json=LONG)).json()["id"]
         await _generating(sim, job_id, 40)
         await platform.r.publish(platform.dispatcher.names.preempt_channel("w1"), job_id)
-        for _ in range(1000):
-            if job_id in stalls[0].stalled:
-                break
-            await asyncio.sleep(0.01)
-        assert job_id in stalls[0].stalled, "the job never resumed"
+        await until(lambda: job_id in stalls[0].stalled, "the job never resumed", 10)
         async with platform.db.session() as s:
             record = await job_repo.get_job(s, job_id)
         assert record is not None and record.progress is not None
         kept = record.progress
         assert len(kept.token_ids) >= 40
         assert (await c.post(f"/v1/jobs/{job_id}/cancel")).status_code == 200
-        for _ in range(500):
-            job = (await c.get(f"/v1/jobs/{job_id}")).json()
-            if job["usage"] is not None:
-                break
-            await asyncio.sleep(0.02)
+
+        async def billed() -> bool:
+            return (await c.get(f"/v1/jobs/{job_id}")).json()["usage"] is not None
+
+        await until_async(billed, f"{job_id} billed", 10)
+        job = (await c.get(f"/v1/jobs/{job_id}")).json()
     assert job["status"] == "cancelled"
     assert job["usage"] == {
         "prompt_tokens": kept.prompt_tokens,
@@ -256,9 +255,11 @@ async def test_a_resumed_run_cancelled_before_its_first_token_bills_what_was_kep
     }
     async with platform.db.session() as s:
         usage = await job_repo.usage_for_job(s, job_id)
+        record = await job_repo.get_job(s, job_id)
     assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [
         (kept.prompt_tokens, len(kept.token_ids))
     ]
+    assert record is not None and record.deliveries == 2  # the preempted run, the cancelled one
 
 
 class _FailsOnce(EngineWrapper):
