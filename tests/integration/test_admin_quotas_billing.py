@@ -23,6 +23,7 @@ from tests.helpers import (
     client,
     jobs_of,
     new_tenant,
+    until_async,
     wait_for,
 )
 from tierq.api.app import build_app
@@ -246,10 +247,12 @@ async def test_ledger_and_invoice_match_the_engines_tokens_exactly_despite_dupli
         await platform.start_worker("w1")
         done = [await wait_for(t, j["id"]) for j in first + second]
         assert all(j["status"] == "succeeded" for j in done)
-        for _ in range(100):  # the duplicates are consumed (and skipped)
-            if await platform.r.xlen(stream) == 0:
-                break
-            await asyncio.sleep(0.05)
+        inbox = platform.dispatcher.names.inbox("w1")
+
+        async def consumed() -> bool:  # taken off the stream, and skipped by the worker
+            return await platform.r.xlen(stream) == 0 and await platform.r.xlen(inbox) == 0
+
+        await until_async(consumed, "the duplicates consumed and skipped", 5)
 
     async with platform.db.session() as s:
         records = list(

@@ -119,7 +119,9 @@ async def test_a_frozen_holder_of_the_lease_writes_nothing_once_taken_over(
         while _parts(platform, batch_id) or "stopped advancing" not in first.output():
             assert time.monotonic() < deadline, (frozen_with, first.output())
             await asyncio.sleep(0.2)
-        await asyncio.sleep(1)  # whatever it would still do with its copies
+        # Whatever it would still do with its copies: nothing marks that it has nothing
+        # left to do, so a second for it to show.
+        await asyncio.sleep(1)
     finally:
         for worker in (first, second):
             if worker.proc is not None and worker.proc.poll() is None:

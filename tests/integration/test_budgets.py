@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import select
 
 from tests.conftest import ADMIN_KEY, Platform
-from tests.helpers import client
+from tests.helpers import client, until_async
 from tests.integration.batch_helpers import finished, jsonl, line, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
 from tierq.models import spend
@@ -129,17 +129,19 @@ async def test_batches_and_online_jobs_at_once_never_pass_the_budget(
     done = [await finished(api, b.id, celery, timeout=120) for b in batches]  # type: ignore[union-attr]
     assert {d.status for d in done} <= {"completed", "failed"}
 
-    # Wait for every job of the tenant to end, and every hung-up one to be billed.
-    for _ in range(200):
+    async def jobs_of_tenant() -> list[Job]:
         async with running.db.session() as s:
-            jobs = list((await s.execute(select(Job).where(Job.tenant_id == tenant_id))).scalars())
-        if all(j.status in ("succeeded", "failed", "cancelled") for j in jobs) and all(
+            return list((await s.execute(select(Job).where(Job.tenant_id == tenant_id))).scalars())
+
+    # Wait for every job of the tenant to end, and every hung-up one to be billed.
+    async def settled() -> bool:
+        jobs = await jobs_of_tenant()
+        return all(j.status in ("succeeded", "failed", "cancelled") for j in jobs) and all(
             j.prompt_tokens is not None for j in jobs if j.status == "cancelled" and j.started_at
-        ):
-            break
-        await asyncio.sleep(0.1)
-    else:
-        raise AssertionError("jobs still unfinished or unbilled after 20 s")
+        )
+
+    await until_async(settled, "jobs still unfinished or unbilled after 20 s", 20)
+    jobs = await jobs_of_tenant()
     ledger = await ledger_of(running, tenant_id)
     spent = sum(r.prompt_tokens + r.completion_tokens for r in ledger)
     assert spent <= budget, (spent, budget)

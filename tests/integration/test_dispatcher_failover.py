@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks.ports import free_port
 from tests.conftest import Platform
-from tests.helpers import client, jobs_of, wait_for
+from tests.helpers import client, jobs_of, until_async, wait_for
 from tests.integration.celery_proc import child_env
 from tierq.core.redis_names import DISPATCH_GROUP, RedisNames
 from tierq.dispatcher.loop import Dispatcher
@@ -156,10 +156,11 @@ async def test_a_paused_leader_loses_its_lease_and_dispatches_nothing_when_it_wa
         # 8 slots: the leader handed out 8 and holds 2 it read (pending for the group) but
         # could not place — the entries a stale leader would hand out again.
         stream = RedisNames(platform.settings.redis_prefix).tier_stream("standard", tenant_id)
-        deadline = time.monotonic() + 20
-        while (await platform.r.xpending(stream, DISPATCH_GROUP))["pending"] != 2:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+
+        async def two_pending() -> bool:
+            return bool((await platform.r.xpending(stream, DISPATCH_GROUP))["pending"] == 2)
+
+        await until_async(two_pending, "the leader holds two entries it could not place", 20)
         leader.signal(signal.SIGSTOP)  # a long GC pause, a stopped VM
         ids += await _submit(c, 20)
         await standby.wait_metric("tierq_dispatcher_leader", 1, timeout=LEASE_S + 5)

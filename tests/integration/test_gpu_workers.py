@@ -30,7 +30,7 @@ import pytest
 
 from benchmarks.ports import free_ports
 from tests.conftest import Platform
-from tests.helpers import client, until, wait_for
+from tests.helpers import client, until, until_async, wait_for
 from tests.integration.worker_proc import WorkerProcess, registered
 from tests.unit.test_gpu_workers import fake_nvidia_smi
 from tierq.core.messages import Heartbeat
@@ -118,15 +118,13 @@ async def test_one_worker_per_gpu_group_with_its_own_id_devices_inbox_and_restar
         # SIGKILL one engine's worker while it runs jobs: started again under its id, the
         # jobs it held finish.
         second = await _submit(c, 12)
-        held: list[str] = []
-        for _ in range(600):
+
+        async def holds() -> bool:
             async with platform.db.session() as s:
                 rows = [await job_repo.get_job(s, j) for j in second]
-            held = [r.id for r in rows if r and r.worker_id == IDS[1] and r.status == "running"]
-            if held:
-                break
-            await asyncio.sleep(0.05)
-        assert held, "the engine to kill never ran a job"
+            return any(r and r.worker_id == IDS[1] and r.status == "running" for r in rows)
+
+        await until_async(holds, "the engine to kill never ran a job", 30)
         victim = children[IDS[1]]
         victim.kill()
         await until(
@@ -136,13 +134,12 @@ async def test_one_worker_per_gpu_group_with_its_own_id_devices_inbox_and_restar
         )
         restarted = _children(host)[IDS[1]]
         assert restarted.environ()["CUDA_VISIBLE_DEVICES"] == "2,3"
-        for _ in range(600):
+
+        async def took_its_id() -> bool:
             beat = await _heartbeat(platform, IDS[1])
-            if beat is not None and beat.holder.split(":")[1] == str(restarted.pid):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("the restarted worker never took its id")
+            return beat is not None and beat.holder.split(":")[1] == str(restarted.pid)
+
+        await until_async(took_its_id, "the restarted worker never took its id", 60)
         done = [await wait_for(c, j, timeout=120) for j in second]
     assert [d["status"] for d in done] == ["succeeded"] * 12
     assert all(d["usage"]["completion_tokens"] == 120 for d in done)

@@ -18,6 +18,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tests.conftest import Platform
+from tests.helpers import until, until_async
 from tests.integration.test_tracing import JOB_BODY
 from tests.integration.test_tracing import spans as spans  # the in-memory exporter
 from tierq.core import logs
@@ -55,12 +56,12 @@ async def _run_job(platform: Platform, key: str) -> str:
         resp = await client.post("/v1/jobs", json=JOB_BODY, headers=auth)
         assert resp.status_code == 202, resp.text
         job_id = str(resp.json()["id"])
-        deadline = time.monotonic() + 20
-        while (await client.get(f"/v1/jobs/{job_id}", headers=auth)).json()["status"] != (
-            "succeeded"
-        ):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+
+        async def succeeded() -> bool:
+            job = (await client.get(f"/v1/jobs/{job_id}", headers=auth)).json()
+            return bool(job["status"] == "succeeded")
+
+        await until_async(succeeded, f"{job_id} succeeded", 20)
     return job_id
 
 
@@ -86,17 +87,16 @@ async def test_json_lines_carry_the_job_and_its_trace(
         await asyncio.sleep(0.05)
     # The run's span ends once the worker has settled the job, a moment after the job
     # reads succeeded: waited for, like the lines.
-    deadline = time.monotonic() + 10
-    while not (
-        runs := [
+
+    def runs() -> list[Any]:
+        return [
             s
             for s in spans.get_finished_spans()
             if s.name == "tierq.run" and (s.attributes or {}).get("tierq.job_id") == job_id
         ]
-    ):
-        assert time.monotonic() < deadline, "the run's span never ended"
-        await asyncio.sleep(0.05)
-    (run,) = runs
+
+    await until(lambda: bool(runs()), "the run's span never ended", 10)
+    (run,) = runs()
     attributes = run.attributes or {}
     for logger, entry in found.items():
         assert entry["job_id"] == job_id, logger

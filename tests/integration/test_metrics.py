@@ -372,7 +372,9 @@ async def test_preemptions_are_counted_as_the_job_rows_say(platform: Platform) -
     platform.start_dispatcher()
     await platform.start_worker("w1", cost=CostModel(slots=8).scaled(2))
     slow = await _jobs(platform, key, "standard", 4, max_tokens=240)
-    await asyncio.sleep(0.5)  # they run, and take every slot standard work may
+    async with client(platform.url, key) as c:  # they run, and take every slot standard may
+        for job_id in slow:
+            await wait_for(c, job_id, ("running",), timeout=10)
     quick = await _jobs(platform, key, "interactive", 8, max_tokens=40)
     async with client(platform.url, key) as c:
         for job_id in [*quick, *slow]:

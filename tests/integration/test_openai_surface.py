@@ -16,7 +16,7 @@ from openai import AsyncOpenAI
 from sqlalchemy import text
 
 from tests.conftest import Platform
-from tests.helpers import assert_openai_error
+from tests.helpers import assert_openai_error, until, until_async
 from tierq.core.messages import Served
 from tierq.models import jobs as job_repo
 from tierq.models import tenants as tenant_repo
@@ -122,7 +122,9 @@ async def test_the_first_chunk_of_a_stream_comes_with_the_first_token(
         assert resp.status_code == 200
         lines = resp.aiter_lines()
         first = asyncio.ensure_future(lines.__anext__())
-        await asyncio.sleep(1.0)  # no dispatcher yet: the job waits in the queue
+        # No dispatcher yet: the job waits in the queue. Nothing marks the moment a premature
+        # chunk would have been sent: a second for one to show.
+        await asyncio.sleep(1.0)
         assert not first.done()
         platform.start_dispatcher()
         await platform.start_worker("w1")
@@ -246,12 +248,13 @@ async def test_logprobs_plain_and_streamed_in_each_endpoints_shape(
             "/v1/jobs", json={"prompt": "Once", "max_tokens": 3, "logprobs": 1}, headers=auth
         )
         assert made.status_code in (200, 201, 202), made.text
-        for _ in range(100):
-            native = (await raw.get(f"/v1/jobs/{made.json()['id']}", headers=auth)).json()
-            if native["status"] == "succeeded":
-                break
-            await asyncio.sleep(0.05)
-        result = native["result"]
+        native_url = f"/v1/jobs/{made.json()['id']}"
+
+        async def succeeded() -> bool:
+            return (await raw.get(native_url, headers=auth)).json()["status"] == "succeeded"
+
+        await until_async(succeeded, "the native job succeeded", 5)
+        result = (await raw.get(native_url, headers=auth)).json()["result"]
         assert [e["token"] for e in result["logprobs"]] == [" tok1", " tok2", " tok3"]
         assert all(len(e["top_logprobs"]) == 1 for e in result["logprobs"])
         for path, body in (
@@ -376,35 +379,35 @@ async def test_a_client_that_hangs_up_cancels_its_job(platform: Platform, tenant
     assert first is not None
     await stream.close()
     job_id = "job_" + first.id.split("job_", 1)[1]
-    for _ in range(100):
-        job = await _job(platform, job_id)
-        if job.status.value == "cancelled":
-            break
-        await asyncio.sleep(0.1)
-    assert job.status.value == "cancelled"
+
+    async def cancelled() -> bool:
+        return (await _job(platform, job_id)).status.value == "cancelled"
+
+    await until_async(cancelled, f"{job_id} cancelled", 10)
     # The engine really let it go: its slot is free long before 1,000 tokens (30 s at this
     # speed), and the worker reported the run as cancelled after a fraction of them.
     _, _, engine = platform.workers["w1"]
-    for _ in range(50):
-        if engine.running == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert engine.running == 0
+    await until(lambda: engine.running == 0, "the engine let the run go", 5)
+
     # The worker reports the run once it has ended it (after the engine let it go).
-    for _ in range(50):
+    async def served() -> list[Served]:
         reports = await platform.r.xrange(platform.dispatcher.names.served)
-        mine = [Served.decode(f) for _, f in reports if Served.decode(f).job_id == job_id]
-        if mine:
-            break
-        await asyncio.sleep(0.1)
+        return [Served.decode(f) for _, f in reports if Served.decode(f).job_id == job_id]
+
+    async def reported() -> bool:
+        return bool(await served())
+
+    await until_async(reported, "the worker reported the run", 5)
+    mine = await served()
     assert [m.outcome for m in mine] == ["cancelled"]
     assert 0 < mine[0].actual < mine[0].estimated - 500  # most of the 1,000 never generated
     # The tokens it did generate are billed: on the job, and once in the ledger.
-    for _ in range(50):
-        job = await _job(platform, job_id)
-        if job.completion_tokens:
-            break
-        await asyncio.sleep(0.1)
+
+    async def billed() -> bool:
+        return bool((await _job(platform, job_id)).completion_tokens)
+
+    await until_async(billed, "the generated tokens billed on the job", 5)
+    job = await _job(platform, job_id)
     assert job.prompt_tokens and 0 < (job.completion_tokens or 0) < 1000
     async with platform.db.session() as s:
         usage = await job_repo.usage_for_job(s, job_id)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Platform
-from tests.helpers import client, until_streamed, wait_for
+from tests.helpers import client, until_async, until_streamed, wait_for
 from tests.integration.worker_proc import WorkerProcess, registered
 from tierq.core.messages import FAULT_UNIT, Heartbeat, JobMessage
 from tierq.core.queue import write_heartbeat
@@ -63,7 +63,7 @@ async def test_three_sigterms_during_one_long_job_cost_it_no_delivery(
             await wait_for(c, job["id"], ("running",), timeout=60)
             before = await _generated(platform, job["id"])
             # Let this run generate some tokens of its own, then restart it as planned.
-            await asyncio.sleep(1.5)
+            await _streams_more(platform, job["id"])
             worker.signal(signal.SIGTERM)
             assert await worker.exited(30) == 0
             handed_back = await _record(platform, job["id"])
@@ -92,6 +92,18 @@ async def _record(platform: Platform, job_id: str) -> Any:
         record = await job_repo.get_job(s, job_id)
     assert record is not None
     return record
+
+
+async def _streams_more(platform: Platform, job_id: str) -> None:
+    """Until the job's run streams a token past those in its replay buffer now (the buffer
+    holds every delivery's events, and only deltas until the job ends)."""
+    events = RedisNames(platform.settings.redis_prefix).job_events(job_id)
+    streamed = int(await platform.r.llen(events))
+
+    async def more() -> bool:
+        return int(await platform.r.llen(events)) > streamed
+
+    await until_async(more, f"job {job_id} streams tokens of this run", 30)
 
 
 async def _generated(platform: Platform, job_id: str) -> int:

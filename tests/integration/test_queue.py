@@ -257,7 +257,7 @@ async def test_a_stuck_call_fails_its_waiters_at_the_deadline_and_the_stop_is_bo
             assert time.monotonic() - began < 3.0
             stopping = Enqueuer(own, names, deadline_s=30)
             waiter = asyncio.create_task(stopping.enqueue(JobMessage("s", "t1", Tier.STANDARD)))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # its call sent, and stuck (nothing public shows it)
             began = time.monotonic()
             await stopping.aclose(timeout_s=0.2)
             assert time.monotonic() - began < 2.0

@@ -27,6 +27,7 @@ async def test_a_full_pool_refuses_after_its_timeout_and_a_gone_waiter_keeps_no_
             assert 0.25 <= waited < 2.0
             # A waiter cancelled while it waits (as a request is when its client leaves).
             gone = asyncio.create_task(pool.fetchrow("SELECT 1"))
+            # In its wait (nothing public shows it), well inside the pool's 0.3 s timeout.
             await asyncio.sleep(0.05)
             gone.cancel()
             with pytest.raises(asyncio.CancelledError):

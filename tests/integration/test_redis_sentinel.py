@@ -64,7 +64,7 @@ async def test_a_primary_killed_mid_run_fails_over_and_nothing_accepted_is_lost(
                 return await admit_retrying(c, BODY, f"job-{i}", deadline)
 
             submitting = asyncio.gather(*(paced(i) for i in range(JOBS)))
-            await asyncio.sleep(2)
+            await asyncio.sleep(2)  # two seconds into the arrivals
             old = sentinel_redis.primary_port()
             sentinel_redis.kill(sentinel_redis.node(old))  # mid-run
             ids = await submitting

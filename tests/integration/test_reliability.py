@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tests.conftest import Platform
-from tests.helpers import client, read_sse, until_streamed, wait_for
+from tests.helpers import client, read_sse, until_async, until_streamed, wait_for
 from tierq.core.messages import Served
 from tierq.core.queue import enqueue
 from tierq.core.redis_names import WORKER_GROUP
@@ -119,12 +119,13 @@ async def test_a_job_that_keeps_dying_is_dead_lettered(platform: Platform, tenan
         for attempt in range(2):
             await platform.start_worker(f"crashy-{attempt}", cost=SLOW)
             await wait_for(c, job["id"], ("running",))
-            for _ in range(100):
+
+            async def delivered(times: int = attempt + 1) -> bool:
                 async with platform.db.session() as s:
                     record = await job_repo.get_job(s, job["id"])
-                if record is not None and record.deliveries == attempt + 1:
-                    break
-                await asyncio.sleep(0.02)
+                return record is not None and record.deliveries == times
+
+            await until_async(delivered, f"delivery {attempt + 1} recorded", 2)
             await platform.kill_worker(f"crashy-{attempt}")
         await platform.start_worker("last", cost=SLOW)
         final = await wait_for(c, job["id"], timeout=30)
@@ -167,7 +168,7 @@ async def test_the_reconciler_puts_back_a_running_job_whose_worker_and_redis_are
         # heartbeat: the first pass only marks it; once the grace has passed, it goes back.
         platform.settings.reconcile_orphan_grace_s = 0.5
         assert await reconcile(platform.settings, platform.db, platform.jobs, platform.r) == []
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(0.6)  # past the grace
         assert await reconcile(platform.settings, platform.db, platform.jobs, platform.r) == [
             job["id"]
         ]

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from tests.conftest import Platform
-from tests.helpers import client, read_sse, wait_for
+from tests.helpers import client, read_sse, until, wait_for
 from tierq.models import jobs as job_repo
 from tierq.workers.engine.simulated_engine import CostModel
 
@@ -31,11 +31,8 @@ async def _two_interactive_jobs_behind_batch_work(
         batch = [(await c.post("/v1/jobs", json=LONG)).json()["id"] for _ in range(5)]
         for job_id in batch[:running]:
             await wait_for(c, job_id, ("running",))
-        for _ in range(500):  # claimed in the database; in the engine from its next step
-            if engine.running == running:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.running == running
+        # Claimed in the database; in the engine from its next step.
+        await until(lambda: engine.running == running, f"{running} running in the engine", 5)
         inter = [(await c.post("/v1/jobs", json=SHORT)).json()["id"] for _ in range(2)]
         firsts = [
             await asyncio.wait_for(read_sse(c, f"/v1/jobs/{i}/events", limit=1), 10) for i in inter

@@ -180,7 +180,7 @@ async def test_an_upload_slower_than_its_time_limit_is_refused_and_leaves_nothin
     slow = Body(platform.settings, 3 * MIB, pause_at=2 * MIB)  # past the first write
     sending = asyncio.create_task(slow.post(a))
     await asyncio.wait_for(slow.paused.wait(), 10)
-    await asyncio.sleep(1.5)
+    await asyncio.sleep(1.5)  # past FILES_UPLOAD_MAX_S
     slow.go.set()
     refused = await sending
     assert_openai_error(refused, 400, "upload_too_slow")
