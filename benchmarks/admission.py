@@ -4,8 +4,8 @@ The real API process (`tierq api`, `--api-workers` of them behind one port) agai
 scratch PostgreSQL database and a redis-server of the bench's own
 (benchmarks.harness.ScratchPlatform). No dispatcher, worker or engine runs: admission is
 the subject, and the jobs stay queued. Tenants are made through the admin API (no
-quotas: the fast path; `--quota` gives each a quota, which takes the exact path under
-the tenant's row lock).
+quotas: the fast path; `--quota` gives each a quota, checked under the tenant's
+exclusive row lock against a prompt counted by the tokenizer).
 
 Two phases, each `--n` requests from `--clients` concurrent clients (each on a
 keep-alive connection of its own, spread round-robin over `--tenants` tenants):

@@ -10,7 +10,7 @@ these costs is the engine's:
   import is, `rebuild_days`), its jobs table beside it up to `jobs_cap` rows. At each size, the real
   API process (no dispatcher, so admitted jobs stay queued) is measured for: admission
   latency p50/p99 and its CPU per job (`POST /v1/jobs` from `clients` clients, the tenant
-  under a quota: the exact path, under its row lock); `GET /v1/usage` over the whole
+  under a quota: checked under its exclusive row lock); `GET /v1/usage` over the whole
   ledger (by day) and over a span that starts and ends mid-day (by tier and model), on the
   hour (the edge days' whole hours from their sums) and, apart, cutting an hour (whose
   records are read); and the admin usage report (by model).

@@ -198,9 +198,12 @@ class JobStoreContract:
         for key_id in (key, "key_unknown", theirs):  # another tenant's key is not this one's
             refused = await store.admit(admission(mine, key_id=key_id), counted=False)
             assert refused.job is None and refused.status == tenant_repo.REVOKED, key_id
+        await admin.quota(mine, "*", requests_per_minute=100)
         await admin.suspend(mine)
-        suspended = await store.admit(admission(mine), counted=True)
-        assert suspended.job is None and suspended.status == "suspended"
+        for counted in (False, True):  # refused before it would be sent back to be counted
+            suspended = await store.admit(admission(mine), counted=counted)
+            assert suspended.job is None and suspended.status == "suspended"
+            assert not suspended.count_first
         unknown = await store.admit(admission("ten_unknown"), counted=False)
         assert unknown.job is None and unknown.status is None
         assert len(await self.mine(store, mine)) == 1

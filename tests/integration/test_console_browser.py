@@ -10,8 +10,8 @@ tmp_path (`console-*.png`, `docs.png`).
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 from selenium.webdriver.common.by import By
@@ -29,7 +29,7 @@ from tests.browser import (
     until,
 )
 from tests.conftest import Platform
-from tests.helpers import admin, new_tenant
+from tests.helpers import admin, new_tenant, until_async
 from tests.integration.batch_helpers import jsonl, line, sdk, submit
 from tests.integration.celery_proc import CeleryWorker
 from tierq.workers.engine.simulated_engine import CostModel
@@ -102,11 +102,13 @@ async def _console_scenario(platform: Platform, driver: WebDriver, tmp_path: Pat
 
     # Its event's delivery failed: the page shows it, and sends it again.
     async with admin(platform) as a:
-        for _ in range(100):
-            found = (await a.get("/admin/webhook_deliveries")).json()["data"]
-            if found and found[0]["status"] == "failed":
-                break
-            await asyncio.sleep(0.2)
+        found: list[dict[str, Any]] = []
+
+        async def delivery_failed() -> bool:
+            found[:] = (await a.get("/admin/webhook_deliveries")).json()["data"]
+            return bool(found) and found[0]["status"] == "failed"
+
+        await until_async(delivery_failed, "the batch's webhook delivery failed", 20)
     [delivery] = found
     assert delivery["status"] == "failed" and delivery["data"]["id"] == batch.id
     # (The page shows it at its next poll: until then it may still show it pending.)
@@ -117,22 +119,26 @@ async def _console_scenario(platform: Platform, driver: WebDriver, tmp_path: Pat
     assert batch.id in await off_loop(text_of, driver, "#webhooks tbody")
     await off_loop(click_twice, driver, f"redeliver-{delivery['id']}")
     async with admin(platform) as a:
-        for _ in range(50):
-            again = (await a.get("/admin/webhook_deliveries")).json()["data"][0]
-            if again["status"] == "pending":
-                break
-            await asyncio.sleep(0.1)
-    assert again["status"] == "pending" and again["attempts"] == 1  # numbers go on
+        again: dict[str, Any] = {}
+
+        async def pending_again() -> bool:
+            again.update((await a.get("/admin/webhook_deliveries")).json()["data"][0])
+            return bool(again["status"] == "pending")
+
+        await until_async(pending_again, "the delivery is pending again", 5)
+    assert again["attempts"] == 1  # numbers go on
     await off_loop(until, driver, lambda d: "retrying" in text_of(d, "#webhooks tbody"))
 
     # Set a quota from the page's form; the admin API has it, the page shows its headroom.
     await off_loop(fill_quota, driver, tenant_id, {"requests_per_minute": "100"})
     async with admin(platform) as a:
-        for _ in range(50):
-            quotas = (await a.get(f"/admin/tenants/{tenant_id}/quota")).json()["data"]
-            if quotas:
-                break
-            await asyncio.sleep(0.1)
+        quotas: list[dict[str, Any]] = []
+
+        async def quota_set() -> bool:
+            quotas[:] = (await a.get(f"/admin/tenants/{tenant_id}/quota")).json()["data"]
+            return bool(quotas)
+
+        await until_async(quota_set, "the form's quota reached the admin API", 5)
     assert [(q["tier"], q["requests_per_minute"], q["max_running"]) for q in quotas] == [
         (None, 100, None)
     ]
@@ -144,22 +150,23 @@ async def _console_scenario(platform: Platform, driver: WebDriver, tmp_path: Pat
     lines = [line(f"m-{i}", max_tokens=16) for i in range(400)]
     second = await submit(sdk(platform, key), jsonl(lines))
     await off_loop(click_twice, driver, f"cancel-{second.id}")
-    for _ in range(100):
+
+    async def batch_cancelled() -> bool:
         status = (await sdk(platform, key).batches.retrieve(second.id)).status
-        if status in ("cancelling", "cancelled"):
-            break
-        await asyncio.sleep(0.1)
-    assert status in ("cancelling", "cancelled")
+        return status in ("cancelling", "cancelled")
+
+    await until_async(batch_cancelled, "the page's cancel reached the batch", 10)
 
     # Suspend the tenant from the page; the admin API says it is suspended.
     await off_loop(click_twice, driver, f"suspend-{tenant_id}")
     async with admin(platform) as a:
-        for _ in range(50):
-            status = (await a.get(f"/admin/tenants/{tenant_id}")).json()["status"]
-            if status == "suspended":
-                break
-            await asyncio.sleep(0.1)
-    assert status == "suspended"
+
+        async def suspended() -> bool:
+            return bool(
+                (await a.get(f"/admin/tenants/{tenant_id}")).json()["status"] == "suspended"
+            )
+
+        await until_async(suspended, "the page's suspension reached the admin API", 5)
     await off_loop(
         until, driver, lambda d: d.find_element(By.ID, f"resume-{tenant_id}").is_displayed()
     )

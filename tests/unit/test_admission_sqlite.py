@@ -260,5 +260,11 @@ async def test_an_in_memory_database_admits_by_the_same_statements_without_a_wri
         again = dataclasses.replace(request, job_id=new_id("job"))
         refused = await store.admit(again, counted=True)
         assert refused.job is None and [held for *_, held in refused.quotas] == [False]
+        # Admissions at once, on the one connection every session shares: one at a time.
+        async with memory.transaction() as s:
+            await quota_repo.set_quota(s, tenant.id, "*", requests_per_minute=4)
+        burst = [dataclasses.replace(request, job_id=new_id("job")) for _ in range(10)]
+        answers = await asyncio.gather(*(store.admit(a, counted=True) for a in burst))
+        assert sum(a.job is not None for a in answers) == 3
         await store.close()
         await memory.close()

@@ -1,5 +1,6 @@
-"""models.quotas.decide: the one rule both admission paths word their refusals by (the
-ORM path and the PostgreSQL function of migration 0007), checked on its own."""
+"""models.quotas.decide: the one rule every store's admission decides or words its refusals
+by (SQLite's and the in-memory store's judge by it; PostgreSQL's function compares the same
+figures the same way), checked on its own."""
 
 from __future__ import annotations
 

@@ -24,10 +24,10 @@ JOBS_SUBMITTED = Counter("tierq_jobs_submitted_total", "Jobs admitted", ["tier"]
 JOBS_REFUSED = Counter("tierq_jobs_refused_total", "Job submissions refused", ["code"])
 ADMISSION_STATEMENTS = Counter(
     "tierq_admission_statements_total",
-    "Admission calls by path: fast (PostgreSQL's tierq_admit with the prompt's byte bound, "
-    "or SQLite's one hop, where no quota applies), quotas (tierq_admit with the prompt "
-    "counted by the tokenizer: quotas for the tier) or exact (an ORM transaction on "
-    "SQLite: quotas for the tier)",
+    "Calls of the job store's admit by path: fast (a first call, the prompt's byte bound "
+    "reserved unless its length needed counting) or quotas (a call with the prompt counted "
+    "by the tokenizer because the tenant has quotas for the tier: its first call when that "
+    "is known, else its second, after the store asked for it)",
     ["path"],
 )
 JOBS_FINISHED = Counter(

@@ -97,9 +97,11 @@ class Answer:
     status (None: no such tenant) and the key's; `count_first`, quotas apply and the
     reservation must be counted by the tokenizer first (nothing was written); the default
     queue bound (`queued`, the tenant's waiting jobs as far as counted; None where the
-    bound did not apply); each quota that applies, with the figures it was checked against
-    and whether it held, up to the first that did not (`reserved_cost`: the most the job
-    can cost, what spend budgets were checked against)."""
+    bound did not apply); each quota that applies, every-tier first, with the figures it
+    was checked against and whether it held (`reserved_cost`: the most the job can cost,
+    what spend budgets were checked against). PostgreSQL's function reports every quota;
+    SQLite and the in-memory store stop at the first that did not hold, and report no
+    quota when the queue bound refused: the decision and its first reason are the same."""
 
     job: JobRecord | None
     tenant_status: str | None = None

@@ -465,19 +465,16 @@ def _kept_progress(s: Session, where: Any) -> dict[str, Progress]:
     next run (preempted, or handed back): cancelling one must bill that work, which no run
     will bill now. A running job's own run bills it (tierq/workers/worker.py).
 
-    Every unfinished job matching `where` that was ever delivered is locked, running ones
-    too, in id order (PostgreSQL; SQLite's write lock is held from BEGIN): a worker's
-    hand-back (running -> queued, with its progress) that would commit between this read
-    and the cancel waits instead, then finds the job cancelled and bills its run itself; a
-    claim (queued -> running) waits the same way. The id order keeps two bulk cancels
-    (a suspension and a batch's expiry) from deadlocking on each other's rows."""
+    Every unfinished job matching `where` is locked, running ones too, in id order
+    (PostgreSQL; SQLite's write lock is held from BEGIN): a worker's hand-back (running ->
+    queued, with its progress) that would commit between this read and the cancel waits
+    instead, then finds the job cancelled and bills its run itself; a claim (queued ->
+    running) waits the same way. Locked in id order before the cancel's UPDATE locks them
+    in its scan's order, so two bulk cancels over the same jobs (a suspension, and the
+    wind-up of one of its batches) wait for each other rather than deadlock."""
     stmt = (
         select(Job.id, Job.status, Job.progress)
-        .where(
-            where,
-            Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
-            Job.deliveries > 0,
-        )
+        .where(where, Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)))
         .order_by(Job.id)
         .with_for_update()
     )
@@ -571,7 +568,7 @@ def cancel_unfinished(s: Session, where: Any, code: str, message: str) -> list[J
     """Cancel every queued or running job matching `where`, each with its transition;
     returns the cancelled jobs (tierq/services/cancellation.py announces them). A queued one with
     kept progress is billed for it. Synchronous, as the job store's writes are
-    (`JobStore.cancel_of_tenant`); a batch's wind-up runs it in its fenced transaction."""
+    (`JobStore.cancel_all`); a batch's wind-up runs it in its fenced transaction."""
     kept = _kept_progress(s, where)
     stmt = (
         update(Job)

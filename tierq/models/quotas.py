@@ -1,9 +1,10 @@
 """Quotas and their enforcement at admission: every SQL statement about them.
 
-Admission runs the checks inside the transaction that inserts the job, after locking
-the tenant's row (`lock_tenant`): two submissions of one tenant are serialised, so 100
-concurrent requests against a limit of 10 admit exactly 10, on PostgreSQL (the row lock)
-and on SQLite (a writer holds the whole database). The counters are the jobs and usage
+Admission runs the checks inside the transaction that inserts the job (the job store's
+`admit`), one admission of a tenant with quotas at a time: 100 concurrent requests against
+a limit of 10 admit exactly 10, on PostgreSQL (`tierq_admit` takes the tenant's row lock)
+and on SQLite (a writer holds the whole database). A batch is checked the same way when it
+starts (`check`, after `lock_tenant`). The counters are the jobs and usage
 tables themselves — exact, and with the database as their record.
 
 - requests_per_minute: jobs admitted over the last 60 s (a sliding window).

@@ -357,16 +357,18 @@ async def _answered(
         )
         if refusal is not None:
             _refuse_quota(refusal, tenant, new.tier)
-    # Every store decides by `decide` on the figures it sends: a refusal that no rule
-    # words is a store and the rule disagreeing. The job was not written; the client may
-    # retry.
+    # Every store decides by the rule on the figures it sends, so this is the store (which
+    # decided under the tenant's lock: PostgreSQL's function is frozen SQL) and `decide`
+    # disagreeing at a boundary. The store's decision stands; the refusal names no figure.
     log.error(
         "admission of tenant %s refused by the store for no reason the rule gives (answer %r)",
         tenant.id,
         answer,
     )
-    raise _refuse(
-        503, "The job could not be admitted. Retry after a moment.", "service_unavailable"
+    _refuse_quota(
+        quota_repo.Refusal("quota_exceeded", "A quota of this tenant would be exceeded.", 1),
+        tenant,
+        new.tier,
     )
 
 

@@ -40,7 +40,8 @@ class JobStore(Protocol):
         `count_first` unless the reservation was `counted` by the served model's tokenizer;
         the default bound on its waiting jobs; the price in force; every quota that
         applies (`models.quotas.decide`, on the figures `models.quotas.figures` names),
-        checked one admission of the tenant at a time. The answer carries the job, or what
+        checked one admission of the tenant at a time (across processes, on PostgreSQL and
+        an SQLite file). The answer carries the job, or what
         refused it (the caller words the refusal: tierq/services/admission.py)."""
         ...
 

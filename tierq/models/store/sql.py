@@ -69,6 +69,7 @@ class SqlJobStore:
             self._raw = RawPool(db.url, db.pool_size, db.pool_timeout_s, db.transaction_pooling)
         elif db.dialect == "sqlite" and is_sqlite_file(db.url):
             self._local = LocalWriter(db.url)
+        self._admitting = asyncio.Lock()  # an in-memory SQLite database's (`admit`)
         self._claims: list[_Claim] = []
         self._claiming: asyncio.Task[None] | None = None
         self._closed = False
@@ -84,7 +85,9 @@ class SqlJobStore:
             return await admission.admit(self._raw, request, counted)
         if self._local is not None:
             return await admission_sqlite.admit(self._local, request, counted)
-        async with self.db.transaction() as s:
+        # An in-memory database is one connection, which every session shares: one
+        # admission at a time on it, or their transactions would interleave there.
+        async with self._admitting, self.db.transaction() as s:
             return await s.run_sync(
                 lambda ss: admission_sqlite.admit_in(ss.connection(), request, counted)
             )
