@@ -172,7 +172,9 @@ class _Run:
         speedup = self.bench.speedup
         initial = [a for a in arrivals if a.at < 0.01]
         async with self.db.transaction() as s:
-            backlog = [(a, (await job_repo.create_job(s, self._new_job(a)))[0]) for a in initial]
+            backlog = [
+                (a, (await s.run_sync(job_repo.create_job, self._new_job(a)))[0]) for a in initial
+            ]
         t0 = time.monotonic()
         for arrival, job in backlog:
             await self._enqueue(arrival, job, t0)
@@ -182,7 +184,7 @@ class _Run:
             if delay > 0:
                 await asyncio.sleep(delay)
             async with self.db.transaction() as s:
-                job, _ = await job_repo.create_job(s, self._new_job(arrival))
+                job, _ = await s.run_sync(job_repo.create_job, self._new_job(arrival))
             await self._enqueue(arrival, job, time.monotonic())
         end = t0 + self.bench.shape.duration_s / speedup
         await asyncio.sleep(max(0.0, end - time.monotonic()))

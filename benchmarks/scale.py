@@ -396,7 +396,7 @@ async def _run(
             if delay > 0:
                 await asyncio.sleep(delay)
             async with db.transaction() as s:
-                job, _ = await job_repo.create_job(s, new_job(a))
+                job, _ = await s.run_sync(job_repo.create_job, new_job(a))
             await enqueue(r, names, job.to_message())
             offered_tokens += a.prompt_chars / 4 + a.max_tokens
 
@@ -418,7 +418,7 @@ async def _run(
 
     burst = [a for a in arrivals if a.at == 0.0]
     async with db.transaction() as s:
-        burst_jobs = [(await job_repo.create_job(s, new_job(a)))[0] for a in burst]
+        burst_jobs = [(await s.run_sync(job_repo.create_job, new_job(a)))[0] for a in burst]
     for job in burst_jobs:
         await enqueue(r, names, job.to_message())
     offered_tokens += sum(a.prompt_chars / 4 + a.max_tokens for a in burst)

@@ -296,7 +296,7 @@ async def _tenant_with_history(platform: Platform) -> str:
                 input_price=Decimal(price),
                 output_price=Decimal("1.25"),
             )
-            return (await job_repo.create_job(s, new))[0].id
+            return (await s.run_sync(job_repo.create_job, new))[0].id
 
         await job(Tier.STANDARD, 100)
         await job(Tier.STANDARD, 121, "0.37")

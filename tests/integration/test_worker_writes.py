@@ -69,7 +69,7 @@ async def _jobs(db: Database, jobs: int) -> list[str]:
             prompt="x",
             params={"max_tokens": 3},
         )
-        return [(await job_repo.create_job(s, new))[0].id for _ in range(jobs)]
+        return [(await s.run_sync(job_repo.create_job, new))[0].id for _ in range(jobs)]
 
 
 async def test_a_burst_of_claims_shares_transactions_and_each_gets_its_own_answer(

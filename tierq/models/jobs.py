@@ -3,6 +3,11 @@
 State changes are conditional UPDATEs (`WHERE status IN <allowed sources>`), so two
 processes racing on one job (a worker finishing it while its tenant cancels it, or a
 job delivered twice) cannot both win; the loser sees `None` and stands down.
+
+Writes are synchronous functions of an ORM `Session`: the job store (tierq/models/store)
+runs each in a transaction of its own — on an SQLite file on its writer thread, elsewhere
+through `run_sync` — and a caller that must write in its own transaction (a batch's
+fenced wind-up) does the same. Reads are coroutines of an `AsyncSession`.
 """
 
 from __future__ import annotations
@@ -50,30 +55,19 @@ class NewJob:
     output_price: Decimal | None = None
 
 
-async def find_by_idempotency_key(
-    s: AsyncSession, tenant_id: str, key: str, request_hash: str | None
-) -> JobRecord | None:
-    """The job an Idempotency-Key already made (IdempotencyConflict for another body)."""
-    existing = await _existing_by_key(s, tenant_id, key)
-    if existing is None:
-        return None
-    if existing.request_hash != request_hash:
-        raise IdempotencyConflict(key)
-    return JobRecord.from_row(existing)
-
-
-async def _existing_by_key(s: AsyncSession, tenant_id: str, key: str) -> Job | None:
+def _existing_by_key(s: Session, tenant_id: str, key: str) -> Job | None:
     stmt = select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key)
-    return (await s.execute(stmt)).scalar_one_or_none()
+    return s.execute(stmt).scalar_one_or_none()
 
 
-async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
-    """Insert a queued job; with an Idempotency-Key already used, return that job instead.
+def create_job(s: Session, new: NewJob) -> tuple[JobRecord, bool]:
+    """Insert a queued job; with an Idempotency-Key already used, return that job instead
+    (`IdempotencyConflict` for another request body).
 
     Returns (job, created). Commits nothing: the caller owns the transaction.
     """
     if new.idempotency_key is not None:
-        existing = await _existing_by_key(s, new.tenant_id, new.idempotency_key)
+        existing = _existing_by_key(s, new.tenant_id, new.idempotency_key)
         if existing is not None:
             if existing.request_hash != new.request_hash:
                 raise IdempotencyConflict(new.idempotency_key)
@@ -82,20 +76,20 @@ async def create_job(s: AsyncSession, new: NewJob) -> tuple[JobRecord, bool]:
     if new.idempotency_key is None:
         # Nothing can conflict: two plain INSERTs, without a savepoint or the ORM's flush.
         values = row_values(new, new_id("job"), now)
-        await s.execute(insert(Job).values(values))
-        await s.execute(
+        s.execute(insert(Job).values(values))
+        s.execute(
             insert(JobTransition).values(job_id=values["id"], status=values["status"], at=now)
         )
         return new_record(new, values["id"], now), True
     row = new_row(new, new_id("job"), now)
     try:
-        async with s.begin_nested():
+        with s.begin_nested():
             s.add(row)
             s.add(JobTransition(job_id=row.id, status=JobStatus.QUEUED.value, at=now))
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key won the insert.
         assert new.idempotency_key is not None
-        existing = await _existing_by_key(s, new.tenant_id, new.idempotency_key)
+        existing = _existing_by_key(s, new.tenant_id, new.idempotency_key)
         if existing is None:
             raise
         if existing.request_hash != new.request_hash:

@@ -14,8 +14,6 @@ in a transaction of its own as far as it can tell:
   fails, each of its claims is tried again alone, so that one job's failure never becomes
   another's.
 
-Creating a job unchecked (`create`) is an async session's transaction on either backend.
-
 Admission (`admit`), the whole rule in one step on each backend: on PostgreSQL one call of
 the `tierq_admit` function; on an SQLite file one hop to the writer.
 
@@ -95,8 +93,7 @@ class SqlJobStore:
     # --- reads ------------------------------------------------------------------------
 
     async def create(self, new: NewJob) -> tuple[JobRecord, bool]:
-        async with self.db.transaction() as s:
-            return await repo.create_job(s, new)
+        return await self._write(repo.create_job, new)
 
     async def get(self, job_id: str, tenant_id: str | None = None) -> JobRecord | None:
         async with self.db.session() as s:
