@@ -29,11 +29,10 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, literal, or_, select
+from sqlalchemy import Connection, and_, case, func, literal, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tierq.core import clock
-from tierq.core.messages import output_bound
 from tierq.core.states import JobStatus
 from tierq.core.tiers import Tier
 from tierq.models import spend
@@ -433,21 +432,45 @@ def held_in(conn: Connection, tenant_id: str, tier: str, now: datetime) -> tuple
         Job.prompt_tokens.is_(None),
         Job.finished_at > now - BILLING_GRACE,
     )
+    # Summed by the database, one row per pair of prices: a tenant's backlog may be many
+    # thousands of jobs, and each admission of a tenant with a budget reads this. The sums
+    # are exact (integers), and a job's most cost is linear in them (`reservation_cost`).
+    bound = _output_bound(Job.params)
+    prompt = case((Job.reserved_tokens > bound, Job.reserved_tokens - bound), else_=0)
     stmt = _scope(
-        select(Job.reserved_tokens, Job.params, Job.input_price, Job.output_price).where(
+        select(
+            Job.input_price,
+            Job.output_price,
+            func.sum(Job.reserved_tokens),
+            func.sum(prompt),
+            func.sum(bound),
+        )
+        .where(
             Job.tenant_id == tenant_id,
             or_(
                 Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
                 unbilled_cancel,
             ),
-        ),
+        )
+        .group_by(Job.input_price, Job.output_price),
         Job.tier,
         tier,
     )
-    for reserved, params, price_in, price_out in conn.execute(stmt).all():
-        tokens += reserved
-        cost += reservation_cost(reserved, output_bound(params or {}), price_in, price_out)
+    for price_in, price_out, reserved, prompt_tokens, output_tokens in conn.execute(stmt).all():
+        tokens += int(reserved)
+        cost += cost_of(
+            int(prompt_tokens), int(output_tokens), price_in or Decimal(0), price_out or Decimal(0)
+        )
     return tokens, cost
+
+
+def _output_bound(params: Any) -> Any:
+    """`messages.output_bound` in SQL: max_tokens (0 without) for each of n choices (1 when
+    n is absent or 0), read from a job's params."""
+    choices = params["n"].as_integer()
+    return func.coalesce(params["max_tokens"].as_integer(), 0) * case(
+        (func.coalesce(choices, 0) == 0, 1), else_=choices
+    )
 
 
 def reservation_cost(
