@@ -59,8 +59,9 @@ class LivePlatform:
         self.proc.send_signal(signal.SIGINT)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=timeout)
-        time.sleep(1)
-        return [p for p in before if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        # Its children a moment more to go (a zombie counts as gone: its parent reaps it).
+        _gone, alive = psutil.wait_procs(before, timeout=1)
+        return [p for p in alive if _alive(p)]
 
     def kill_everything(self) -> None:
         for p in self.processes():
@@ -181,3 +182,10 @@ def pg_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePlatfo
     env = {**metrics_ports(), "ADMIN_API_KEY": PG_ADMIN_KEY}
     with pg_live(tmp_path_factory.mktemp("pg-platform"), env) as live:
         yield live
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
