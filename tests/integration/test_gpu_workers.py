@@ -127,12 +127,17 @@ async def test_one_worker_per_gpu_group_with_its_own_id_devices_inbox_and_restar
         await until_async(holds, "the engine to kill never ran a job", 30)
         victim = children[IDS[1]]
         victim.kill()
-        await until(
-            lambda: IDS[1] in _children(host) and _children(host)[IDS[1]].pid != victim.pid,
-            "the killed engine's worker restarted",
-            seconds=60,
-        )
-        restarted = _children(host)[IDS[1]]
+        found: list[psutil.Process] = []
+
+        def started_again() -> bool:
+            # One read of the host's children: the victim drops out of them as it turns
+            # into a zombie, between any two reads.
+            child = _children(host).get(IDS[1])
+            found[:] = [child] if child is not None and child.pid != victim.pid else []
+            return bool(found)
+
+        await until(started_again, "the killed engine's worker restarted", seconds=60)
+        [restarted] = found
         assert restarted.environ()["CUDA_VISIBLE_DEVICES"] == "2,3"
 
         async def took_its_id() -> bool:
