@@ -69,6 +69,21 @@ async def until_async(probe: Callable[[], Awaitable[bool]], what: str, seconds: 
         await asyncio.sleep(0.1)
 
 
+async def waiting_on_a_lock(platform: Any) -> bool:
+    """Whether a session of the test's PostgreSQL database waits on a lock (an admission
+    blocked on a tenant's row lock the test holds)."""
+    from sqlalchemy import text
+
+    async with platform.db.session() as s:
+        waiting = await s.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database()"
+            )
+        )
+        return bool(waiting.scalar_one())
+
+
 async def until_streamed(platform: Any, job_id: str, seconds: float = 10) -> None:
     """Until the job's replay buffer in Redis holds an event: it is generating."""
     key = RedisNames(platform.settings.redis_prefix).job_events(job_id)

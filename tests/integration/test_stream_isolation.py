@@ -27,6 +27,7 @@ from tests.helpers import (
     until,
     until_async,
     wait_for,
+    waiting_on_a_lock,
 )
 from tierq.core import scripts
 from tierq.models import jobs as job_repo
@@ -294,8 +295,6 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
     """An admission waiting on the tenant's row lock sees a revocation that committed
     while it waited (PostgreSQL re-reads only the locked row: the key is read after it),
     with a quota (the row's exclusive lock) and without (its shared lock) alike."""
-    from sqlalchemy import text
-
     from tierq.models import tenants as tenant_repo
     from tierq.models.tables import ApiKey, utcnow
     from tierq.services.requests import JobCreate, Refused
@@ -312,17 +311,9 @@ async def test_a_revocation_committed_while_admission_waits_for_the_lock_refuses
         await tenant_repo.lock_tenant(s, tenant_id)  # held while the admission starts
         admission = asyncio.create_task(admit_as(platform, owner.tenant, body, key_id=owner.key_id))
 
-        async def waits_for_the_lock() -> bool:
-            async with platform.db.session() as w:
-                waiting = await w.execute(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                        "AND datname = current_database()"
-                    )
-                )
-                return bool(waiting.scalar_one())
-
-        await until_async(waits_for_the_lock, "the admission waits for the tenant's lock", 10)
+        await until_async(
+            lambda: waiting_on_a_lock(platform), "the admission waits for the tenant's lock", 10
+        )
         assert not admission.done()
         row = await s.get(ApiKey, owner.key_id)
         assert row is not None

@@ -10,7 +10,6 @@ import asyncio
 
 import httpx
 import pytest
-from sqlalchemy import text
 
 from tests.conftest import Platform
 from tests.helpers import (
@@ -21,6 +20,7 @@ from tests.helpers import (
     read_sse,
     until_async,
     wait_for,
+    waiting_on_a_lock,
 )
 from tests.integration.batch_helpers import jsonl, line, sdk
 from tierq.core.states import BatchStatus
@@ -141,22 +141,16 @@ async def test_one_tenants_burst_cannot_take_every_database_connection(
             await tenant_repo.lock_tenant(s, noisy)
             burst = [asyncio.create_task(n.post("/v1/jobs", json=JOB)) for _ in range(10)]
 
-            async def blocked() -> bool:
-                """One of the burst's admissions waits on the row lock in PostgreSQL."""
-                async with platform.db.transaction() as look:
-                    waiting = await look.execute(
-                        text(
-                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
-                            "'Lock' AND datname = current_database()"
-                        )
-                    )
-                    return bool(waiting.scalar_one())
-
-            await until_async(blocked, "an admission of the burst blocked on its row lock")
+            await until_async(
+                lambda: waiting_on_a_lock(platform),
+                "an admission of the burst blocked on its row lock",
+            )
             quiet = await q.post("/v1/jobs", json=JOB)
             assert quiet.status_code == 202, quiet.text
             assert not any(t.done() for t in burst)
-            assert await blocked()  # one at the lock (the rest at the gate), all still waiting
+            assert await waiting_on_a_lock(
+                platform
+            )  # one at the lock (the rest at the gate), all still waiting
         answers = await asyncio.gather(*burst)
     assert [a.status_code for a in answers] == [202] * 10
 
