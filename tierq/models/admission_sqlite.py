@@ -94,9 +94,7 @@ def admit_in(conn: Connection, a: Admission, counted: bool) -> Answer:
     queued = None
     # The default bound on what one tenant may leave waiting, where no quota of every tier
     # bounds it: all a bound needs is whether the tenant has that many waiting.
-    if default_max_queued > 0 and not any(
-        quota.tier == quota_repo.ALL_TIERS and quota.max_queued is not None for quota in quotas
-    ):
+    if quota_repo.default_bound_applies(default_max_queued, quotas):
         queued = quota_repo.queued_jobs(
             conn, new.tenant_id, quota_repo.ALL_TIERS, cap=default_max_queued
         )

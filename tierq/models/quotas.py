@@ -316,6 +316,14 @@ def queued_jobs(conn: Connection, tenant_id: str, tier: str, cap: int | None = N
     return int(conn.execute(select(func.count()).select_from(waiting.subquery())).scalar_one())
 
 
+def default_bound_applies(default_max_queued: int, quotas: list[QuotaRecord]) -> bool:
+    """Whether DEFAULT_MAX_QUEUED bounds a tenant's waiting jobs: it is set, and no quota
+    of every tier sets the tenant's own max_queued."""
+    return default_max_queued > 0 and not any(
+        q.tier == ALL_TIERS and q.max_queued is not None for q in quotas
+    )
+
+
 def too_many_queued(limit: int, scope: str = "") -> Refusal:
     return Refusal(
         "quota_exceeded", f"Too many queued jobs{scope}: at most {limit} may wait at once.", 1

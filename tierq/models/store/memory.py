@@ -120,7 +120,7 @@ class MemoryJobStore:
             return Answer(None, tenant_status=status, count_first=True)
         queued = None
         cap = request.default_max_queued
-        if cap > 0 and not any(q.tier == ALL_TIERS and q.max_queued is not None for q in quotas):
+        if quota_repo.default_bound_applies(cap, quotas):
             queued = min(cap, self._figures_of(new.tenant_id, ALL_TIERS, now).queued)
             if queued >= cap:
                 return Answer(None, tenant_status=status, queued=queued)
