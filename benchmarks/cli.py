@@ -216,7 +216,9 @@ def _sizes(value: str, hint: str) -> tuple[int, ...]:
 
 @app.command("curves")
 def bench_curves(
-    parts: str = typer.Option("ledger,dispatch,streams", help="Which curves, comma-separated."),
+    parts: str = typer.Option(
+        "ledger,backlog,dispatch,streams", help="Which curves, comma-separated."
+    ),
     ledger_sizes: str = typer.Option(
         "1e3,1e4,1e5,1e6,1e7", help="Usage records in the tenant's ledger."
     ),
@@ -227,6 +229,9 @@ def bench_curves(
     ),
     tenants_queue: int = typer.Option(100_000, min=1, help="Queued jobs at every tenant count."),
     queue_lengths: str = typer.Option("1e3,1e4,1e5,1e6", help="Queued jobs (dispatch)."),
+    backlog_sizes: str = typer.Option(
+        "1e2,1e3,1e4,1e5", help="Queued jobs of one tenant under budgets (backlog)."
+    ),
     streams: int = typer.Option(200, min=10, max=256, help="SSE streams held open at once."),
     keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the processes' logs."),
 ) -> None:
@@ -245,6 +250,7 @@ def bench_curves(
         tenant_counts=_sizes(tenant_counts, "--tenant-counts"),
         tenants_queue=tenants_queue,
         queue_lengths=_sizes(queue_lengths, "--queue-lengths"),
+        backlog_sizes=_sizes(backlog_sizes, "--backlog-sizes"),
         streams=streams,
         parts=chosen,
         keep_logs=keep_logs,

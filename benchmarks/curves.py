@@ -14,6 +14,13 @@ these costs is the engine's:
   ledger (by day) and over a span that starts and ends mid-day (by tier and model), on the
   hour (the edge days' whole hours from their sums) and, apart, cutting an hour (whose
   records are read); and the admin usage report (by model).
+- `backlog`: one tenant under budgets (a token budget and a spend budget, every tier, and a
+  per-minute rate) whose queued jobs grow through `backlog_sizes`: a batch's, as a bulk
+  tenant's backlog is (online jobs waiting are bounded by `max_queued`), written by
+  PostgreSQL itself as an expansion writes them (the database's triggers keep what they
+  hold). At each size, the real API process (no dispatcher) is measured for admission
+  latency p50/p99 and its CPU per job: each admission checks both budgets against what
+  the whole backlog holds.
 - `dispatch`: the real dispatcher (dispatcher.loop.Dispatcher) against batch-tier queues
   filled through the API's own enqueuer (tierq.core.queue.Enqueuer): at each number of tenants
   with queued work (`tenant_counts`, `tenants_queue` jobs among them) and each queue length
@@ -62,12 +69,13 @@ from tierq.core.settings import Settings
 from tierq.core.tiers import Tier
 from tierq.dispatcher.loop import Dispatcher
 from tierq.dispatcher.policy import WorkerSlots
-from tierq.models import billing
+from tierq.models import billing, quotas
+from tierq.models.tables import Batch
 
 log = logging.getLogger("tierq.bench")
 
 REDIS_PREFIX = "tqcrv"
-PARTS = ("ledger", "dispatch", "streams")
+PARTS = ("ledger", "backlog", "dispatch", "streams")
 ENQUEUE_AT_ONCE = 2048  # enqueues in flight while a queue is filled (the Enqueuer batches them)
 DECISIONS = 200  # assign() calls timed per point
 READ_ROUNDS = 3  # read rounds timed per point and kind, each after a hand-out
@@ -85,6 +93,7 @@ class CurvesConfig:
     tenants_queue: int = 10**5  # queued jobs at every tenant count
     queue_lengths: tuple[int, ...] = (10**3, 10**4, 10**5, 10**6)
     queue_tenants: int = 100
+    backlog_sizes: tuple[int, ...] = (10**2, 10**3, 10**4, 10**5)
     streams: int = 200
     parts: tuple[str, ...] = PARTS
     keep_logs: bool = False
@@ -246,6 +255,21 @@ async def _relation_mb(p: ScratchPlatform, table: str) -> float:
         return round(int(got.scalar_one()) / 2**20, 1)
 
 
+async def _tenant_of(client: httpx.AsyncClient, auth: dict[str, str]) -> str:
+    me = await client.get("/v1/usage", headers=auth)
+    me.raise_for_status()
+    return str(me.json()["tenant_id"])
+
+
+async def _template_job(client: httpx.AsyncClient, auth: dict[str, str]) -> str:
+    """A job admitted through the API: the fills copy its row, as the API writes one."""
+    first = await client.post(
+        "/v1/jobs", json={"prompt": "a template job", "max_tokens": 16}, headers=auth
+    )
+    first.raise_for_status()
+    return str(first.json()["id"])
+
+
 async def _timed(calls: int, call: Callable[[], Awaitable[httpx.Response]]) -> dict[str, Any]:
     times = []
     for _ in range(calls):
@@ -269,16 +293,8 @@ async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
         tenant_auth = {"Authorization": f"Bearer {key}"}
         admin_auth = {"Authorization": f"Bearer {p.admin_key}"}
         async with httpx.AsyncClient(base_url=p.url, timeout=120) as client:
-            me = await client.get("/v1/usage", headers=tenant_auth)
-            me.raise_for_status()
-            tenant_id = me.json()["tenant_id"]
-            first = await client.post(
-                "/v1/jobs",
-                json={"prompt": "a template job", "max_tokens": 16},
-                headers=tenant_auth,
-            )
-            first.raise_for_status()
-            template = first.json()["id"]
+            tenant_id = await _tenant_of(client, tenant_auth)
+            template = await _template_job(client, tenant_auth)
             until = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
             # A span from mid-day to mid-day on the hour: whole days from their sums, the
             # edge days' whole hours from theirs; and one whose bounds cut an hour, whose
@@ -360,6 +376,154 @@ async def _ledger(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
             )
         },
         "usage_within_1s_at_largest": bool(largest) and largest["usage_max_ms"] <= 1000,
+    }
+
+
+# --- a tenant's backlog, under budgets -----------------------------------------------------
+
+# Queued copies of one admitted job as lines `lo` to `hi` - 1 of a batch, written an hour
+# ago (outside the rate's minute); triggers fire as for any insert.
+_FILL_BACKLOG = """
+INSERT INTO jobs ({columns}) SELECT {picked}
+FROM generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint) - 1) AS g, jobs t
+WHERE t.id = :template
+"""
+BACKLOG_PREFIX = "job_backlog_"
+BUDGETS = {
+    "requests_per_minute": 10**6,
+    "token_budget": 10**15,
+    "spend_budget": "1000000000",
+    "budget_period": "total",
+}
+
+
+async def _backlog_batch(p: ScratchPlatform, tenant_id: str) -> str:
+    """A batch in progress whose lines are the backlog: it holds no reservation of its own
+    (every line is a job), and nothing runs that would expire or finalise it."""
+    batch_id = f"batch_backlog_{uuid.uuid4().hex[:8]}"
+    now = datetime.now(UTC)
+    async with p.database().transaction() as s:
+        s.add(
+            Batch(
+                id=batch_id,
+                tenant_id=tenant_id,
+                endpoint="/v1/chat/completions",
+                input_file_id="file_backlog",
+                completion_window="24h",
+                status="in_progress",
+                created_at=now,
+                in_progress_at=now,
+                expires_at=now + timedelta(days=1),
+            )
+        )
+    return batch_id
+
+
+async def _fill_backlog(
+    p: ScratchPlatform, batch_id: str, template_job: str, lo: int, hi: int
+) -> None:
+    db = p.database()
+    async with db.transaction() as s:
+        cols = await _columns(s, "jobs")
+        shown = {
+            "id": f"'{BACKLOG_PREFIX}' || g",
+            "status": "'queued'",  # the template itself ends with the first size's retirement
+            "started_at": "NULL",
+            "finished_at": "NULL",
+            "tier": "'batch'",
+            "batch_id": f"'{batch_id}'",
+            "batch_line": "g",
+            "idempotency_key": "NULL",
+            "created_at": "now() - interval '1 hour'",
+        }
+        picked = ", ".join(shown.get(c, f"t.{c}") for c in cols)
+        await s.execute(
+            text(_FILL_BACKLOG.format(columns=", ".join(cols), picked=picked)),
+            {"lo": lo, "hi": hi, "template": template_job},
+        )
+    assert p.db_url is not None
+    engine = create_async_engine(p.db_url, isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text("VACUUM ANALYZE jobs"))
+    finally:
+        await engine.dispose()
+
+
+async def _held_tokens(p: ScratchPlatform, tenant_id: str) -> int:
+    """What the tenant's unfinished work holds, as a budget's check reads it."""
+    async with p.database().session() as s:
+        tokens, _cost = await quotas.held_reservations(s, tenant_id, "*", datetime.now(UTC))
+    return tokens
+
+
+async def _retire_admitted(p: ScratchPlatform, tenant_id: str) -> None:
+    """The jobs a size's admissions added end, an hour back: the next size meets the
+    backlog it was given and the same last minute."""
+    async with p.database().transaction() as s:
+        await s.execute(
+            text(
+                "UPDATE jobs SET status = 'cancelled', created_at = created_at - interval "
+                "'1 hour', finished_at = now() - interval '1 hour' "
+                "WHERE tenant_id = :t AND status = 'queued' AND id NOT LIKE :backlog"
+            ),
+            {"t": tenant_id, "backlog": f"{BACKLOG_PREFIX}%"},
+        )
+
+
+async def _backlog(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
+    tag = f"curves_{uuid.uuid4().hex[:8]}"
+    rows: list[dict[str, Any]] = []
+    async with ScratchPlatform(base, "curves", "simulated", REDIS_PREFIX, tag, cfg.keep_logs) as p:
+        api, sup = await start_api(p)
+        adm = AdmissionConfig(clients=cfg.clients, n=cfg.admission_n, tenants=1)
+        (key,) = await make_tenants(p.url, p.admin_key, adm)
+        assert api.proc is not None
+        host, port, model = p.settings.api_host, p.settings.api_port, p.settings.served_model_name
+        tenant_auth = {"Authorization": f"Bearer {key}"}
+        admin_auth = {"Authorization": f"Bearer {p.admin_key}"}
+        async with httpx.AsyncClient(base_url=p.url, timeout=120) as client:
+            tenant_id = await _tenant_of(client, tenant_auth)
+            price = {"model": model, "tier": "standard", "input_per_million": "0.5",
+                     "output_per_million": "2"}  # fmt: skip
+            (await client.put("/admin/prices", json=price, headers=admin_auth)).raise_for_status()
+            quota = await client.put(
+                f"/admin/tenants/{tenant_id}/quota", json=BUDGETS, headers=admin_auth
+            )
+            quota.raise_for_status()
+            template = await _template_job(client, tenant_auth)
+            batch_id = await _backlog_batch(p, tenant_id)
+            filled = 0
+            for size in cfg.backlog_sizes:
+                started = time.monotonic()
+                await _fill_backlog(p, batch_id, template, filled, size)
+                filled = size
+                log.info("backlog %d: filled in %.0f s", size, time.monotonic() - started)
+                admitted = await phase("jobs", host, port, [key], adm, [api.proc.pid], model)
+                await _retire_admitted(p, tenant_id)
+                usage = await client.get(f"/admin/tenants/{tenant_id}/quota", headers=admin_auth)
+                usage.raise_for_status()
+                (held,) = usage.json()["data"]
+                row = {
+                    "queued_jobs": size,
+                    "queued_seen": held["usage"]["queued"],
+                    "held_tokens": await _held_tokens(p, tenant_id),
+                    "admission_p50_ms": admitted["p50_ms"],
+                    "admission_p99_ms": admitted["p99_ms"],
+                    "admission_errors": admitted["errors"],
+                    "jobs_per_s": admitted["jobs_per_s"],
+                    "api_cpu_ms_per_job": admitted["api_cpu_ms_per_job"],
+                }
+                log.info("backlog: %s", row)
+                rows.append(row)
+        sup.kill_all()
+        p.completed = True
+    return {
+        "rows": rows,
+        "curves": {
+            name: curve(rows, "queued_jobs", name)
+            for name in ("admission_p99_ms", "api_cpu_ms_per_job")
+        },
     }
 
 
@@ -624,6 +788,7 @@ async def run_curves(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     parts: dict[str, Callable[[Settings, CurvesConfig], Awaitable[dict[str, Any]]]] = {
         "ledger": _ledger,
+        "backlog": _backlog,
         "dispatch": _dispatch,
         "streams": _streams,
     }

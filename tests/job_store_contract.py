@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any, Protocol
 
 import pytest
+from sqlalchemy import delete, select, update
 
 from tierq.core.ids import new_id
-from tierq.core.messages import FAULT_UNIT
+from tierq.core.messages import FAULT_UNIT, output_bound
 from tierq.core.states import JobStatus
 from tierq.core.tiers import Tier
 from tierq.models import prices as price_repo
@@ -28,7 +31,7 @@ from tierq.models.db import Database
 from tierq.models.jobs import IdempotencyConflict, NewJob
 from tierq.models.records import JobRecord, Progress
 from tierq.models.store import JobStore, Result, SqlJobStore, Usage
-from tierq.models.tables import utcnow
+from tierq.models.tables import HeldReservation, Job, Tenant, utcnow
 
 MakeTenants = Callable[[int], Awaitable[list[str]]]
 
@@ -590,3 +593,93 @@ class SqlJobStoreContract(JobStoreContract):
     @pytest.fixture
     def admin(self, db: Database) -> Admin:
         return SqlAdmin(db)
+
+    # --- what unfinished jobs hold, kept by the database ----------------------------------
+
+    async def held_sums(
+        self, db: Database
+    ) -> tuple[Counter[tuple[Any, ...]], Counter[tuple[Any, ...]]]:
+        """The running sums triggers keep (held_reservations), and the same sums taken
+        over every queued or running job's row: per tenant, tier and pair of prices, the
+        jobs, their reserved tokens, prompt part and output bound."""
+        kept: Counter[tuple[Any, ...]] = Counter()
+        summed: Counter[tuple[Any, ...]] = Counter()
+        async with db.session() as s:
+            for h in (await s.execute(select(HeldReservation))).scalars():
+                key = (h.tenant_id, h.tier, h.input_price, h.output_price)
+                for name in ("jobs", "reserved_tokens", "prompt_tokens", "output_tokens"):
+                    kept[(*key, name)] += getattr(h, name)
+            held = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+            for j in (await s.execute(select(Job).where(Job.status.in_(held)))).scalars():
+                key = (j.tenant_id, j.tier, str(j.input_price or ""), str(j.output_price or ""))
+                bound = output_bound(j.params)
+                summed[(*key, "jobs")] += 1
+                summed[(*key, "reserved_tokens")] += j.reserved_tokens
+                summed[(*key, "prompt_tokens")] += max(j.reserved_tokens - bound, 0)
+                summed[(*key, "output_tokens")] += bound
+        # A pair whose jobs all ended keeps a row of zeros; Counter's + drops them.
+        return +kept, +summed
+
+    async def test_the_held_sums_follow_every_write_of_a_job(
+        self, db: Database, store: JobStore, tenants: MakeTenants
+    ) -> None:
+        """A seeded walk through the store's own writes, eight at once (creates at several
+        tiers, params and prices, claims, hand-backs, finishes, failures, cancels, a
+        tenant's bulk cancel, a job's row deleted), the sums compared after each round; then
+        a tenant deleted takes its sums with it."""
+        rng = random.Random(34)
+        owners = await tenants(3)
+        params = [{"max_tokens": 16}, {"max_tokens": 4, "n": 3}, {"max_tokens": 8, "n": 0}, {}]
+        prices = [(PRICE_IN, PRICE_OUT), (None, None), (Decimal("0.000001"), Decimal("7.25"))]
+        ids: list[str] = []
+        held = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+
+        async def step() -> None:
+            move = rng.choice(["create"] * 4 + ["claim"] * 3 + ["end", "requeue", "cancel"])
+            if move == "create" or not ids:
+                price_in, price_out = rng.choice(prices)
+                new = dataclasses.replace(
+                    new_job(rng.choice(owners)),
+                    tier=rng.choice([Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH]),
+                    params=rng.choice(params),
+                    reserved_tokens=rng.randint(1, 60),
+                    input_price=price_in,
+                    output_price=price_out,
+                )
+                ids.append((await store.create(new))[0].id)
+                return
+            job = await store.get(rng.choice(ids))
+            assert job is not None
+            if move == "claim":
+                await store.claim(job.id, "w1", 5)
+            elif move == "end":
+                ending = rng.choice(["finish", "fail", "fail_queued"])
+                if ending == "finish":
+                    await store.finish(job.id, RESULT, job.deliveries)
+                elif ending == "fail":
+                    await store.fail(job.id, "engine_error", "x", delivery=job.deliveries)
+                else:
+                    await store.fail(job.id, "invalid", "x", from_queued=True)
+            elif move == "requeue":
+                await store.requeue(job.id, "drain", job.deliveries)
+            else:
+                await store.cancel(job.id, rng.choice([None, job.tenant_id]))
+
+        for round_ in range(30):
+            await asyncio.gather(*(step() for _ in range(8)))
+            if round_ % 10 == 9:
+                await store.cancel_all(rng.choice(owners), "tenant_suspended", "stopped")
+                gone = ids.pop(rng.randrange(len(ids)))
+                async with db.transaction() as s:  # by hand: a row removed, one put back
+                    await s.execute(delete(Job).where(Job.id == gone))
+                    ended = (await s.execute(select(Job.id).where(Job.status.not_in(held)))).first()
+                    if ended is not None:
+                        back = update(Job).where(Job.id == ended[0]).values(status="queued")
+                        await s.execute(back)
+            kept, summed = await self.held_sums(db)
+            assert kept == summed, f"round {round_}"
+        assert any(n for key, n in summed.items() if key[-1] == "jobs")  # not all ended
+        async with db.transaction() as s:  # a tenant's row removed: its jobs go with it
+            await s.execute(delete(Tenant).where(Tenant.id == owners[0]))
+        kept, summed = await self.held_sums(db)
+        assert kept == summed and all(key[0] != owners[0] for key in kept)

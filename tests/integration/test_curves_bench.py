@@ -22,6 +22,7 @@ def test_the_curves_of_every_part_at_two_sizes() -> None:
         "--tenant-counts", "10,100",
         "--tenants-queue", "1000",
         "--queue-lengths", "1e3,1e4",
+        "--backlog-sizes", "100,2000",
         "--streams", "20",
     )  # fmt: skip
     ledger = result["ledger"]
@@ -32,6 +33,17 @@ def test_the_curves_of_every_part_at_two_sizes() -> None:
     for name, fitted in ledger["curves"].items():
         assert len(fitted["points"]) == 2 and fitted["exponent"] is not None, name
     assert ledger["usage_within_1s_at_largest"] is True
+    backlog = result["backlog"]
+    # The budgets' check read the whole backlog each size was given: each row's held
+    # tokens are its jobs' reservations (the template's, copied), none lost or doubled.
+    rows = backlog["rows"]
+    assert [r["queued_jobs"] for r in rows] == [100, 2000]
+    assert [r["queued_seen"] for r in rows] == [100, 2000]
+    assert all(r["admission_errors"] == 0 for r in rows)
+    per_job = rows[0]["held_tokens"] / 100
+    assert per_job > 16 and rows[1]["held_tokens"] == 2000 * per_job
+    for name, fitted in backlog["curves"].items():
+        assert len(fitted["points"]) == 2 and fitted["exponent"] is not None, name
     dispatch = result["dispatch"]
     by_tenants = dispatch["by_tenants"]["rows"]
     assert [(r["tenants"], r["queued_jobs"]) for r in by_tenants] == [(10, 1000), (100, 1000)]

@@ -171,6 +171,81 @@ def test_spend_counters_are_filled_from_the_ledger_on_postgresql() -> None:
     _on_a_new_postgresql_database(_backfill)
 
 
+def _held_backfill(url: str) -> None:
+    """0017 takes the sums of the jobs queued or running at the upgrade (a job's output
+    bound read from its params, its prices kept, none for an ended job): a budget's check
+    reads what the jobs hold, as it summed them before."""
+    from datetime import UTC, datetime
+    from decimal import Decimal
+
+    from sqlalchemy import insert
+
+    from tierq.models import quotas
+    from tierq.models.db import Database
+    from tierq.models.tables import Job, Tenant
+
+    migrations.upgrade(url, "0016")
+    jobs = [  # status, tier, params, reserved, prices
+        ("queued", "standard", {"max_tokens": 16, "n": 2}, 40, ("0.5", "2")),
+        ("running", "standard", {"max_tokens": 64}, 30, ("0.5", "2")),
+        ("queued", "batch", {}, 12, (None, None)),
+        ("succeeded", "standard", {"max_tokens": 16}, 1000, ("0.5", "2")),
+        ("cancelled", "batch", {"max_tokens": 16}, 1000, ("0.5", "2")),
+    ]
+    now = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+
+    async def write() -> None:
+        db = Database(url)
+        try:
+            async with db.transaction() as s:
+                s.add(Tenant(id="ten_1", name="one"))
+                await s.flush()
+                for i, (status, tier, params, reserved, (p_in, p_out)) in enumerate(jobs):
+                    await s.execute(
+                        insert(Job).values(
+                            id=f"job_{i}",
+                            tenant_id="ten_1",
+                            tier=tier,
+                            model="m",
+                            status=status,
+                            params=params,
+                            created_at=now,
+                            reserved_tokens=reserved,
+                            input_price=None if p_in is None else Decimal(p_in),
+                            output_price=None if p_out is None else Decimal(p_out),
+                        )
+                    )
+        finally:
+            await db.close()
+
+    async def read() -> list[tuple[int, Decimal]]:
+        db = Database(url)
+        try:
+            async with db.session() as s:
+                return [
+                    await quotas.held_reservations(s, "ten_1", tier, now)
+                    for tier in ("*", "standard", "batch")
+                ]
+        finally:
+            await db.close()
+
+    asyncio.run(write())
+    migrations.upgrade(url)
+    after = asyncio.run(read())
+    # 40 reserved with a bound of 32 (8 of prompt), 30 with a bound of 64 (no prompt part),
+    # 12 with none; per million tokens.
+    standard = (70, (8 * Decimal("0.5") + (32 + 64) * 2) / 1_000_000)
+    assert after == [(82, standard[1]), standard, (12, Decimal(0))]
+
+
+def test_held_reservations_are_summed_from_the_jobs_on_sqlite(tmp_path: Path) -> None:
+    _held_backfill(f"sqlite+aiosqlite:///{tmp_path / 'tierq.db'}")
+
+
+def test_held_reservations_are_summed_from_the_jobs_on_postgresql() -> None:
+    _on_a_new_postgresql_database(_held_backfill)
+
+
 def _four_hosts_at_once(url: str) -> None:
     """Four `tierq migrate` processes on a new database (four hosts of a fleet coming up),
     made to start together: the test holds the migrations' lock until all four wait on

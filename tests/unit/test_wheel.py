@@ -69,7 +69,10 @@ def test_the_wheel_installs_one_name_and_runs_from_what_it_ships(tmp_path: Path)
         from tierq import migrations
         assert (migrations.MIGRATIONS_DIR / "script.py.mako").is_file()
         assert list((migrations.MIGRATIONS_DIR / "versions").glob("0001_*.py"))
-        assert (migrations.MIGRATIONS_DIR / "sql" / "0016_tierq_admit.sql").is_file()
+        sql = {{p.name for p in (migrations.MIGRATIONS_DIR / "sql").glob("*.sql")}}
+        assert sql >= {{"0016_tierq_admit.sql", "0017_tierq_admit.sql",
+                       "0017_held_reservations.postgresql.sql",
+                       "0017_held_reservations.sqlite.sql"}}
         from tierq.api import console
         assert (Path(console.__file__).parent / "static" / "console.js").is_file()
         from tierq.workers.engine import simulated_engine

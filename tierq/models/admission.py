@@ -6,7 +6,7 @@ every store answers: the job, or what refused it with the figures each quota was
 against, which the caller words by the rule `models.quotas.decide` states
 (tierq/services/admission.py).
 
-On PostgreSQL one call of `tierq_admit` (tierq/migrations/sql/0016_tierq_admit.sql) admits a
+On PostgreSQL one call of `tierq_admit` (tierq/migrations/sql/0017_tierq_admit.sql) admits a
 job, in its own implicit transaction on a raw connection (models.db.RawPool): the replay of
 an Idempotency-Key, the tenant's status and the key's under the tenant's lock, the default
 queue bound, every quota that applies (under the exclusive lock, against a reservation

@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, func, literal, or_, select
+from sqlalchemy import Connection, case, func, literal, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tierq.core import clock
@@ -39,7 +39,7 @@ from tierq.models import spend
 from tierq.models.jobs import tenant_job_counts
 from tierq.models.prices import cost_of
 from tierq.models.records import as_utc
-from tierq.models.tables import Batch, Job, Quota, utcnow
+from tierq.models.tables import Batch, HeldReservation, Job, Quota, utcnow
 
 ALL_TIERS = "*"
 PERIODS = ("day", "month", "total")
@@ -188,7 +188,7 @@ def decide(
     """The first limit of `quota` that admitting this job would break, or None. The rule
     itself, in one place: a batch's check (`check`), SQLite's and the in-memory store's
     admission judge by it, PostgreSQL's admission function (`tierq_admit`,
-    tierq/migrations/sql/0016_tierq_admit.sql) compares the same figures the same way, and
+    tierq/migrations/sql/0017_tierq_admit.sql) compares the same figures the same way, and
     every refusal is worded here."""
     scope = f" for the {tier} tier" if quota.tier != ALL_TIERS else ""
     if online and (quota.requests_per_minute is not None or quota.tokens_per_minute is not None):
@@ -434,15 +434,23 @@ def held_in(conn: Connection, tenant_id: str, tier: str, now: datetime) -> tuple
         for batch_tokens, batch_cost in conn.execute(held).all():
             tokens += int(batch_tokens)
             cost += batch_cost
-    unbilled_cancel = and_(
-        Job.status == JobStatus.CANCELLED.value,
-        Job.started_at.is_not(None),
-        Job.prompt_tokens.is_(None),
-        Job.finished_at > now - BILLING_GRACE,
+    # Queued and running jobs, from their running sums (kept by triggers on jobs): a few
+    # rows per tier and pair of prices, however long the backlog. The sums are exact
+    # (integers), and a job's most cost is linear in them (`reservation_cost`).
+    kept = _scope(
+        select(
+            HeldReservation.input_price,
+            HeldReservation.output_price,
+            func.sum(HeldReservation.reserved_tokens),
+            func.sum(HeldReservation.prompt_tokens),
+            func.sum(HeldReservation.output_tokens),
+        )
+        .where(HeldReservation.tenant_id == tenant_id)
+        .group_by(HeldReservation.input_price, HeldReservation.output_price),
+        HeldReservation.tier,
+        tier,
     )
-    # Summed by the database, one row per pair of prices: a tenant's backlog may be many
-    # thousands of jobs, and each admission of a tenant with a budget reads this. The sums
-    # are exact (integers), and a job's most cost is linear in them (`reservation_cost`).
+    # Jobs cancelled while they ran, within the grace (ix_jobs_unbilled_cancel).
     bound = _output_bound(Job.params)
     prompt = case((Job.reserved_tokens > bound, Job.reserved_tokens - bound), else_=0)
     stmt = _scope(
@@ -455,19 +463,24 @@ def held_in(conn: Connection, tenant_id: str, tier: str, now: datetime) -> tuple
         )
         .where(
             Job.tenant_id == tenant_id,
-            or_(
-                Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
-                unbilled_cancel,
-            ),
+            Job.status == JobStatus.CANCELLED.value,
+            Job.started_at.is_not(None),
+            Job.prompt_tokens.is_(None),
+            Job.finished_at > now - BILLING_GRACE,
         )
         .group_by(Job.input_price, Job.output_price),
         Job.tier,
         tier,
     )
-    for price_in, price_out, reserved, prompt_tokens, output_tokens in conn.execute(stmt).all():
+    rows = [*conn.execute(kept).all(), *conn.execute(stmt).all()]
+    for price_in, price_out, reserved, prompt_tokens, output_tokens in rows:
+        # A price is a Decimal from jobs, its string ("" for none) from the sums.
         tokens += int(reserved)
         cost += cost_of(
-            int(prompt_tokens), int(output_tokens), price_in or Decimal(0), price_out or Decimal(0)
+            int(prompt_tokens),
+            int(output_tokens),
+            Decimal(price_in) if price_in else Decimal(0),
+            Decimal(price_out) if price_out else Decimal(0),
         )
     return tokens, cost
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -17,8 +18,10 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    event,
+    text,
 )
-from sqlalchemy.engine import Dialect
+from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -54,6 +57,9 @@ class MoneySum(Money):
 
     impl = Text  # type: ignore[assignment]  # a wider string than Money's
     cache_ok = True
+
+
+_UNBILLED_CANCEL = "status = 'cancelled' AND started_at IS NOT NULL AND prompt_tokens IS NULL"
 
 
 class Base(DeclarativeBase):
@@ -97,8 +103,17 @@ class Job(Base):
         # One job per line of a batch: expanding a batch twice cannot run a line twice.
         UniqueConstraint("batch_id", "batch_line", name="uq_jobs_batch_line"),
         Index("ix_jobs_batch_status", "batch_id", "status"),
-        # A tenant's unfinished jobs (what they reserve), without scanning its history.
+        # A tenant's unfinished jobs, without scanning its history.
         Index("ix_jobs_tenant_status", "tenant_id", "status"),
+        # Jobs cancelled while they ran, their usage not recorded yet: they hold their
+        # reservation for a grace (models.quotas `held_in`), and only they are read.
+        Index(
+            "ix_jobs_unbilled_cancel",
+            "tenant_id",
+            "finished_at",
+            postgresql_where=text(_UNBILLED_CANCEL),
+            sqlite_where=text(_UNBILLED_CANCEL),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -240,6 +255,28 @@ class SpendCounter(Base):
     period_key: Mapped[str] = mapped_column(String(20), primary_key=True)
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cost: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+
+
+class HeldReservation(Base):
+    """What a tenant's queued and running jobs of one tier and pair of prices hold against
+    its budgets: their count, reserved tokens, the prompt part of those and their output
+    bound (max_tokens for each of n choices). Kept by triggers on jobs, in the transaction
+    that writes a job (tierq/migrations/sql/0017_held_reservations.*.sql), so a budget's
+    check reads a few rows however long the tenant's backlog. A price is its string, ""
+    for none."""
+
+    __tablename__ = "held_reservations"
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    tier: Mapped[str] = mapped_column(String(20), primary_key=True)
+    input_price: Mapped[str] = mapped_column(String(40), primary_key=True)
+    output_price: Mapped[str] = mapped_column(String(40), primary_key=True)
+    jobs: Mapped[int] = mapped_column(BigInteger)
+    reserved_tokens: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
 
 
 class File(Base):
@@ -413,3 +450,46 @@ class WebhookDelivery(Base):
     last_error: Mapped[str | None] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+# --- triggers ---------------------------------------------------------------------------
+
+SQL_DIR = Path(__file__).resolve().parent.parent / "migrations" / "sql"
+HELD_TRIGGERS = "0017_held_reservations"
+
+
+def sql_statements(path: Path) -> list[str]:
+    """A .sql file's statements, one each (a driver's prepared statement takes one): a
+    statement ends with a line that ends with `;`, outside a `$fn$` function body and,
+    in an SQLite trigger, at its `END;`."""
+    out: list[str] = []
+    lines: list[str] = []
+    for line in path.read_text().splitlines():
+        if not lines and (not line.strip() or line.lstrip().startswith("--")):
+            continue
+        lines.append(line)
+        body = "\n".join(lines)
+        in_function = body.count("$fn$") % 2 == 1
+        in_trigger = (
+            lines[0].startswith("CREATE TRIGGER")
+            and any(ln.strip() == "BEGIN" for ln in lines)
+            and line.strip() != "END;"
+        )
+        if line.rstrip().endswith(";") and not in_function and not in_trigger:
+            out.append(body)
+            lines = []
+    return out
+
+
+def held_trigger_statements(dialect: str) -> list[str]:
+    """The triggers that keep held_reservations, for `dialect` (postgresql or sqlite)."""
+    return sql_statements(SQL_DIR / f"{HELD_TRIGGERS}.{dialect}.sql")
+
+
+@event.listens_for(Base.metadata, "after_create")
+def _create_triggers(target: Any, connection: Connection, **_: Any) -> None:
+    """A schema made without the migrations (`create_all`, in tests) gets the triggers
+    migration 0017 creates, so its held_reservations are kept as a migrated one's."""
+    if connection.dialect.name in ("postgresql", "sqlite"):
+        for statement in held_trigger_statements(connection.dialect.name):
+            connection.execute(text(statement))

@@ -1,0 +1,83 @@
+-- What queued and running jobs hold against their tenants' budgets, kept as running sums
+-- (migration 0017, PostgreSQL).
+--
+-- held_reservations has one row per tenant, tier and pair of prices: the jobs queued or
+-- running, their reserved tokens, the prompt part of those (the reservation less the
+-- output bound) and the output bound (max_tokens for each of n choices). A job's most
+-- cost is linear in these (models.quotas `reservation_cost`), so a budget's check reads a
+-- few rows and prices them exactly, where it summed the tenant's whole backlog before.
+--
+-- Triggers on jobs keep them, in the transaction that writes the job, whichever path
+-- writes it (admission, a batch's expansion, a worker's ending, a tenant's or a batch's
+-- cancel, the reconciler, a tenant's deletion): a job adds itself when it is inserted
+-- queued or running and takes itself away when its status leaves them or it is deleted.
+-- A move between queued and running changes nothing and fires nothing. A job's tenant,
+-- tier, prices, params and reservation are written once, at its insert.
+--
+-- A frozen copy: the migration that created the triggers reads it (and tierq/models/
+-- tables.py, for a schema made without migrations). A later change is a new file.
+
+-- A job's output bound, as tierq/core/messages.py `output_bound` reads it: max_tokens (0
+-- without) for each of its n choices (1 when n is absent or 0).
+CREATE OR REPLACE FUNCTION tierq_output_bound(p_params json) RETURNS bigint
+LANGUAGE sql IMMUTABLE AS $fn$
+    SELECT coalesce((p_params->>'max_tokens')::bigint, 0)
+        * coalesce(nullif((p_params->>'n')::bigint, 0), 1)
+$fn$;
+
+CREATE OR REPLACE FUNCTION tierq_jobs_hold() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_bound bigint := tierq_output_bound(NEW.params);
+BEGIN
+    INSERT INTO held_reservations AS h (
+        tenant_id, tier, input_price, output_price, jobs, reserved_tokens, prompt_tokens,
+        output_tokens
+    ) VALUES (
+        NEW.tenant_id, NEW.tier, coalesce(NEW.input_price, ''), coalesce(NEW.output_price, ''),
+        1, NEW.reserved_tokens, greatest(NEW.reserved_tokens - v_bound, 0), v_bound
+    )
+    ON CONFLICT (tenant_id, tier, input_price, output_price) DO UPDATE SET
+        jobs = h.jobs + 1,
+        reserved_tokens = h.reserved_tokens + excluded.reserved_tokens,
+        prompt_tokens = h.prompt_tokens + excluded.prompt_tokens,
+        output_tokens = h.output_tokens + excluded.output_tokens;
+    RETURN NULL;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION tierq_jobs_release() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_bound bigint := tierq_output_bound(OLD.params);
+BEGIN
+    -- No row is made here: a tenant being deleted has its sums deleted with it.
+    UPDATE held_reservations SET
+        jobs = jobs - 1,
+        reserved_tokens = reserved_tokens - OLD.reserved_tokens,
+        prompt_tokens = prompt_tokens - greatest(OLD.reserved_tokens - v_bound, 0),
+        output_tokens = output_tokens - v_bound
+    WHERE tenant_id = OLD.tenant_id AND tier = OLD.tier
+      AND input_price = coalesce(OLD.input_price, '')
+      AND output_price = coalesce(OLD.output_price, '');
+    RETURN NULL;
+END
+$fn$;
+
+CREATE TRIGGER jobs_hold_inserted AFTER INSERT ON jobs
+FOR EACH ROW WHEN (NEW.status IN ('queued', 'running'))
+EXECUTE FUNCTION tierq_jobs_hold();
+
+CREATE TRIGGER jobs_hold_resumed AFTER UPDATE OF status ON jobs
+FOR EACH ROW WHEN (NEW.status IN ('queued', 'running')
+                   AND OLD.status NOT IN ('queued', 'running'))
+EXECUTE FUNCTION tierq_jobs_hold();
+
+CREATE TRIGGER jobs_hold_ended AFTER UPDATE OF status ON jobs
+FOR EACH ROW WHEN (OLD.status IN ('queued', 'running')
+                   AND NEW.status NOT IN ('queued', 'running'))
+EXECUTE FUNCTION tierq_jobs_release();
+
+CREATE TRIGGER jobs_hold_deleted AFTER DELETE ON jobs
+FOR EACH ROW WHEN (OLD.status IN ('queued', 'running'))
+EXECUTE FUNCTION tierq_jobs_release();

@@ -1,0 +1,82 @@
+-- What queued and running jobs hold against their tenants' budgets, kept as running sums
+-- (migration 0017, SQLite): the triggers of 0017_held_reservations.postgresql.sql, which
+-- says what they keep and why, in SQLite's words. A job's output bound is written out as
+-- tierq/core/messages.py `output_bound` reads it: max_tokens (0 without) for each of its
+-- n choices (1 when n is absent or 0).
+--
+-- A frozen copy: the migration that created the triggers reads it (and tierq/models/
+-- tables.py, for a schema made without migrations). A later change is a new file.
+
+CREATE TRIGGER jobs_hold_inserted AFTER INSERT ON jobs
+WHEN NEW.status IN ('queued', 'running')
+BEGIN
+    INSERT INTO held_reservations (
+        tenant_id, tier, input_price, output_price, jobs, reserved_tokens, prompt_tokens,
+        output_tokens
+    ) VALUES (
+        NEW.tenant_id, NEW.tier, coalesce(NEW.input_price, ''), coalesce(NEW.output_price, ''),
+        1, NEW.reserved_tokens,
+        max(NEW.reserved_tokens - coalesce(json_extract(NEW.params, '$.max_tokens'), 0)
+            * coalesce(nullif(json_extract(NEW.params, '$.n'), 0), 1), 0),
+        coalesce(json_extract(NEW.params, '$.max_tokens'), 0)
+            * coalesce(nullif(json_extract(NEW.params, '$.n'), 0), 1)
+    )
+    ON CONFLICT (tenant_id, tier, input_price, output_price) DO UPDATE SET
+        jobs = jobs + 1,
+        reserved_tokens = reserved_tokens + excluded.reserved_tokens,
+        prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+        output_tokens = output_tokens + excluded.output_tokens;
+END;
+
+CREATE TRIGGER jobs_hold_resumed AFTER UPDATE OF status ON jobs
+WHEN NEW.status IN ('queued', 'running') AND OLD.status NOT IN ('queued', 'running')
+BEGIN
+    INSERT INTO held_reservations (
+        tenant_id, tier, input_price, output_price, jobs, reserved_tokens, prompt_tokens,
+        output_tokens
+    ) VALUES (
+        NEW.tenant_id, NEW.tier, coalesce(NEW.input_price, ''), coalesce(NEW.output_price, ''),
+        1, NEW.reserved_tokens,
+        max(NEW.reserved_tokens - coalesce(json_extract(NEW.params, '$.max_tokens'), 0)
+            * coalesce(nullif(json_extract(NEW.params, '$.n'), 0), 1), 0),
+        coalesce(json_extract(NEW.params, '$.max_tokens'), 0)
+            * coalesce(nullif(json_extract(NEW.params, '$.n'), 0), 1)
+    )
+    ON CONFLICT (tenant_id, tier, input_price, output_price) DO UPDATE SET
+        jobs = jobs + 1,
+        reserved_tokens = reserved_tokens + excluded.reserved_tokens,
+        prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+        output_tokens = output_tokens + excluded.output_tokens;
+END;
+
+CREATE TRIGGER jobs_hold_ended AFTER UPDATE OF status ON jobs
+WHEN OLD.status IN ('queued', 'running') AND NEW.status NOT IN ('queued', 'running')
+BEGIN
+    UPDATE held_reservations SET
+        jobs = jobs - 1,
+        reserved_tokens = reserved_tokens - OLD.reserved_tokens,
+        prompt_tokens = prompt_tokens
+            - max(OLD.reserved_tokens - coalesce(json_extract(OLD.params, '$.max_tokens'), 0)
+                  * coalesce(nullif(json_extract(OLD.params, '$.n'), 0), 1), 0),
+        output_tokens = output_tokens - coalesce(json_extract(OLD.params, '$.max_tokens'), 0)
+            * coalesce(nullif(json_extract(OLD.params, '$.n'), 0), 1)
+    WHERE tenant_id = OLD.tenant_id AND tier = OLD.tier
+      AND input_price = coalesce(OLD.input_price, '')
+      AND output_price = coalesce(OLD.output_price, '');
+END;
+
+CREATE TRIGGER jobs_hold_deleted AFTER DELETE ON jobs
+WHEN OLD.status IN ('queued', 'running')
+BEGIN
+    UPDATE held_reservations SET
+        jobs = jobs - 1,
+        reserved_tokens = reserved_tokens - OLD.reserved_tokens,
+        prompt_tokens = prompt_tokens
+            - max(OLD.reserved_tokens - coalesce(json_extract(OLD.params, '$.max_tokens'), 0)
+                  * coalesce(nullif(json_extract(OLD.params, '$.n'), 0), 1), 0),
+        output_tokens = output_tokens - coalesce(json_extract(OLD.params, '$.max_tokens'), 0)
+            * coalesce(nullif(json_extract(OLD.params, '$.n'), 0), 1)
+    WHERE tenant_id = OLD.tenant_id AND tier = OLD.tier
+      AND input_price = coalesce(OLD.input_price, '')
+      AND output_price = coalesce(OLD.output_price, '');
+END;
