@@ -91,7 +91,7 @@ def record(
 
 
 # Benches run in parts (`--parts`): a run of some parts keeps the newest of the others.
-PARTS = {"curves": ("ledger", "dispatch", "streams")}
+PARTS = {"curves": ("ledger", "backlog", "dispatch", "streams")}
 
 
 def load(folder: Path = RESULTS) -> list[dict[str, Any]]:
@@ -204,6 +204,7 @@ def _curves(result: dict[str, Any]) -> list[tuple[str, Any]]:
 
 _CURVE_SIZES = {
     "ledger": "usage records in one tenant's ledger",
+    "backlog": "queued jobs of one tenant under budgets",
     "by_tenants": "tenants with queued work",
     "by_queue_length": "queued jobs",
 }
@@ -211,7 +212,9 @@ _CURVE_SIZES = {
 
 def _curve_sets(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(label, {figure: curve}) of each set of curves a `bench curves` result holds."""
-    sets = [("ledger", (result.get("ledger") or {}).get("curves") or {})]
+    sets = [
+        (part, (result.get(part) or {}).get("curves") or {}) for part in ("ledger", "backlog")
+    ]
     dispatch = result.get("dispatch") or {}
     for by in ("by_tenants", "by_queue_length"):
         sets.append((by, (dispatch.get(by) or {}).get("curves") or {}))
