@@ -15,6 +15,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    SmallInteger,
     String,
     Text,
     UniqueConstraint,
@@ -263,7 +264,9 @@ class HeldReservation(Base):
     bound (max_tokens for each of n choices). Kept by triggers on jobs, in the transaction
     that writes a job (tierq/migrations/sql/0017_held_reservations.*.sql), so a budget's
     check reads a few rows however long the tenant's backlog. A price is its string, ""
-    for none."""
+    for none. On PostgreSQL a key's sums are spread over up to 16 slots, each connection
+    writing its own (one row would queue every writer of a tenant behind the others'
+    commits); its sums are those of every slot, and one slot's may be below zero."""
 
     __tablename__ = "held_reservations"
 
@@ -273,6 +276,7 @@ class HeldReservation(Base):
     tier: Mapped[str] = mapped_column(String(20), primary_key=True)
     input_price: Mapped[str] = mapped_column(String(40), primary_key=True)
     output_price: Mapped[str] = mapped_column(String(40), primary_key=True)
+    slot: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     jobs: Mapped[int] = mapped_column(BigInteger)
     reserved_tokens: Mapped[int] = mapped_column(BigInteger)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger)

@@ -1,11 +1,16 @@
 -- What queued and running jobs hold against their tenants' budgets, kept as running sums
 -- (migration 0017, PostgreSQL).
 --
--- held_reservations has one row per tenant, tier and pair of prices: the jobs queued or
+-- held_reservations has rows per tenant, tier and pair of prices: the jobs queued or
 -- running, their reserved tokens, the prompt part of those (the reservation less the
 -- output bound) and the output bound (max_tokens for each of n choices). A job's most
 -- cost is linear in these (models.quotas `reservation_cost`), so a budget's check reads a
 -- few rows and prices them exactly, where it summed the tenant's whole backlog before.
+--
+-- Each key has up to 16 rows (`slot`), a connection writing the one its backend's pid
+-- picks: admissions of one tenant side by side (without quotas they take its row lock
+-- shared) and the workers ending its jobs would otherwise queue on one row until each
+-- other's commits. A sum reads them all.
 --
 -- Triggers on jobs keep them, in the transaction that writes the job, whichever path
 -- writes it (admission, a batch's expansion, a worker's ending, a tenant's or a batch's
@@ -31,13 +36,14 @@ DECLARE
     v_bound bigint := tierq_output_bound(NEW.params);
 BEGIN
     INSERT INTO held_reservations AS h (
-        tenant_id, tier, input_price, output_price, jobs, reserved_tokens, prompt_tokens,
-        output_tokens
+        tenant_id, tier, input_price, output_price, slot, jobs, reserved_tokens,
+        prompt_tokens, output_tokens
     ) VALUES (
         NEW.tenant_id, NEW.tier, coalesce(NEW.input_price, ''), coalesce(NEW.output_price, ''),
-        1, NEW.reserved_tokens, greatest(NEW.reserved_tokens - v_bound, 0), v_bound
+        pg_backend_pid() % 16, 1, NEW.reserved_tokens,
+        greatest(NEW.reserved_tokens - v_bound, 0), v_bound
     )
-    ON CONFLICT (tenant_id, tier, input_price, output_price) DO UPDATE SET
+    ON CONFLICT (tenant_id, tier, input_price, output_price, slot) DO UPDATE SET
         jobs = h.jobs + 1,
         reserved_tokens = h.reserved_tokens + excluded.reserved_tokens,
         prompt_tokens = h.prompt_tokens + excluded.prompt_tokens,
@@ -51,7 +57,9 @@ LANGUAGE plpgsql AS $fn$
 DECLARE
     v_bound bigint := tierq_output_bound(OLD.params);
 BEGIN
-    -- No row is made here: a tenant being deleted has its sums deleted with it.
+    -- Taken from this connection's slot, which may go below zero: the sums are read
+    -- over every slot. No row is made here when the slot has none yet (a tenant being
+    -- deleted has its sums deleted with it): the slot of the job's own insert holds it.
     UPDATE held_reservations SET
         jobs = jobs - 1,
         reserved_tokens = reserved_tokens - OLD.reserved_tokens,
@@ -59,7 +67,21 @@ BEGIN
         output_tokens = output_tokens - v_bound
     WHERE tenant_id = OLD.tenant_id AND tier = OLD.tier
       AND input_price = coalesce(OLD.input_price, '')
-      AND output_price = coalesce(OLD.output_price, '');
+      AND output_price = coalesce(OLD.output_price, '')
+      AND slot = pg_backend_pid() % 16;
+    IF NOT FOUND THEN
+        UPDATE held_reservations SET
+            jobs = jobs - 1,
+            reserved_tokens = reserved_tokens - OLD.reserved_tokens,
+            prompt_tokens = prompt_tokens - greatest(OLD.reserved_tokens - v_bound, 0),
+            output_tokens = output_tokens - v_bound
+        WHERE (tenant_id, tier, input_price, output_price, slot) = (
+            SELECT tenant_id, tier, input_price, output_price, slot FROM held_reservations
+            WHERE tenant_id = OLD.tenant_id AND tier = OLD.tier
+              AND input_price = coalesce(OLD.input_price, '')
+              AND output_price = coalesce(OLD.output_price, '')
+            ORDER BY slot LIMIT 1);
+    END IF;
     RETURN NULL;
 END
 $fn$;

@@ -1,6 +1,7 @@
 -- What queued and running jobs hold against their tenants' budgets, kept as running sums
 -- (migration 0017, SQLite): the triggers of 0017_held_reservations.postgresql.sql, which
--- says what they keep and why, in SQLite's words. A job's output bound is written out as
+-- says what they keep and why, in SQLite's words. One writer holds the whole database, so
+-- every write goes to slot 0. A job's output bound is written out as
 -- tierq/core/messages.py `output_bound` reads it: max_tokens (0 without) for each of its
 -- n choices (1 when n is absent or 0).
 --
@@ -11,17 +12,17 @@ CREATE TRIGGER jobs_hold_inserted AFTER INSERT ON jobs
 WHEN NEW.status IN ('queued', 'running')
 BEGIN
     INSERT INTO held_reservations (
-        tenant_id, tier, input_price, output_price, jobs, reserved_tokens, prompt_tokens,
-        output_tokens
+        tenant_id, tier, input_price, output_price, slot, jobs, reserved_tokens,
+        prompt_tokens, output_tokens
     ) VALUES (
         NEW.tenant_id, NEW.tier, coalesce(NEW.input_price, ''), coalesce(NEW.output_price, ''),
-        1, NEW.reserved_tokens,
+        0, 1, NEW.reserved_tokens,
         max(NEW.reserved_tokens - coalesce(json_extract(NEW.params, '$.max_tokens'), 0)
             * coalesce(nullif(json_extract(NEW.params, '$.n'), 0), 1), 0),
         coalesce(json_extract(NEW.params, '$.max_tokens'), 0)
             * coalesce(nullif(json_extract(NEW.params, '$.n'), 0), 1)
     )
-    ON CONFLICT (tenant_id, tier, input_price, output_price) DO UPDATE SET
+    ON CONFLICT (tenant_id, tier, input_price, output_price, slot) DO UPDATE SET
         jobs = jobs + 1,
         reserved_tokens = reserved_tokens + excluded.reserved_tokens,
         prompt_tokens = prompt_tokens + excluded.prompt_tokens,
@@ -32,17 +33,17 @@ CREATE TRIGGER jobs_hold_resumed AFTER UPDATE OF status ON jobs
 WHEN NEW.status IN ('queued', 'running') AND OLD.status NOT IN ('queued', 'running')
 BEGIN
     INSERT INTO held_reservations (
-        tenant_id, tier, input_price, output_price, jobs, reserved_tokens, prompt_tokens,
-        output_tokens
+        tenant_id, tier, input_price, output_price, slot, jobs, reserved_tokens,
+        prompt_tokens, output_tokens
     ) VALUES (
         NEW.tenant_id, NEW.tier, coalesce(NEW.input_price, ''), coalesce(NEW.output_price, ''),
-        1, NEW.reserved_tokens,
+        0, 1, NEW.reserved_tokens,
         max(NEW.reserved_tokens - coalesce(json_extract(NEW.params, '$.max_tokens'), 0)
             * coalesce(nullif(json_extract(NEW.params, '$.n'), 0), 1), 0),
         coalesce(json_extract(NEW.params, '$.max_tokens'), 0)
             * coalesce(nullif(json_extract(NEW.params, '$.n'), 0), 1)
     )
-    ON CONFLICT (tenant_id, tier, input_price, output_price) DO UPDATE SET
+    ON CONFLICT (tenant_id, tier, input_price, output_price, slot) DO UPDATE SET
         jobs = jobs + 1,
         reserved_tokens = reserved_tokens + excluded.reserved_tokens,
         prompt_tokens = prompt_tokens + excluded.prompt_tokens,
@@ -62,7 +63,7 @@ BEGIN
             * coalesce(nullif(json_extract(OLD.params, '$.n'), 0), 1)
     WHERE tenant_id = OLD.tenant_id AND tier = OLD.tier
       AND input_price = coalesce(OLD.input_price, '')
-      AND output_price = coalesce(OLD.output_price, '');
+      AND output_price = coalesce(OLD.output_price, '') AND slot = 0;
 END;
 
 CREATE TRIGGER jobs_hold_deleted AFTER DELETE ON jobs
@@ -78,5 +79,5 @@ BEGIN
             * coalesce(nullif(json_extract(OLD.params, '$.n'), 0), 1)
     WHERE tenant_id = OLD.tenant_id AND tier = OLD.tier
       AND input_price = coalesce(OLD.input_price, '')
-      AND output_price = coalesce(OLD.output_price, '');
+      AND output_price = coalesce(OLD.output_price, '') AND slot = 0;
 END;

@@ -34,9 +34,9 @@ HELD = ("queued", "running")
 # The sums of the jobs held now, grouped as the triggers keep them; `bound` is each
 # dialect's output bound of a job's params.
 _FILL = """
-INSERT INTO held_reservations (tenant_id, tier, input_price, output_price, jobs,
+INSERT INTO held_reservations (tenant_id, tier, input_price, output_price, slot, jobs,
     reserved_tokens, prompt_tokens, output_tokens)
-SELECT tenant_id, tier, coalesce(input_price, ''), coalesce(output_price, ''), count(*),
+SELECT tenant_id, tier, coalesce(input_price, ''), coalesce(output_price, ''), 0, count(*),
     sum(reserved_tokens), sum({greatest}(reserved_tokens - bound, 0)), sum(bound)
 FROM (SELECT tenant_id, tier, input_price, output_price, reserved_tokens, {bound} AS bound
       FROM jobs WHERE status IN ('queued', 'running')) held
@@ -62,6 +62,7 @@ def upgrade() -> None:
         sa.Column("tier", sa.String(20), primary_key=True),
         sa.Column("input_price", sa.String(40), primary_key=True),
         sa.Column("output_price", sa.String(40), primary_key=True),
+        sa.Column("slot", sa.SmallInteger(), primary_key=True),
         sa.Column("jobs", sa.BigInteger(), nullable=False),
         sa.Column("reserved_tokens", sa.BigInteger(), nullable=False),
         sa.Column("prompt_tokens", sa.BigInteger(), nullable=False),
