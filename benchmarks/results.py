@@ -212,9 +212,7 @@ _CURVE_SIZES = {
 
 def _curve_sets(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(label, {figure: curve}) of each set of curves a `bench curves` result holds."""
-    sets = [
-        (part, (result.get(part) or {}).get("curves") or {}) for part in ("ledger", "backlog")
-    ]
+    sets = [(part, (result.get(part) or {}).get("curves") or {}) for part in ("ledger", "backlog")]
     dispatch = result.get("dispatch") or {}
     for by in ("by_tenants", "by_queue_length"):
         sets.append((by, (dispatch.get(by) or {}).get("curves") or {}))
