@@ -600,8 +600,8 @@ class SqlJobStoreContract(JobStoreContract):
         self, db: Database
     ) -> tuple[Counter[tuple[Any, ...]], Counter[tuple[Any, ...]]]:
         """The running sums triggers keep (held_reservations), and the same sums taken
-        over every queued or running job's row: per tenant, tier and pair of prices, the
-        jobs, their reserved tokens, prompt part and output bound."""
+        over every queued or running job's row written `held_counted`: per tenant, tier
+        and pair of prices, the jobs, their reserved tokens, prompt part and output bound."""
         kept: Counter[tuple[Any, ...]] = Counter()
         summed: Counter[tuple[Any, ...]] = Counter()
         async with db.session() as s:
@@ -610,7 +610,8 @@ class SqlJobStoreContract(JobStoreContract):
                 for name in ("jobs", "reserved_tokens", "prompt_tokens", "output_tokens"):
                     kept[(*key, name)] += getattr(h, name)
             held = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
-            for j in (await s.execute(select(Job).where(Job.status.in_(held)))).scalars():
+            counted = select(Job).where(Job.status.in_(held), Job.held_counted)
+            for j in (await s.execute(counted)).scalars():
                 key = (j.tenant_id, j.tier, str(j.input_price or ""), str(j.output_price or ""))
                 bound = output_bound(j.params)
                 summed[(*key, "jobs")] += 1
@@ -620,13 +621,36 @@ class SqlJobStoreContract(JobStoreContract):
         # A pair whose jobs all ended keeps a row of zeros; Counter's + drops them.
         return +kept, +summed
 
+    async def held(self, db: Database, tenant_id: str) -> tuple[int, Decimal]:
+        async with db.session() as s:
+            return await quota_repo.held_reservations(s, tenant_id, "*", utcnow())
+
+    async def held_by_job(self, db: Database, tenant_id: str) -> tuple[int, Decimal]:
+        """What the tenant's jobs hold, job by job: each queued or running one, counted or
+        not, and each cancelled while it ran whose usage is not recorded (all within the
+        grace here)."""
+        tokens, cost = 0, Decimal(0)
+        async with db.session() as s:
+            for j in (await s.execute(select(Job).where(Job.tenant_id == tenant_id))).scalars():
+                unbilled = j.status == JobStatus.CANCELLED.value and j.started_at is not None
+                if j.status in (JobStatus.QUEUED.value, JobStatus.RUNNING.value) or (
+                    unbilled and j.prompt_tokens is None
+                ):
+                    tokens += j.reserved_tokens
+                    cost += quota_repo.reservation_cost(
+                        j.reserved_tokens, output_bound(j.params), j.input_price, j.output_price
+                    )
+        return tokens, cost
+
     async def test_the_held_sums_follow_every_write_of_a_job(
         self, db: Database, store: JobStore, tenants: MakeTenants
     ) -> None:
         """A seeded walk through the store's own writes, eight at once (creates at several
-        tiers, params and prices, claims, hand-backs, finishes, failures, cancels, a
-        tenant's bulk cancel, a job's row deleted), the sums compared after each round; then
-        a tenant deleted takes its sums with it."""
+        tiers, params and prices, counted in the sums or not, claims, hand-backs,
+        finishes, failures, cancels, a tenant's bulk cancel, a job's row deleted), the sums
+        compared after each round, and what a budget reads (the sums and the jobs they do
+        not count) compared with every job's reservation; then a tenant deleted takes its
+        sums with it."""
         rng = random.Random(34)
         owners = await tenants(3)
         params = [{"max_tokens": 16}, {"max_tokens": 4, "n": 3}, {"max_tokens": 8, "n": 0}, {}]
@@ -645,6 +669,7 @@ class SqlJobStoreContract(JobStoreContract):
                     reserved_tokens=rng.randint(1, 60),
                     input_price=price_in,
                     output_price=price_out,
+                    held_counted=rng.random() < 0.7,
                 )
                 ids.append((await store.create(new))[0].id)
                 return
@@ -678,8 +703,36 @@ class SqlJobStoreContract(JobStoreContract):
                         await s.execute(back)
             kept, summed = await self.held_sums(db)
             assert kept == summed, f"round {round_}"
+            for owner in owners:  # a budget's read: the sums, and the jobs not counted
+                assert await self.held(db, owner) == await self.held_by_job(db, owner)
         assert any(n for key, n in summed.items() if key[-1] == "jobs")  # not all ended
         async with db.transaction() as s:  # a tenant's row removed: its jobs go with it
             await s.execute(delete(Tenant).where(Tenant.id == owners[0]))
         kept, summed = await self.held_sums(db)
         assert kept == summed and all(key[0] != owners[0] for key in kept)
+
+    async def test_admission_counts_in_the_sums_the_jobs_of_a_tenant_with_a_budget(
+        self, db: Database, store: JobStore, tenants: MakeTenants, admin: Admin
+    ) -> None:
+        """Only a tenant with a budget for the tier has its jobs counted (the others pay no
+        trigger); one admitted before its budget was set still holds, read job by job,
+        until it ends."""
+        plain, limited, budgeted = await tenants(3)
+        await admin.quota(limited, "*", requests_per_minute=100)
+        await admin.quota(budgeted, "standard", token_budget=10**6)
+        first = await store.admit(admission(budgeted), counted=True)
+        await admin.quota(budgeted, "batch", spend_budget=Decimal(5))  # not the job's tier
+        ids = {}
+        for name, tenant in (("plain", plain), ("limited", limited), ("budgeted", budgeted)):
+            answer = await store.admit(admission(tenant), counted=True)
+            assert answer.job is not None
+            ids[name] = answer.job.id
+        async with db.session() as s:
+            rows = await s.execute(select(Job.id, Job.held_counted))
+            counted = {job_id for job_id, flag in rows if flag}
+        assert counted == {ids["budgeted"], first.job.id}  # type: ignore[union-attr]
+        await admin.quota(plain, "*", token_budget=10**6)  # set with a job waiting
+        assert await self.held(db, plain) == (10, Decimal(0))
+        assert await self.held(db, budgeted) == (20, Decimal(0))
+        assert await store.cancel(ids["plain"]) is not None
+        assert await self.held(db, plain) == (0, Decimal(0))

@@ -45,9 +45,9 @@ async def test_a_job_ended_by_a_connection_other_than_its_writers_leaves_the_sum
         writer, ender = conns
         insert = (
             "INSERT INTO jobs (id, tenant_id, tier, model, status, params, created_at, "
-            "deliveries, preemptions, fault_charge, reserved_tokens, input_price) "
+            "deliveries, preemptions, fault_charge, reserved_tokens, input_price, held_counted) "
             "VALUES ($1, $2, 'standard', 'm', 'queued', '{\"max_tokens\": 4}', now(), "
-            "0, 0, 0, 10, '2')"
+            "0, 0, 0, 10, '2', true)"
         )
         await writer.execute(insert, "job_a", tenant.id)
         await writer.execute(insert, "job_b", tenant.id)

@@ -1,7 +1,8 @@
 """What a tenant's unfinished jobs hold against its budget (models.quotas.held_in), summed
 by the database: equal to each job's `reservation_cost` summed in Python, whatever its
 params (n absent, 0 or several; max_tokens absent; a reservation below its output bound)
-and its prices (several, or none), on SQLite."""
+and its prices (several, or none), on SQLite; and read without the tenant's backlog.
+(The running sums themselves: tests/job_store_contract.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import dataclasses
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+
+from sqlalchemy import create_engine, event
 
 from tierq import migrations
 from tierq.core.messages import output_bound
@@ -67,3 +70,27 @@ async def test_the_sums_equal_each_jobs_reservation_cost(tmp_path: Path) -> None
     assert batch == (0, Decimal(0))
     await store.close()
     await db.close()
+
+
+async def test_a_budgets_read_goes_through_the_partial_indexes_on_sqlite(tmp_path: Path) -> None:
+    """What the sums do not count is read through its partial indexes, not by the
+    tenant's (tenant_id, status) index, which would read its whole backlog."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'plans.db'}"
+    await asyncio.to_thread(migrations.upgrade, url)
+    engine = create_engine(f"sqlite:///{tmp_path / 'plans.db'}")
+    plans: list[str] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def plan(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        if "FROM jobs" in statement:
+            found = conn.connection.cursor().execute(f"EXPLAIN QUERY PLAN {statement}", params)
+            plans.append(" ".join(str(row[3]) for row in found))
+
+    try:
+        with engine.connect() as conn:
+            for tier in ("*", "batch"):
+                quota_repo.held_in(conn, "ten_x", tier, utcnow())
+    finally:
+        engine.dispose()
+    assert len(plans) == 4
+    assert all("ix_jobs_uncounted" in p or "ix_jobs_unbilled_cancel" in p for p in plans), plans

@@ -115,7 +115,9 @@ def admit_in(conn: Connection, a: Admission, counted: bool) -> Answer:
             return Answer(
                 None, tenant_status=status, queued=queued, quotas=checked, reserved_cost=cost
             )
-    priced = replace(new, input_price=price_in, output_price=price_out)
+    # A tenant with a budget for the tier has its jobs counted in held_reservations' sums.
+    counted_held = any(q.token_budget is not None or q.spend_budget is not None for q in quotas)
+    priced = replace(new, input_price=price_in, output_price=price_out, held_counted=counted_held)
     values = jobs.row_values(priced, a.job_id, a.created_at)
     conn.execute(q.insert_job, {q.job_columns[name]: value for name, value in values.items()})
     conn.execute(

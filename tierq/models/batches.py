@@ -282,6 +282,7 @@ async def expand(
             reserved_tokens=item.reserved_tokens,
             input_price=prices[0],
             output_price=prices[1],
+            held_counted=True,  # bulk work: counted in held_reservations' sums
         )
         rows.append(row)
         s.add(row)

@@ -53,6 +53,9 @@ class NewJob:
     reserved_tokens: int = 0
     input_price: Decimal | None = None
     output_price: Decimal | None = None
+    # Counted in held_reservations' sums (tables.Job.held_counted): admission sets it for
+    # a tenant with a budget for the tier.
+    held_counted: bool = False
 
 
 def _existing_by_key(s: Session, tenant_id: str, key: str) -> Job | None:
@@ -153,6 +156,7 @@ def row_values(new: NewJob, job_id: str, now: datetime) -> dict[str, Any]:
         "reserved_tokens": new.reserved_tokens,
         "input_price": new.input_price,
         "output_price": new.output_price,
+        "held_counted": new.held_counted,
     }
 
 

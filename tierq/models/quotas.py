@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, case, func, literal, select
+from sqlalchemy import Connection, case, func, literal, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tierq.core import clock
@@ -39,7 +39,15 @@ from tierq.models import spend
 from tierq.models.jobs import tenant_job_counts
 from tierq.models.prices import cost_of
 from tierq.models.records import as_utc
-from tierq.models.tables import Batch, HeldReservation, Job, Quota, utcnow
+from tierq.models.tables import (
+    UNBILLED_CANCEL,
+    UNCOUNTED,
+    Batch,
+    HeldReservation,
+    Job,
+    Quota,
+    utcnow,
+)
 
 ALL_TIERS = "*"
 PERIODS = ("day", "month", "total")
@@ -450,29 +458,30 @@ def held_in(conn: Connection, tenant_id: str, tier: str, now: datetime) -> tuple
         HeldReservation.tier,
         tier,
     )
-    # Jobs cancelled while they ran, within the grace (ix_jobs_unbilled_cancel).
+    # Unfinished jobs the sums do not count (a tenant's admitted before its budget was
+    # set), and jobs cancelled while they ran, within the grace: each through its partial
+    # index (one statement each: SQLite takes a partial index for a query whose WHERE
+    # repeats its predicate, not for one term of an OR).
     bound = _output_bound(Job.params)
     prompt = case((Job.reserved_tokens > bound, Job.reserved_tokens - bound), else_=0)
-    stmt = _scope(
-        select(
-            Job.input_price,
-            Job.output_price,
-            func.sum(Job.reserved_tokens),
-            func.sum(prompt),
-            func.sum(bound),
-        )
-        .where(
-            Job.tenant_id == tenant_id,
-            Job.status == JobStatus.CANCELLED.value,
-            Job.started_at.is_not(None),
-            Job.prompt_tokens.is_(None),
-            Job.finished_at > now - BILLING_GRACE,
-        )
-        .group_by(Job.input_price, Job.output_price),
-        Job.tier,
-        tier,
+    by_job = select(
+        Job.input_price,
+        Job.output_price,
+        func.sum(Job.reserved_tokens),
+        func.sum(prompt),
+        func.sum(bound),
+    ).group_by(Job.input_price, Job.output_price)
+    uncounted = by_job.where(Job.tenant_id == tenant_id, text(UNCOUNTED))
+    cancelled = by_job.where(
+        Job.tenant_id == tenant_id,
+        text(UNBILLED_CANCEL),
+        Job.finished_at > now - BILLING_GRACE,
     )
-    rows = [*conn.execute(kept).all(), *conn.execute(stmt).all()]
+    rows = [
+        *conn.execute(kept).all(),
+        *conn.execute(_scope(uncounted, Job.tier, tier)).all(),
+        *conn.execute(_scope(cancelled, Job.tier, tier)).all(),
+    ]
     for price_in, price_out, reserved, prompt_tokens, output_tokens in rows:
         # A price is a Decimal from jobs, its string ("" for none) from the sums.
         tokens += int(reserved)

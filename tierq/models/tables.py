@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -20,6 +21,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     event,
+    false,
     text,
 )
 from sqlalchemy.engine import Connection, Dialect
@@ -60,7 +62,10 @@ class MoneySum(Money):
     cache_ok = True
 
 
-_UNBILLED_CANCEL = "status = 'cancelled' AND started_at IS NOT NULL AND prompt_tokens IS NULL"
+# The partial indexes' predicates, which a query repeats word for word (SQLite uses a
+# partial index only for a query whose WHERE has its terms as written).
+UNCOUNTED = "status IN ('queued', 'running') AND NOT held_counted"
+UNBILLED_CANCEL = "status = 'cancelled' AND started_at IS NOT NULL AND prompt_tokens IS NULL"
 
 
 class Base(DeclarativeBase):
@@ -106,14 +111,22 @@ class Job(Base):
         Index("ix_jobs_batch_status", "batch_id", "status"),
         # A tenant's unfinished jobs, without scanning its history.
         Index("ix_jobs_tenant_status", "tenant_id", "status"),
-        # Jobs cancelled while they ran, their usage not recorded yet: they hold their
-        # reservation for a grace (models.quotas `held_in`), and only they are read.
+        # What a budget reads besides held_reservations' sums (models.quotas `held_in`):
+        # the unfinished jobs the sums do not count, and the jobs cancelled while they
+        # ran, their usage not recorded yet (they hold their reservation for a grace).
+        Index(
+            "ix_jobs_uncounted",
+            "tenant_id",
+            "status",  # as ix_jobs_tenant_status: SQLite without statistics takes this one
+            postgresql_where=text(UNCOUNTED),
+            sqlite_where=text(UNCOUNTED),
+        ),
         Index(
             "ix_jobs_unbilled_cancel",
             "tenant_id",
             "finished_at",
-            postgresql_where=text(_UNBILLED_CANCEL),
-            sqlite_where=text(_UNBILLED_CANCEL),
+            postgresql_where=text(UNBILLED_CANCEL),
+            sqlite_where=text(UNBILLED_CANCEL),
         ),
     )
 
@@ -165,6 +178,9 @@ class Job(Base):
     input_price: Mapped[Decimal | None] = mapped_column(Money)
     output_price: Mapped[Decimal | None] = mapped_column(Money)
     batch_line: Mapped[int | None] = mapped_column(Integer)
+    # Whether held_reservations' sums count the job (written once, at its insert): a job
+    # of a tenant with a budget for its tier, and every job a batch expands into.
+    held_counted: Mapped[bool] = mapped_column(Boolean, server_default=false())
     custom_id: Mapped[str | None] = mapped_column(String(512))
 
 
@@ -261,9 +277,10 @@ class SpendCounter(Base):
 class HeldReservation(Base):
     """What a tenant's queued and running jobs of one tier and pair of prices hold against
     its budgets: their count, reserved tokens, the prompt part of those and their output
-    bound (max_tokens for each of n choices). Kept by triggers on jobs, in the transaction
-    that writes a job (tierq/migrations/sql/0017_held_reservations.*.sql), so a budget's
-    check reads a few rows however long the tenant's backlog. A price is its string, ""
+    bound (max_tokens for each of n choices), of the jobs written `held_counted`. Kept by
+    triggers on jobs, in the transaction that writes a job
+    (tierq/migrations/sql/0017_held_reservations.*.sql), so a budget's check reads a few
+    rows however long the tenant's backlog. A price is its string, ""
     for none. On PostgreSQL a key's sums are spread over up to 16 slots, each connection
     writing its own (one row would queue every writer of a tenant behind the others'
     commits); its sums are those of every slot, and one slot's may be below zero."""

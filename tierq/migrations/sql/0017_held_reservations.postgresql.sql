@@ -12,12 +12,18 @@
 -- shared) and the workers ending its jobs would otherwise queue on one row until each
 -- other's commits. A sum reads them all.
 --
--- Triggers on jobs keep them, in the transaction that writes the job, whichever path
--- writes it (admission, a batch's expansion, a worker's ending, a tenant's or a batch's
--- cancel, the reconciler, a tenant's deletion): a job adds itself when it is inserted
--- queued or running and takes itself away when its status leaves them or it is deleted.
--- A move between queued and running changes nothing and fires nothing. A job's tenant,
--- tier, prices, params and reservation are written once, at its insert.
+-- Triggers on jobs keep them for the jobs written `held_counted`, in the transaction that
+-- writes the job, whichever path writes it (admission, a worker's ending, a tenant's or a
+-- batch's cancel, the reconciler, a row deleted): such a job adds itself when it is
+-- inserted queued or running and takes itself away when its status leaves them or it is
+-- deleted. A move between queued and running changes nothing and fires nothing. A job's
+-- tenant, tier, prices, params, reservation and held_counted are written once, at its
+-- insert. Admission counts the jobs of a tenant with a budget for their tier, and a
+-- batch's expansion counts every job (bulk work, where a trigger's cost is nothing beside
+-- the run's); others are not counted, so the many admissions of tenants without budgets
+-- pay no trigger (the WHEN clauses are evaluated without calling a function). A budget
+-- reads the sums and, through a partial index, the unfinished jobs not counted: those of
+-- a tenant admitted before its budget was set, until they end.
 --
 -- A frozen copy: the migration that created the triggers reads it (and tierq/models/
 -- tables.py, for a schema made without migrations). A later change is a new file.
@@ -87,19 +93,19 @@ END
 $fn$;
 
 CREATE TRIGGER jobs_hold_inserted AFTER INSERT ON jobs
-FOR EACH ROW WHEN (NEW.status IN ('queued', 'running'))
+FOR EACH ROW WHEN (NEW.held_counted AND NEW.status IN ('queued', 'running'))
 EXECUTE FUNCTION tierq_jobs_hold();
 
 CREATE TRIGGER jobs_hold_resumed AFTER UPDATE OF status ON jobs
-FOR EACH ROW WHEN (NEW.status IN ('queued', 'running')
+FOR EACH ROW WHEN (NEW.held_counted AND NEW.status IN ('queued', 'running')
                    AND OLD.status NOT IN ('queued', 'running'))
 EXECUTE FUNCTION tierq_jobs_hold();
 
 CREATE TRIGGER jobs_hold_ended AFTER UPDATE OF status ON jobs
-FOR EACH ROW WHEN (OLD.status IN ('queued', 'running')
+FOR EACH ROW WHEN (OLD.held_counted AND OLD.status IN ('queued', 'running')
                    AND NEW.status NOT IN ('queued', 'running'))
 EXECUTE FUNCTION tierq_jobs_release();
 
 CREATE TRIGGER jobs_hold_deleted AFTER DELETE ON jobs
-FOR EACH ROW WHEN (OLD.status IN ('queued', 'running'))
+FOR EACH ROW WHEN (OLD.held_counted AND OLD.status IN ('queued', 'running'))
 EXECUTE FUNCTION tierq_jobs_release();

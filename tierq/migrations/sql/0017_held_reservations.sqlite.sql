@@ -9,7 +9,7 @@
 -- tables.py, for a schema made without migrations). A later change is a new file.
 
 CREATE TRIGGER jobs_hold_inserted AFTER INSERT ON jobs
-WHEN NEW.status IN ('queued', 'running')
+WHEN NEW.held_counted AND NEW.status IN ('queued', 'running')
 BEGIN
     INSERT INTO held_reservations (
         tenant_id, tier, input_price, output_price, slot, jobs, reserved_tokens,
@@ -30,7 +30,8 @@ BEGIN
 END;
 
 CREATE TRIGGER jobs_hold_resumed AFTER UPDATE OF status ON jobs
-WHEN NEW.status IN ('queued', 'running') AND OLD.status NOT IN ('queued', 'running')
+WHEN NEW.held_counted AND NEW.status IN ('queued', 'running')
+    AND OLD.status NOT IN ('queued', 'running')
 BEGIN
     INSERT INTO held_reservations (
         tenant_id, tier, input_price, output_price, slot, jobs, reserved_tokens,
@@ -51,7 +52,8 @@ BEGIN
 END;
 
 CREATE TRIGGER jobs_hold_ended AFTER UPDATE OF status ON jobs
-WHEN OLD.status IN ('queued', 'running') AND NEW.status NOT IN ('queued', 'running')
+WHEN OLD.held_counted AND OLD.status IN ('queued', 'running')
+    AND NEW.status NOT IN ('queued', 'running')
 BEGIN
     UPDATE held_reservations SET
         jobs = jobs - 1,
@@ -67,7 +69,7 @@ BEGIN
 END;
 
 CREATE TRIGGER jobs_hold_deleted AFTER DELETE ON jobs
-WHEN OLD.status IN ('queued', 'running')
+WHEN OLD.held_counted AND OLD.status IN ('queued', 'running')
 BEGIN
     UPDATE held_reservations SET
         jobs = jobs - 1,

@@ -2,9 +2,10 @@
 --
 -- As migration 0016 defined it, but for what a tenant's unfinished work holds against a
 -- budget: the queued and running jobs' reservations are read from their running sums
--- (held_reservations, kept by the triggers of 0017_held_reservations.postgresql.sql), no
--- longer summed over the tenant's backlog on each admission. A tenant with a budget and
--- 10^5 queued jobs is admitted as fast as one with none.
+-- (held_reservations, kept by the triggers of 0017_held_reservations.postgresql.sql, which
+-- says which jobs they count), no longer summed over the tenant's backlog on each
+-- admission; and a job of a tenant with a budget for its tier is written `held_counted`.
+-- A tenant with a budget and 10^5 queued jobs is admitted as fast as one with none.
 --
 -- The rule, once: a replay of an Idempotency-Key is answered with the job it made; a tenant
 -- with quotas for the tier has them checked under its exclusive row lock, against a
@@ -71,6 +72,7 @@ DECLARE
     v_ok boolean;
     v_quotas boolean;
     v_replay json;
+    v_counted boolean := false;
 BEGIN
     -- A replay of an Idempotency-Key is answered with the job it made, before any check:
     -- no quota is charged twice. It is looked for again wherever the job would be refused:
@@ -185,6 +187,7 @@ BEGIN
                   AND (q.tier = '*' OR tier = q.tier);
             END IF;
             IF q.token_budget IS NOT NULL OR q.spend_budget IS NOT NULL THEN
+                v_counted := true;
                 IF q.tier IN ('*', 'batch') THEN
                     SELECT coalesce(sum(reserved_tokens), 0),
                            coalesce(sum(reserved_cost::numeric), 0)
@@ -203,8 +206,9 @@ BEGIN
                 INTO h_tokens, h_micro
                 FROM held_reservations
                 WHERE tenant_id = p_tenant AND (q.tier = '*' OR tier = q.tier);
-                -- Jobs cancelled while they ran whose usage is not recorded yet, within
-                -- the grace (ix_jobs_unbilled_cancel: only those rows are read).
+                -- Unfinished jobs not counted in the sums (ix_jobs_uncounted), and jobs
+                -- cancelled while they ran whose usage is not recorded yet, within the
+                -- grace (ix_jobs_unbilled_cancel): only those rows are read.
                 SELECT h_tokens + coalesce(sum(reserved_tokens), 0),
                        h_micro + coalesce(sum(
                            greatest(0, reserved_tokens - tierq_output_bound(params))
@@ -213,8 +217,9 @@ BEGIN
                 INTO h_tokens, h_micro
                 FROM jobs
                 WHERE tenant_id = p_tenant AND (q.tier = '*' OR tier = q.tier)
-                  AND status = 'cancelled' AND started_at IS NOT NULL
-                  AND prompt_tokens IS NULL AND finished_at > p_now - p_grace;
+                  AND ((status IN ('queued', 'running') AND NOT held_counted)
+                       OR (status = 'cancelled' AND started_at IS NOT NULL
+                           AND prompt_tokens IS NULL AND finished_at > p_now - p_grace));
                 SELECT coalesce(sum(tokens), 0), coalesce(sum(cost::numeric), 0)
                 INTO s_tokens, s_cost
                 FROM spend_counters
@@ -248,11 +253,11 @@ BEGIN
             INSERT INTO jobs (
                 id, tenant_id, tier, model, status, messages, prompt, params, metadata,
                 idempotency_key, request_hash, created_at, deliveries, preemptions,
-                reserved_tokens, input_price, output_price
+                reserved_tokens, input_price, output_price, held_counted
             ) VALUES (
                 p_job, p_tenant, p_tier, p_model, 'queued', p_messages, p_prompt, p_params,
                 p_metadata, p_idempotency_key, p_request_hash, p_now, 0, 0, p_reserved,
-                v_in::text, v_out::text
+                v_in::text, v_out::text, v_counted
             )
             ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
             RETURNING id

@@ -6,13 +6,13 @@ Revises: 0016
 Create Date: 2026-12-06 13:30:00.000000
 
 The triggers are tierq/migrations/sql/0017_held_reservations.<dialect>.sql, which say what
-they keep; the admission function is tierq/migrations/sql/0017_tierq_admit.sql. The sums of
-the jobs queued or running now are taken here, after the triggers exist and in the same
-transaction: on PostgreSQL, creating a trigger locks out writes to jobs until the commit,
-so no job is counted twice or missed; an SQLite database has one writer.
+they keep; the admission function is tierq/migrations/sql/0017_tierq_admit.sql. Jobs gain
+`held_counted`, written once at the insert: whether the sums count the job. The jobs
+written before are not counted (false), and a budget finds them through a partial index
+of the unfinished jobs not counted, until they end: nothing is summed here.
 
-A partial index finds the jobs cancelled while they ran whose usage is not recorded yet
-(they hold their reservation for a grace after the cancel), without reading the others.
+A second partial index finds the jobs cancelled while they ran whose usage is not recorded
+yet (they hold their reservation for a grace after the cancel), without reading others.
 """
 
 from __future__ import annotations
@@ -29,25 +29,9 @@ depends_on = None
 
 ADMIT = SQL_DIR / "0017_tierq_admit.sql"
 TRIGGERS = ("jobs_hold_inserted", "jobs_hold_resumed", "jobs_hold_ended", "jobs_hold_deleted")
-HELD = ("queued", "running")
-
-# The sums of the jobs held now, grouped as the triggers keep them; `bound` is each
-# dialect's output bound of a job's params.
-_FILL = """
-INSERT INTO held_reservations (tenant_id, tier, input_price, output_price, slot, jobs,
-    reserved_tokens, prompt_tokens, output_tokens)
-SELECT tenant_id, tier, coalesce(input_price, ''), coalesce(output_price, ''), 0, count(*),
-    sum(reserved_tokens), sum({greatest}(reserved_tokens - bound, 0)), sum(bound)
-FROM (SELECT tenant_id, tier, input_price, output_price, reserved_tokens, {bound} AS bound
-      FROM jobs WHERE status IN ('queued', 'running')) held
-GROUP BY 1, 2, 3, 4
-"""
-_BOUND = {
-    "postgresql": "tierq_output_bound(params)",
-    "sqlite": "coalesce(json_extract(params, '$.max_tokens'), 0)"
-    " * coalesce(nullif(json_extract(params, '$.n'), 0), 1)",
-}
-_GREATEST = {"postgresql": "greatest", "sqlite": "max"}
+# Frozen copies of tables.UNCOUNTED and tables.UNBILLED_CANCEL.
+UNCOUNTED = "status IN ('queued', 'running') AND NOT held_counted"
+UNBILLED_CANCEL = "status = 'cancelled' AND started_at IS NOT NULL AND prompt_tokens IS NULL"
 
 
 def upgrade() -> None:
@@ -68,21 +52,19 @@ def upgrade() -> None:
         sa.Column("prompt_tokens", sa.BigInteger(), nullable=False),
         sa.Column("output_tokens", sa.BigInteger(), nullable=False),
     )
-    op.create_index(
-        "ix_jobs_unbilled_cancel",
+    op.add_column(
         "jobs",
-        ["tenant_id", "finished_at"],
-        postgresql_where=sa.text(
-            "status = 'cancelled' AND started_at IS NOT NULL AND prompt_tokens IS NULL"
-        ),
-        sqlite_where=sa.text(
-            "status = 'cancelled' AND started_at IS NOT NULL AND prompt_tokens IS NULL"
-        ),
+        sa.Column("held_counted", sa.Boolean(), nullable=False, server_default=sa.false()),
     )
+    for name, columns, where in (
+        ("ix_jobs_uncounted", ["tenant_id", "status"], UNCOUNTED),
+        ("ix_jobs_unbilled_cancel", ["tenant_id", "finished_at"], UNBILLED_CANCEL),
+    ):
+        predicate = sa.text(where)
+        op.create_index(name, "jobs", columns, postgresql_where=predicate, sqlite_where=predicate)
     dialect = op.get_bind().dialect.name
     for statement in held_trigger_statements(dialect):
         op.execute(statement)
-    op.execute(_FILL.format(bound=_BOUND[dialect], greatest=_GREATEST[dialect]))
     if dialect == "postgresql":
         for body in sql_statements(ADMIT):
             op.execute(body)
@@ -101,4 +83,7 @@ def downgrade() -> None:
         op.execute("DROP FUNCTION IF EXISTS tierq_jobs_release()")
         op.execute("DROP FUNCTION IF EXISTS tierq_output_bound(json)")
     op.drop_index("ix_jobs_unbilled_cancel", table_name="jobs")
+    op.drop_index("ix_jobs_uncounted", table_name="jobs")
+    with op.batch_alter_table("jobs") as batch:
+        batch.drop_column("held_counted")
     op.drop_table("held_reservations")
