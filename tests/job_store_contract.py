@@ -137,6 +137,11 @@ def refusal(a: Admission, answer: Answer) -> quota_repo.Refusal | None:
     return None
 
 
+def _price_key(price: Decimal | None) -> str:
+    """A price as held_reservations keys it: its string, "" for none."""
+    return "" if price is None else str(price)
+
+
 class JobStoreContract:
     @pytest.fixture
     async def tenant(self, tenants: MakeTenants) -> str:
@@ -612,7 +617,7 @@ class SqlJobStoreContract(JobStoreContract):
             held = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
             counted = select(Job).where(Job.status.in_(held), Job.held_counted)
             for j in (await s.execute(counted)).scalars():
-                key = (j.tenant_id, j.tier, str(j.input_price or ""), str(j.output_price or ""))
+                key = (j.tenant_id, j.tier, _price_key(j.input_price), _price_key(j.output_price))
                 bound = output_bound(j.params)
                 summed[(*key, "jobs")] += 1
                 summed[(*key, "reserved_tokens")] += j.reserved_tokens
@@ -626,16 +631,15 @@ class SqlJobStoreContract(JobStoreContract):
             return await quota_repo.held_reservations(s, tenant_id, "*", utcnow())
 
     async def held_by_job(self, db: Database, tenant_id: str) -> tuple[int, Decimal]:
-        """What the tenant's jobs hold, job by job: each queued or running one, counted or
-        not, and each cancelled while it ran whose usage is not recorded (all within the
-        grace here)."""
+        """What the tenant's jobs hold, job by job: each queued or running one counted in
+        the sums, and each cancelled while it ran whose usage is not recorded (all within
+        the grace here)."""
         tokens, cost = 0, Decimal(0)
         async with db.session() as s:
             for j in (await s.execute(select(Job).where(Job.tenant_id == tenant_id))).scalars():
                 unbilled = j.status == JobStatus.CANCELLED.value and j.started_at is not None
-                if j.status in (JobStatus.QUEUED.value, JobStatus.RUNNING.value) or (
-                    unbilled and j.prompt_tokens is None
-                ):
+                waiting = j.status in (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+                if (waiting and j.held_counted) or (unbilled and j.prompt_tokens is None):
                     tokens += j.reserved_tokens
                     cost += quota_repo.reservation_cost(
                         j.reserved_tokens, output_bound(j.params), j.input_price, j.output_price
@@ -711,28 +715,30 @@ class SqlJobStoreContract(JobStoreContract):
         kept, summed = await self.held_sums(db)
         assert kept == summed and all(key[0] != owners[0] for key in kept)
 
-    async def test_admission_counts_in_the_sums_the_jobs_of_a_tenant_with_a_budget(
+    async def test_a_budget_counts_the_tenants_jobs_from_then_on_and_those_waiting(
         self, db: Database, store: JobStore, tenants: MakeTenants, admin: Admin
     ) -> None:
-        """Only a tenant with a budget for the tier has its jobs counted (the others pay no
-        trigger); one admitted before its budget was set still holds, read job by job,
-        until it ends."""
+        """Only the jobs of a tenant with a budget are counted in the sums (the others pay
+        no trigger); setting one marks the jobs it has waiting, and counts those after."""
         plain, limited, budgeted = await tenants(3)
         await admin.quota(limited, "*", requests_per_minute=100)
-        await admin.quota(budgeted, "standard", token_budget=10**6)
-        first = await store.admit(admission(budgeted), counted=True)
-        await admin.quota(budgeted, "batch", spend_budget=Decimal(5))  # not the job's tier
-        ids = {}
-        for name, tenant in (("plain", plain), ("limited", limited), ("budgeted", budgeted)):
+        waiting = await store.admit(admission(budgeted), counted=True)
+        running = await store.admit(admission(budgeted), counted=True)
+        assert waiting.job is not None and running.job is not None
+        assert await store.claim(running.job.id, "w1", 3) is not None
+        assert (await self.held(db, budgeted))[0] == 0  # no budget: not read (tokens held)
+        await admin.quota(budgeted, "batch", spend_budget=Decimal(5))  # any budget counts
+        ids = {waiting.job.id, running.job.id}
+        for tenant in (plain, limited, budgeted):
             answer = await store.admit(admission(tenant), counted=True)
             assert answer.job is not None
-            ids[name] = answer.job.id
+            if tenant == budgeted:
+                ids.add(answer.job.id)
         async with db.session() as s:
             rows = await s.execute(select(Job.id, Job.held_counted))
-            counted = {job_id for job_id, flag in rows if flag}
-        assert counted == {ids["budgeted"], first.job.id}  # type: ignore[union-attr]
-        await admin.quota(plain, "*", token_budget=10**6)  # set with a job waiting
-        assert await self.held(db, plain) == (10, Decimal(0))
-        assert await self.held(db, budgeted) == (20, Decimal(0))
-        assert await store.cancel(ids["plain"]) is not None
-        assert await self.held(db, plain) == (0, Decimal(0))
+            assert {job_id for job_id, flag in rows if flag} == ids
+        assert (await self.held(db, budgeted))[0] == 30
+        assert await store.cancel(waiting.job.id) is not None
+        assert (await self.held(db, budgeted))[0] == 20
+        kept, summed = await self.held_sums(db)
+        assert kept == summed

@@ -93,7 +93,7 @@ def _backfill(url: str) -> None:
         db = Database(url)
         try:
             async with db.transaction() as s:
-                s.add(Tenant(id="ten_1", name="one"))
+                await s.execute(insert(Tenant).values(id="ten_1", name="one"))  # columns of then
                 await s.flush()
                 for i, at in enumerate(days * 2):
                     job_id = f"job_{i}"
@@ -172,9 +172,9 @@ def test_spend_counters_are_filled_from_the_ledger_on_postgresql() -> None:
 
 
 def _held_backfill(url: str) -> None:
-    """0017 takes the sums of the jobs queued or running at the upgrade (a job's output
-    bound read from its params, its prices kept, none for an ended job): a budget's check
-    reads what the jobs hold, as it summed them before."""
+    """0017 counts the unfinished jobs of a tenant with a budget at the upgrade (a job's
+    output bound read from its params, its prices kept, none for an ended job): a budget's
+    check reads what the jobs hold, as it summed them before."""
     from datetime import UTC, datetime
     from decimal import Decimal
 
@@ -182,7 +182,7 @@ def _held_backfill(url: str) -> None:
 
     from tierq.models import quotas
     from tierq.models.db import Database
-    from tierq.models.tables import Job, Tenant
+    from tierq.models.tables import Job, Quota, Tenant
 
     migrations.upgrade(url, "0016")
     jobs = [  # status, tier, params, reserved, prices
@@ -198,8 +198,13 @@ def _held_backfill(url: str) -> None:
         db = Database(url)
         try:
             async with db.transaction() as s:
-                s.add(Tenant(id="ten_1", name="one"))
+                await s.execute(insert(Tenant).values(id="ten_1", name="one"))  # columns of then
                 await s.flush()
+                await s.execute(
+                    insert(Quota).values(
+                        tenant_id="ten_1", tier="*", token_budget=10**6, budget_period="total"
+                    )
+                )
                 for i, (status, tier, params, reserved, (p_in, p_out)) in enumerate(jobs):
                     await s.execute(
                         insert(Job).values(

@@ -78,7 +78,8 @@ def admit_in(conn: Connection, a: Admission, counted: bool) -> Answer:
         if made is not None:
             same = made.request_hash == new.request_hash
             return Answer(None, replay=made.id, same_request=same)
-    status = conn.execute(q.tenant_status, tenant).scalar_one_or_none()
+    found = conn.execute(q.tenant_status, tenant).one_or_none()
+    status, counts_held = (None, False) if found is None else found
     key_ok = True
     if a.key_id is not None:
         key = conn.execute(q.key_revoked, {**tenant, "key_id": a.key_id}).one_or_none()
@@ -115,9 +116,9 @@ def admit_in(conn: Connection, a: Admission, counted: bool) -> Answer:
             return Answer(
                 None, tenant_status=status, queued=queued, quotas=checked, reserved_cost=cost
             )
-    # A tenant with a budget for the tier has its jobs counted in held_reservations' sums.
-    counted_held = any(q.token_budget is not None or q.spend_budget is not None for q in quotas)
-    priced = replace(new, input_price=price_in, output_price=price_out, held_counted=counted_held)
+    priced = replace(
+        new, input_price=price_in, output_price=price_out, held_counted=bool(counts_held)
+    )
     values = jobs.row_values(priced, a.job_id, a.created_at)
     conn.execute(q.insert_job, {q.job_columns[name]: value for name, value in values.items()})
     conn.execute(
@@ -181,7 +182,7 @@ def _statements() -> _Statements:
         replay=select(Job.id, Job.request_hash).where(
             Job.tenant_id == tenant_id, Job.idempotency_key == bindparam("key")
         ),
-        tenant_status=select(Tenant.status).where(Tenant.id == tenant_id),
+        tenant_status=select(Tenant.status, Tenant.counts_held).where(Tenant.id == tenant_id),
         key_revoked=select(ApiKey.revoked_at).where(
             ApiKey.id == bindparam("key_id"), ApiKey.tenant_id == tenant_id
         ),

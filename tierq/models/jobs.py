@@ -54,7 +54,7 @@ class NewJob:
     input_price: Decimal | None = None
     output_price: Decimal | None = None
     # Counted in held_reservations' sums (tables.Job.held_counted): admission sets it for
-    # a tenant with a budget for the tier.
+    # a tenant that `counts_held`.
     held_counted: bool = False
 
 

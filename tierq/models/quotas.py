@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, case, func, literal, select, text
+from sqlalchemy import Connection, case, func, literal, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tierq.core import clock
@@ -41,11 +41,11 @@ from tierq.models.prices import cost_of
 from tierq.models.records import as_utc
 from tierq.models.tables import (
     UNBILLED_CANCEL,
-    UNCOUNTED,
     Batch,
     HeldReservation,
     Job,
     Quota,
+    Tenant,
     utcnow,
 )
 
@@ -120,6 +120,8 @@ class Refusal:
 
 
 async def set_quota(s: AsyncSession, tenant_id: str, tier: str, **limits: Any) -> QuotaRecord:
+    """Replace the limits given of the tenant's quota for `tier`. A budget makes the
+    tenant's jobs counted in held_reservations' sums from now on (`count_held`)."""
     row = (
         await s.execute(select(Quota).where(Quota.tenant_id == tenant_id, Quota.tier == tier))
     ).scalar_one_or_none()
@@ -130,7 +132,32 @@ async def set_quota(s: AsyncSession, tenant_id: str, tier: str, **limits: Any) -
         setattr(row, name, value)
     row.updated_at = utcnow()
     await s.flush()
+    if row.token_budget is not None or row.spend_budget is not None:
+        await s.run_sync(lambda ss: count_held(ss.connection(), tenant_id))
     return QuotaRecord.from_row(row)
+
+
+def count_held(conn: Connection, tenant_id: str) -> None:
+    """Count the tenant's jobs in held_reservations' sums: flag the tenant, then mark its
+    unfinished jobs (the triggers add them). The flag's update takes the tenant's row lock,
+    so it waits for every admission holding it (each inserts before it commits), and the
+    admissions after it read the flag under that lock: when this commits, every unfinished
+    job of the tenant is counted, and every job admitted after it will be."""
+    flagged = conn.execute(
+        update(Tenant)
+        .where(Tenant.id == tenant_id, Tenant.counts_held.is_(False))
+        .values(counts_held=True)
+    )
+    if flagged.rowcount:
+        conn.execute(
+            update(Job)
+            .where(
+                Job.tenant_id == tenant_id,
+                Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
+                Job.held_counted.is_(False),
+            )
+            .values(held_counted=True)
+        )
 
 
 async def quotas_of(s: AsyncSession, tenant_id: str) -> list[QuotaRecord]:
@@ -458,30 +485,25 @@ def held_in(conn: Connection, tenant_id: str, tier: str, now: datetime) -> tuple
         HeldReservation.tier,
         tier,
     )
-    # Unfinished jobs the sums do not count (a tenant's admitted before its budget was
-    # set), and jobs cancelled while they ran, within the grace: each through its partial
-    # index (one statement each: SQLite takes a partial index for a query whose WHERE
-    # repeats its predicate, not for one term of an OR).
+    # Jobs cancelled while they ran, within the grace (ix_jobs_unbilled_cancel).
     bound = _output_bound(Job.params)
     prompt = case((Job.reserved_tokens > bound, Job.reserved_tokens - bound), else_=0)
-    by_job = select(
-        Job.input_price,
-        Job.output_price,
-        func.sum(Job.reserved_tokens),
-        func.sum(prompt),
-        func.sum(bound),
-    ).group_by(Job.input_price, Job.output_price)
-    uncounted = by_job.where(Job.tenant_id == tenant_id, text(UNCOUNTED))
-    cancelled = by_job.where(
-        Job.tenant_id == tenant_id,
-        text(UNBILLED_CANCEL),
-        Job.finished_at > now - BILLING_GRACE,
+    cancelled = (
+        select(
+            Job.input_price,
+            Job.output_price,
+            func.sum(Job.reserved_tokens),
+            func.sum(prompt),
+            func.sum(bound),
+        )
+        .where(
+            Job.tenant_id == tenant_id,
+            text(UNBILLED_CANCEL),
+            Job.finished_at > now - BILLING_GRACE,
+        )
+        .group_by(Job.input_price, Job.output_price)
     )
-    rows = [
-        *conn.execute(kept).all(),
-        *conn.execute(_scope(uncounted, Job.tier, tier)).all(),
-        *conn.execute(_scope(cancelled, Job.tier, tier)).all(),
-    ]
+    rows = [*conn.execute(kept).all(), *conn.execute(_scope(cancelled, Job.tier, tier)).all()]
     for price_in, price_out, reserved, prompt_tokens, output_tokens in rows:
         # A price is a Decimal from jobs, its string ("" for none) from the sums.
         tokens += int(reserved)

@@ -62,9 +62,8 @@ class MoneySum(Money):
     cache_ok = True
 
 
-# The partial indexes' predicates, which a query repeats word for word (SQLite uses a
-# partial index only for a query whose WHERE has its terms as written).
-UNCOUNTED = "status IN ('queued', 'running') AND NOT held_counted"
+# A partial index's predicate, which a query repeats word for word (SQLite uses a partial
+# index only for a query whose WHERE has its terms as written).
 UNBILLED_CANCEL = "status = 'cancelled' AND started_at IS NOT NULL AND prompt_tokens IS NULL"
 
 
@@ -84,6 +83,9 @@ class Tenant(Base):
     )
     default_tier: Mapped[str] = mapped_column(String(20), default=DEFAULT_TIER.value)
     weight: Mapped[float] = mapped_column(Float, default=1.0)  # its share within a tier
+    # Its jobs are counted in held_reservations' sums (it has, or had, a budget): set
+    # under its row lock, which admission holds while it reads it (models.quotas).
+    counts_held: Mapped[bool] = mapped_column(Boolean, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -111,16 +113,8 @@ class Job(Base):
         Index("ix_jobs_batch_status", "batch_id", "status"),
         # A tenant's unfinished jobs, without scanning its history.
         Index("ix_jobs_tenant_status", "tenant_id", "status"),
-        # What a budget reads besides held_reservations' sums (models.quotas `held_in`):
-        # the unfinished jobs the sums do not count, and the jobs cancelled while they
-        # ran, their usage not recorded yet (they hold their reservation for a grace).
-        Index(
-            "ix_jobs_uncounted",
-            "tenant_id",
-            "status",  # as ix_jobs_tenant_status: SQLite without statistics takes this one
-            postgresql_where=text(UNCOUNTED),
-            sqlite_where=text(UNCOUNTED),
-        ),
+        # Jobs cancelled while they ran, their usage not recorded yet: they hold their
+        # reservation for a grace (models.quotas `held_in`), and only they are read.
         Index(
             "ix_jobs_unbilled_cancel",
             "tenant_id",
@@ -178,8 +172,8 @@ class Job(Base):
     input_price: Mapped[Decimal | None] = mapped_column(Money)
     output_price: Mapped[Decimal | None] = mapped_column(Money)
     batch_line: Mapped[int | None] = mapped_column(Integer)
-    # Whether held_reservations' sums count the job (written once, at its insert): a job
-    # of a tenant with a budget for its tier, and every job a batch expands into.
+    # Whether held_reservations' sums count the job: every job of a tenant that
+    # `counts_held`, and every job a batch expands into.
     held_counted: Mapped[bool] = mapped_column(Boolean, server_default=false())
     custom_id: Mapped[str | None] = mapped_column(String(512))
 
@@ -277,7 +271,7 @@ class SpendCounter(Base):
 class HeldReservation(Base):
     """What a tenant's queued and running jobs of one tier and pair of prices hold against
     its budgets: their count, reserved tokens, the prompt part of those and their output
-    bound (max_tokens for each of n choices), of the jobs written `held_counted`. Kept by
+    bound (max_tokens for each of n choices), of the jobs marked `held_counted`. Kept by
     triggers on jobs, in the transaction that writes a job
     (tierq/migrations/sql/0017_held_reservations.*.sql), so a budget's check reads a few
     rows however long the tenant's backlog. A price is its string, ""

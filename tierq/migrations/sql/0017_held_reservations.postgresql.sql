@@ -12,18 +12,22 @@
 -- shared) and the workers ending its jobs would otherwise queue on one row until each
 -- other's commits. A sum reads them all.
 --
--- Triggers on jobs keep them for the jobs written `held_counted`, in the transaction that
+-- Triggers on jobs keep them for the jobs marked `held_counted`, in the transaction that
 -- writes the job, whichever path writes it (admission, a worker's ending, a tenant's or a
 -- batch's cancel, the reconciler, a row deleted): such a job adds itself when it is
--- inserted queued or running and takes itself away when its status leaves them or it is
--- deleted. A move between queued and running changes nothing and fires nothing. A job's
--- tenant, tier, prices, params, reservation and held_counted are written once, at its
--- insert. Admission counts the jobs of a tenant with a budget for their tier, and a
--- batch's expansion counts every job (bulk work, where a trigger's cost is nothing beside
--- the run's); others are not counted, so the many admissions of tenants without budgets
--- pay no trigger (the WHEN clauses are evaluated without calling a function). A budget
--- reads the sums and, through a partial index, the unfinished jobs not counted: those of
--- a tenant admitted before its budget was set, until they end.
+-- inserted queued or running, or marked while it is, and takes itself away when its
+-- status leaves them or it is deleted. A move between queued and running changes nothing
+-- and fires nothing. A job's tenant, tier, prices, params and reservation are written
+-- once, at its insert.
+--
+-- Which jobs are counted: every job of a tenant whose row says `counts_held` (it has or
+-- had a budget; admission reads the flag under the tenant's row lock it takes anyway),
+-- and every job a batch's expansion writes (bulk work, where a trigger costs nothing
+-- beside the run). Setting a budget sets the flag, which waits for the admissions holding
+-- the tenant's lock, then marks the tenant's unfinished jobs, in one transaction: every
+-- unfinished job of a tenant with a budget is counted. The other tenants' admissions fire
+-- no trigger (the WHEN clauses are evaluated without calling a function): an upsert on
+-- each would cost them about a tenth of their admission throughput.
 --
 -- A frozen copy: the migration that created the triggers reads it (and tierq/models/
 -- tables.py, for a schema made without migrations). A later change is a new file.
@@ -99,6 +103,11 @@ EXECUTE FUNCTION tierq_jobs_hold();
 CREATE TRIGGER jobs_hold_resumed AFTER UPDATE OF status ON jobs
 FOR EACH ROW WHEN (NEW.held_counted AND NEW.status IN ('queued', 'running')
                    AND OLD.status NOT IN ('queued', 'running'))
+EXECUTE FUNCTION tierq_jobs_hold();
+
+CREATE TRIGGER jobs_hold_marked AFTER UPDATE OF held_counted ON jobs
+FOR EACH ROW WHEN (NEW.held_counted AND NOT OLD.held_counted
+                   AND NEW.status IN ('queued', 'running'))
 EXECUTE FUNCTION tierq_jobs_hold();
 
 CREATE TRIGGER jobs_hold_ended AFTER UPDATE OF status ON jobs

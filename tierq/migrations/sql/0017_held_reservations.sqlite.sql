@@ -51,6 +51,27 @@ BEGIN
         output_tokens = output_tokens + excluded.output_tokens;
 END;
 
+CREATE TRIGGER jobs_hold_marked AFTER UPDATE OF held_counted ON jobs
+WHEN NEW.held_counted AND NOT OLD.held_counted AND NEW.status IN ('queued', 'running')
+BEGIN
+    INSERT INTO held_reservations (
+        tenant_id, tier, input_price, output_price, slot, jobs, reserved_tokens,
+        prompt_tokens, output_tokens
+    ) VALUES (
+        NEW.tenant_id, NEW.tier, coalesce(NEW.input_price, ''), coalesce(NEW.output_price, ''),
+        0, 1, NEW.reserved_tokens,
+        max(NEW.reserved_tokens - coalesce(json_extract(NEW.params, '$.max_tokens'), 0)
+            * coalesce(nullif(json_extract(NEW.params, '$.n'), 0), 1), 0),
+        coalesce(json_extract(NEW.params, '$.max_tokens'), 0)
+            * coalesce(nullif(json_extract(NEW.params, '$.n'), 0), 1)
+    )
+    ON CONFLICT (tenant_id, tier, input_price, output_price, slot) DO UPDATE SET
+        jobs = jobs + 1,
+        reserved_tokens = reserved_tokens + excluded.reserved_tokens,
+        prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+        output_tokens = output_tokens + excluded.output_tokens;
+END;
+
 CREATE TRIGGER jobs_hold_ended AFTER UPDATE OF status ON jobs
 WHEN OLD.held_counted AND OLD.status IN ('queued', 'running')
     AND NEW.status NOT IN ('queued', 'running')

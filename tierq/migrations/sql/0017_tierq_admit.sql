@@ -4,7 +4,8 @@
 -- budget: the queued and running jobs' reservations are read from their running sums
 -- (held_reservations, kept by the triggers of 0017_held_reservations.postgresql.sql, which
 -- says which jobs they count), no longer summed over the tenant's backlog on each
--- admission; and a job of a tenant with a budget for its tier is written `held_counted`.
+-- admission; and the job of a tenant whose row says `counts_held` is written
+-- `held_counted`, the flag read with the tenant's status under the lock taken before.
 -- A tenant with a budget and 10^5 queued jobs is admitted as fast as one with none.
 --
 -- The rule, once: a replay of an Idempotency-Key is answered with the job it made; a tenant
@@ -104,9 +105,11 @@ BEGIN
     -- A reservation still to be counted takes no lock: nothing is checked or written now,
     -- and its status is read only so that a request refused anyway is not counted first.
     IF NOT v_quotas THEN
-        SELECT status INTO v_status FROM tenants WHERE id = p_tenant FOR SHARE;
+        SELECT status, counts_held INTO v_status, v_counted
+        FROM tenants WHERE id = p_tenant FOR SHARE;
     ELSIF p_exact THEN
-        SELECT status INTO v_status FROM tenants WHERE id = p_tenant FOR UPDATE;
+        SELECT status, counts_held INTO v_status, v_counted
+        FROM tenants WHERE id = p_tenant FOR UPDATE;
     ELSE
         SELECT status INTO v_status FROM tenants WHERE id = p_tenant;
     END IF;
@@ -187,7 +190,6 @@ BEGIN
                   AND (q.tier = '*' OR tier = q.tier);
             END IF;
             IF q.token_budget IS NOT NULL OR q.spend_budget IS NOT NULL THEN
-                v_counted := true;
                 IF q.tier IN ('*', 'batch') THEN
                     SELECT coalesce(sum(reserved_tokens), 0),
                            coalesce(sum(reserved_cost::numeric), 0)
@@ -206,9 +208,8 @@ BEGIN
                 INTO h_tokens, h_micro
                 FROM held_reservations
                 WHERE tenant_id = p_tenant AND (q.tier = '*' OR tier = q.tier);
-                -- Unfinished jobs not counted in the sums (ix_jobs_uncounted), and jobs
-                -- cancelled while they ran whose usage is not recorded yet, within the
-                -- grace (ix_jobs_unbilled_cancel): only those rows are read.
+                -- Jobs cancelled while they ran whose usage is not recorded yet, within
+                -- the grace (ix_jobs_unbilled_cancel: only those rows are read).
                 SELECT h_tokens + coalesce(sum(reserved_tokens), 0),
                        h_micro + coalesce(sum(
                            greatest(0, reserved_tokens - tierq_output_bound(params))
@@ -217,9 +218,8 @@ BEGIN
                 INTO h_tokens, h_micro
                 FROM jobs
                 WHERE tenant_id = p_tenant AND (q.tier = '*' OR tier = q.tier)
-                  AND ((status IN ('queued', 'running') AND NOT held_counted)
-                       OR (status = 'cancelled' AND started_at IS NOT NULL
-                           AND prompt_tokens IS NULL AND finished_at > p_now - p_grace));
+                  AND status = 'cancelled' AND started_at IS NOT NULL
+                  AND prompt_tokens IS NULL AND finished_at > p_now - p_grace;
                 SELECT coalesce(sum(tokens), 0), coalesce(sum(cost::numeric), 0)
                 INTO s_tokens, s_cost
                 FROM spend_counters

@@ -7,12 +7,14 @@ Create Date: 2026-12-06 13:30:00.000000
 
 The triggers are tierq/migrations/sql/0017_held_reservations.<dialect>.sql, which say what
 they keep; the admission function is tierq/migrations/sql/0017_tierq_admit.sql. Jobs gain
-`held_counted`, written once at the insert: whether the sums count the job. The jobs
-written before are not counted (false), and a budget finds them through a partial index
-of the unfinished jobs not counted, until they end: nothing is summed here.
+`held_counted` (whether the sums count the job) and tenants `counts_held` (whether their
+jobs are counted: they have a budget). Here, after the triggers exist and in the same
+transaction, the tenants with a budget are flagged and their unfinished jobs marked, which
+the triggers sum: on PostgreSQL creating a trigger locks out writes to jobs until the
+commit, so no job is missed or counted twice; an SQLite database has one writer.
 
-A second partial index finds the jobs cancelled while they ran whose usage is not recorded
-yet (they hold their reservation for a grace after the cancel), without reading others.
+A partial index finds the jobs cancelled while they ran whose usage is not recorded yet
+(they hold their reservation for a grace after the cancel), without reading the others.
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ branch_labels = None
 depends_on = None
 
 ADMIT = SQL_DIR / "0017_tierq_admit.sql"
-TRIGGERS = ("jobs_hold_inserted", "jobs_hold_resumed", "jobs_hold_ended", "jobs_hold_deleted")
-# Frozen copies of tables.UNCOUNTED and tables.UNBILLED_CANCEL.
-UNCOUNTED = "status IN ('queued', 'running') AND NOT held_counted"
+TRIGGERS = (
+    "jobs_hold_inserted",
+    "jobs_hold_resumed",
+    "jobs_hold_marked",
+    "jobs_hold_ended",
+    "jobs_hold_deleted",
+)
+# A frozen copy of tables.UNBILLED_CANCEL.
 UNBILLED_CANCEL = "status = 'cancelled' AND started_at IS NOT NULL AND prompt_tokens IS NULL"
 
 
@@ -56,15 +63,29 @@ def upgrade() -> None:
         "jobs",
         sa.Column("held_counted", sa.Boolean(), nullable=False, server_default=sa.false()),
     )
-    for name, columns, where in (
-        ("ix_jobs_uncounted", ["tenant_id", "status"], UNCOUNTED),
-        ("ix_jobs_unbilled_cancel", ["tenant_id", "finished_at"], UNBILLED_CANCEL),
-    ):
-        predicate = sa.text(where)
-        op.create_index(name, "jobs", columns, postgresql_where=predicate, sqlite_where=predicate)
+    op.add_column(
+        "tenants",
+        sa.Column("counts_held", sa.Boolean(), nullable=False, server_default=sa.false()),
+    )
+    predicate = sa.text(UNBILLED_CANCEL)
+    op.create_index(
+        "ix_jobs_unbilled_cancel",
+        "jobs",
+        ["tenant_id", "finished_at"],
+        postgresql_where=predicate,
+        sqlite_where=predicate,
+    )
     dialect = op.get_bind().dialect.name
     for statement in held_trigger_statements(dialect):
         op.execute(statement)
+    op.execute(
+        "UPDATE tenants SET counts_held = true WHERE id IN (SELECT tenant_id FROM quotas "
+        "WHERE token_budget IS NOT NULL OR spend_budget IS NOT NULL)"
+    )
+    op.execute(
+        "UPDATE jobs SET held_counted = true WHERE status IN ('queued', 'running') "
+        "AND tenant_id IN (SELECT id FROM tenants WHERE counts_held)"
+    )
     if dialect == "postgresql":
         for body in sql_statements(ADMIT):
             op.execute(body)
@@ -83,7 +104,8 @@ def downgrade() -> None:
         op.execute("DROP FUNCTION IF EXISTS tierq_jobs_release()")
         op.execute("DROP FUNCTION IF EXISTS tierq_output_bound(json)")
     op.drop_index("ix_jobs_unbilled_cancel", table_name="jobs")
-    op.drop_index("ix_jobs_uncounted", table_name="jobs")
     with op.batch_alter_table("jobs") as batch:
         batch.drop_column("held_counted")
+    with op.batch_alter_table("tenants") as batch:
+        batch.drop_column("counts_held")
     op.drop_table("held_reservations")
