@@ -623,8 +623,11 @@ class SqlJobStoreContract(JobStoreContract):
                 summed[(*key, "reserved_tokens")] += j.reserved_tokens
                 summed[(*key, "prompt_tokens")] += max(j.reserved_tokens - bound, 0)
                 summed[(*key, "output_tokens")] += bound
-        # A pair whose jobs all ended keeps a row of zeros; Counter's + drops them.
-        return +kept, +summed
+        # A key whose jobs all ended keeps zeros: dropped, and nothing else (a negative sum
+        # is a job taken away twice, and must show).
+        return Counter({k: n for k, n in kept.items() if n}), Counter(
+            {k: n for k, n in summed.items() if n}
+        )
 
     async def held(self, db: Database, tenant_id: str) -> tuple[int, Decimal]:
         async with db.session() as s:

@@ -178,7 +178,7 @@ def _held_backfill(url: str) -> None:
     from datetime import UTC, datetime
     from decimal import Decimal
 
-    from sqlalchemy import insert
+    from sqlalchemy import insert, text
 
     from tierq.models import quotas
     from tierq.models.db import Database
@@ -200,16 +200,17 @@ def _held_backfill(url: str) -> None:
             async with db.transaction() as s:
                 await s.execute(insert(Tenant).values(id="ten_1", name="one"))  # columns of then
                 await s.flush()
+                await s.execute(insert(Tenant).values(id="ten_2", name="two"))
                 await s.execute(
                     insert(Quota).values(
                         tenant_id="ten_1", tier="*", token_budget=10**6, budget_period="total"
                     )
                 )
-                for i, (status, tier, params, reserved, (p_in, p_out)) in enumerate(jobs):
+                for i, (status, tier, params, reserved, (p_in, p_out)) in enumerate(jobs * 2):
                     await s.execute(
                         insert(Job).values(
                             id=f"job_{i}",
-                            tenant_id="ten_1",
+                            tenant_id="ten_1" if i < len(jobs) else "ten_2",
                             tier=tier,
                             model="m",
                             status=status,
@@ -223,20 +224,38 @@ def _held_backfill(url: str) -> None:
         finally:
             await db.close()
 
-    async def read() -> list[tuple[int, Decimal]]:
+    async def read() -> tuple[list[tuple[int, Decimal]], int, list[bool]]:
         db = Database(url)
         try:
             async with db.session() as s:
-                return [
+                held = [
                     await quotas.held_reservations(s, "ten_1", tier, now)
                     for tier in ("*", "standard", "batch")
                 ]
+                counted = await s.execute(text("SELECT count(*) FROM jobs WHERE held_counted"))
+                flags = await s.execute(text("SELECT counts_held FROM tenants ORDER BY id"))
+                return held, int(counted.scalar_one()), [bool(f) for (f,) in flags]
+        finally:
+            await db.close()
+
+    async def jobs_left() -> int:
+        db = Database(url)
+        try:
+            async with db.session() as s:
+                return int((await s.execute(text("SELECT count(*) FROM jobs"))).scalar_one())
         finally:
             await db.close()
 
     asyncio.run(write())
     migrations.upgrade(url)
-    after = asyncio.run(read())
+    after, counted, flags = asyncio.run(read())
+    # ten_1's three unfinished jobs are counted; ten_2, without a budget, is not flagged.
+    assert (counted, flags) == (3, [True, False])
+    # A downgrade keeps every row (on SQLite, a table copied and dropped would cascade).
+    migrations.downgrade(url, "0016")
+    assert asyncio.run(jobs_left()) == 2 * len(jobs)
+    migrations.upgrade(url)
+    assert asyncio.run(read()) == (after, counted, flags)
     # 40 reserved with a bound of 32 (8 of prompt), 30 with a bound of 64 (no prompt part),
     # 12 with none; per million tokens.
     standard = (70, (8 * Decimal("0.5") + (32 + 64) * 2) / 1_000_000)

@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, case, func, literal, select, text, update
+from sqlalchemy import Connection, case, func, literal, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tierq.core import clock
@@ -45,7 +45,6 @@ from tierq.models.tables import (
     HeldReservation,
     Job,
     Quota,
-    Tenant,
     utcnow,
 )
 
@@ -121,7 +120,9 @@ class Refusal:
 
 async def set_quota(s: AsyncSession, tenant_id: str, tier: str, **limits: Any) -> QuotaRecord:
     """Replace the limits given of the tenant's quota for `tier`. A budget makes the
-    tenant's jobs counted in held_reservations' sums from now on (`count_held`)."""
+    tenant's jobs counted in held_reservations' sums from now on, its waiting ones too:
+    the database's trigger on quotas does it (tierq/migrations/sql/
+    0017_held_reservations.*.sql), whichever process sets the budget."""
     row = (
         await s.execute(select(Quota).where(Quota.tenant_id == tenant_id, Quota.tier == tier))
     ).scalar_one_or_none()
@@ -132,32 +133,7 @@ async def set_quota(s: AsyncSession, tenant_id: str, tier: str, **limits: Any) -
         setattr(row, name, value)
     row.updated_at = utcnow()
     await s.flush()
-    if row.token_budget is not None or row.spend_budget is not None:
-        await s.run_sync(lambda ss: count_held(ss.connection(), tenant_id))
     return QuotaRecord.from_row(row)
-
-
-def count_held(conn: Connection, tenant_id: str) -> None:
-    """Count the tenant's jobs in held_reservations' sums: flag the tenant, then mark its
-    unfinished jobs (the triggers add them). The flag's update takes the tenant's row lock,
-    so it waits for every admission holding it (each inserts before it commits), and the
-    admissions after it read the flag under that lock: when this commits, every unfinished
-    job of the tenant is counted, and every job admitted after it will be."""
-    flagged = conn.execute(
-        update(Tenant)
-        .where(Tenant.id == tenant_id, Tenant.counts_held.is_(False))
-        .values(counts_held=True)
-    )
-    if flagged.rowcount:
-        conn.execute(
-            update(Job)
-            .where(
-                Job.tenant_id == tenant_id,
-                Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)),
-                Job.held_counted.is_(False),
-            )
-            .values(held_counted=True)
-        )
 
 
 async def quotas_of(s: AsyncSession, tenant_id: str) -> list[QuotaRecord]:

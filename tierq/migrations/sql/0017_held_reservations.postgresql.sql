@@ -40,21 +40,36 @@ LANGUAGE sql IMMUTABLE AS $fn$
         * coalesce(nullif((p_params->>'n')::bigint, 0), 1)
 $fn$;
 
-CREATE OR REPLACE FUNCTION tierq_jobs_hold() RETURNS trigger
+-- A job's reservation added to (TG_ARGV[0] = '1', the new row) or taken from ('-1', the
+-- old row) its key's sums, in this connection's slot (a slot may go below zero: the sums
+-- are read over every slot). The tenant's row is locked first (KEY SHARE, as a foreign key
+-- check takes it), so a writer always takes the tenant before a sums row: an admission
+-- holds the tenant's row and then writes a sums row, and a worker's ending, which writes a
+-- sums row and then a usage record (whose foreign key locks the tenant), would otherwise
+-- wait for it while holding the row it wants. A tenant deleted in this transaction takes
+-- its sums with it: nothing is written.
+CREATE OR REPLACE FUNCTION tierq_jobs_held() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 DECLARE
-    v_bound bigint := tierq_output_bound(NEW.params);
+    v_sign bigint := TG_ARGV[0]::bigint;
+    v_job jobs := CASE WHEN v_sign > 0 THEN NEW ELSE OLD END;
+    v_bound bigint := tierq_output_bound(v_job.params);
 BEGIN
+    PERFORM 1 FROM tenants WHERE id = v_job.tenant_id FOR KEY SHARE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
     INSERT INTO held_reservations AS h (
         tenant_id, tier, input_price, output_price, slot, jobs, reserved_tokens,
         prompt_tokens, output_tokens
     ) VALUES (
-        NEW.tenant_id, NEW.tier, coalesce(NEW.input_price, ''), coalesce(NEW.output_price, ''),
-        pg_backend_pid() % 16, 1, NEW.reserved_tokens,
-        greatest(NEW.reserved_tokens - v_bound, 0), v_bound
+        v_job.tenant_id, v_job.tier, coalesce(v_job.input_price, ''),
+        coalesce(v_job.output_price, ''), pg_backend_pid() % 16, v_sign,
+        v_sign * v_job.reserved_tokens,
+        v_sign * greatest(v_job.reserved_tokens - v_bound, 0), v_sign * v_bound
     )
     ON CONFLICT (tenant_id, tier, input_price, output_price, slot) DO UPDATE SET
-        jobs = h.jobs + 1,
+        jobs = h.jobs + excluded.jobs,
         reserved_tokens = h.reserved_tokens + excluded.reserved_tokens,
         prompt_tokens = h.prompt_tokens + excluded.prompt_tokens,
         output_tokens = h.output_tokens + excluded.output_tokens;
@@ -62,59 +77,60 @@ BEGIN
 END
 $fn$;
 
-CREATE OR REPLACE FUNCTION tierq_jobs_release() RETURNS trigger
-LANGUAGE plpgsql AS $fn$
-DECLARE
-    v_bound bigint := tierq_output_bound(OLD.params);
-BEGIN
-    -- Taken from this connection's slot, which may go below zero: the sums are read
-    -- over every slot. No row is made here when the slot has none yet (a tenant being
-    -- deleted has its sums deleted with it): the slot of the job's own insert holds it.
-    UPDATE held_reservations SET
-        jobs = jobs - 1,
-        reserved_tokens = reserved_tokens - OLD.reserved_tokens,
-        prompt_tokens = prompt_tokens - greatest(OLD.reserved_tokens - v_bound, 0),
-        output_tokens = output_tokens - v_bound
-    WHERE tenant_id = OLD.tenant_id AND tier = OLD.tier
-      AND input_price = coalesce(OLD.input_price, '')
-      AND output_price = coalesce(OLD.output_price, '')
-      AND slot = pg_backend_pid() % 16;
-    IF NOT FOUND THEN
-        UPDATE held_reservations SET
-            jobs = jobs - 1,
-            reserved_tokens = reserved_tokens - OLD.reserved_tokens,
-            prompt_tokens = prompt_tokens - greatest(OLD.reserved_tokens - v_bound, 0),
-            output_tokens = output_tokens - v_bound
-        WHERE (tenant_id, tier, input_price, output_price, slot) = (
-            SELECT tenant_id, tier, input_price, output_price, slot FROM held_reservations
-            WHERE tenant_id = OLD.tenant_id AND tier = OLD.tier
-              AND input_price = coalesce(OLD.input_price, '')
-              AND output_price = coalesce(OLD.output_price, '')
-            ORDER BY slot LIMIT 1);
-    END IF;
-    RETURN NULL;
-END
-$fn$;
-
 CREATE TRIGGER jobs_hold_inserted AFTER INSERT ON jobs
 FOR EACH ROW WHEN (NEW.held_counted AND NEW.status IN ('queued', 'running'))
-EXECUTE FUNCTION tierq_jobs_hold();
+EXECUTE FUNCTION tierq_jobs_held('1');
 
 CREATE TRIGGER jobs_hold_resumed AFTER UPDATE OF status ON jobs
 FOR EACH ROW WHEN (NEW.held_counted AND NEW.status IN ('queued', 'running')
                    AND OLD.status NOT IN ('queued', 'running'))
-EXECUTE FUNCTION tierq_jobs_hold();
+EXECUTE FUNCTION tierq_jobs_held('1');
 
 CREATE TRIGGER jobs_hold_marked AFTER UPDATE OF held_counted ON jobs
 FOR EACH ROW WHEN (NEW.held_counted AND NOT OLD.held_counted
                    AND NEW.status IN ('queued', 'running'))
-EXECUTE FUNCTION tierq_jobs_hold();
+EXECUTE FUNCTION tierq_jobs_held('1');
 
 CREATE TRIGGER jobs_hold_ended AFTER UPDATE OF status ON jobs
 FOR EACH ROW WHEN (OLD.held_counted AND OLD.status IN ('queued', 'running')
                    AND NEW.status NOT IN ('queued', 'running'))
-EXECUTE FUNCTION tierq_jobs_release();
+EXECUTE FUNCTION tierq_jobs_held('-1');
 
 CREATE TRIGGER jobs_hold_deleted AFTER DELETE ON jobs
 FOR EACH ROW WHEN (OLD.held_counted AND OLD.status IN ('queued', 'running'))
-EXECUTE FUNCTION tierq_jobs_release();
+EXECUTE FUNCTION tierq_jobs_held('-1');
+
+-- A job a batch expands into is counted, whichever release's expander wrote it (one of
+-- the release before, during a rolling upgrade, writes held_counted false).
+CREATE OR REPLACE FUNCTION tierq_jobs_batch_counted() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    NEW.held_counted := true;
+    RETURN NEW;
+END
+$fn$;
+
+CREATE TRIGGER jobs_batch_counted BEFORE INSERT ON jobs
+FOR EACH ROW WHEN (NEW.batch_id IS NOT NULL AND NOT NEW.held_counted)
+EXECUTE FUNCTION tierq_jobs_batch_counted();
+
+-- A budget set on a tenant, by whichever process: the tenant's row says its jobs are
+-- counted, then its unfinished jobs not counted yet are marked (the triggers above add
+-- them). The flag's update takes the tenant's row lock, so it waits for every admission
+-- holding it (each inserts before it commits), and the admissions after read the flag
+-- under that lock: when this commits, every unfinished job of the tenant is counted, and
+-- every job admitted after it will be. A tenant with a long backlog has its admissions
+-- wait while its jobs are marked, once.
+CREATE OR REPLACE FUNCTION tierq_quotas_count_held() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    UPDATE tenants SET counts_held = true WHERE id = NEW.tenant_id AND NOT counts_held;
+    UPDATE jobs SET held_counted = true
+    WHERE tenant_id = NEW.tenant_id AND status IN ('queued', 'running') AND NOT held_counted;
+    RETURN NULL;
+END
+$fn$;
+
+CREATE TRIGGER quotas_count_held AFTER INSERT OR UPDATE ON quotas
+FOR EACH ROW WHEN (NEW.token_budget IS NOT NULL OR NEW.spend_budget IS NOT NULL)
+EXECUTE FUNCTION tierq_quotas_count_held();

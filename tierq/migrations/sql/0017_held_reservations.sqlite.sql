@@ -104,3 +104,21 @@ BEGIN
       AND input_price = coalesce(OLD.input_price, '')
       AND output_price = coalesce(OLD.output_price, '') AND slot = 0;
 END;
+
+-- A budget set on a tenant: its row says its jobs are counted, and its unfinished jobs
+-- not counted yet are marked (the triggers above add them); see the PostgreSQL file.
+CREATE TRIGGER quotas_count_held_inserted AFTER INSERT ON quotas
+WHEN NEW.token_budget IS NOT NULL OR NEW.spend_budget IS NOT NULL
+BEGIN
+    UPDATE tenants SET counts_held = 1 WHERE id = NEW.tenant_id AND NOT counts_held;
+    UPDATE jobs SET held_counted = 1
+    WHERE tenant_id = NEW.tenant_id AND status IN ('queued', 'running') AND NOT held_counted;
+END;
+
+CREATE TRIGGER quotas_count_held_updated AFTER UPDATE ON quotas
+WHEN NEW.token_budget IS NOT NULL OR NEW.spend_budget IS NOT NULL
+BEGIN
+    UPDATE tenants SET counts_held = 1 WHERE id = NEW.tenant_id AND NOT counts_held;
+    UPDATE jobs SET held_counted = 1
+    WHERE tenant_id = NEW.tenant_id AND status IN ('queued', 'running') AND NOT held_counted;
+END;

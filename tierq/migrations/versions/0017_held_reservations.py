@@ -30,12 +30,23 @@ branch_labels = None
 depends_on = None
 
 ADMIT = SQL_DIR / "0017_tierq_admit.sql"
+# (trigger, its table, the dialects that have it)
 TRIGGERS = (
-    "jobs_hold_inserted",
-    "jobs_hold_resumed",
-    "jobs_hold_marked",
-    "jobs_hold_ended",
-    "jobs_hold_deleted",
+    ("jobs_hold_inserted", "jobs", ("postgresql", "sqlite")),
+    ("jobs_hold_resumed", "jobs", ("postgresql", "sqlite")),
+    ("jobs_hold_marked", "jobs", ("postgresql", "sqlite")),
+    ("jobs_hold_ended", "jobs", ("postgresql", "sqlite")),
+    ("jobs_hold_deleted", "jobs", ("postgresql", "sqlite")),
+    ("jobs_batch_counted", "jobs", ("postgresql",)),
+    ("quotas_count_held", "quotas", ("postgresql",)),
+    ("quotas_count_held_inserted", "quotas", ("sqlite",)),
+    ("quotas_count_held_updated", "quotas", ("sqlite",)),
+)
+FUNCTIONS = (
+    "tierq_jobs_held()",
+    "tierq_jobs_batch_counted()",
+    "tierq_quotas_count_held()",
+    "tierq_output_bound(json)",
 )
 # A frozen copy of tables.UNBILLED_CANCEL.
 UNBILLED_CANCEL = "status = 'cancelled' AND started_at IS NOT NULL AND prompt_tokens IS NULL"
@@ -96,16 +107,16 @@ def downgrade() -> None:
     if dialect == "postgresql":
         for body in sql_statements(SQL_DIR / "0016_tierq_admit.sql"):
             op.execute(body)
-    for name in TRIGGERS:
-        on = " ON jobs" if dialect == "postgresql" else ""
-        op.execute(f"DROP TRIGGER IF EXISTS {name}{on}")
+    for name, table, dialects in TRIGGERS:
+        if dialect in dialects:
+            on = f" ON {table}" if dialect == "postgresql" else ""
+            op.execute(f"DROP TRIGGER IF EXISTS {name}{on}")
     if dialect == "postgresql":
-        op.execute("DROP FUNCTION IF EXISTS tierq_jobs_hold()")
-        op.execute("DROP FUNCTION IF EXISTS tierq_jobs_release()")
-        op.execute("DROP FUNCTION IF EXISTS tierq_output_bound(json)")
+        for function in FUNCTIONS:
+            op.execute(f"DROP FUNCTION IF EXISTS {function}")
     op.drop_index("ix_jobs_unbilled_cancel", table_name="jobs")
-    with op.batch_alter_table("jobs") as batch:
-        batch.drop_column("held_counted")
-    with op.batch_alter_table("tenants") as batch:
-        batch.drop_column("counts_held")
+    # Not batch_alter_table: on SQLite it copies a table and drops the old one, and with
+    # foreign keys on, dropping tenants would cascade to every tenant's rows elsewhere.
+    op.execute("ALTER TABLE jobs DROP COLUMN held_counted")
+    op.execute("ALTER TABLE tenants DROP COLUMN counts_held")
     op.drop_table("held_reservations")
