@@ -442,8 +442,9 @@ HEADLINES = (
     ),
     Headline(
         "curves",
-        "costs against the ledger (10³ to 10⁷ records), tenants with queued work (10 to 10⁵) and "
-        "queued jobs (10³ to 10⁶): each curve's fitted growth",
+        "costs against the ledger (10³ to 10⁷ records), a budgeted tenant's backlog (10² to 10⁵ "
+        "queued jobs), tenants with queued work (10 to 10⁵) and queued jobs (10³ to 10⁶): each "
+        "curve's fitted growth",
         "flat or logarithmic; usage reports ≤ 1 s at 10⁷",
         _curves_row,
     ),
