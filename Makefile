@@ -101,14 +101,16 @@ gpu-check:
 # The tiers of the suite, each of which runs alone:
 # - test-unit: tests/unit, pure: no service, no model, no network. It runs cut off from them
 #   (tests/offline.sh: a network namespace of its own, HOME an empty folder), so a unit test
-#   that reaches for PostgreSQL, Redis, the bundled model or the network fails.
+#   that reaches for PostgreSQL, Redis, the bundled model or the network fails. promtool (a
+#   binary, no service) checks the Prometheus configurations it writes, so it is installed
+#   first.
 # - test-integration: tests/fleet and tests/integration, against the real PostgreSQL and Redis
 #   (and Chromium, promtool, the fleet's tools, the bundled model's tokenizer). The fleet's
 #   tests go first, as they did in the one session the suite used to be: what their killed
 #   hosts leave running in the session's event loop winds down during the integration tests,
 #   not while the session's loop closes (where a pending task holds the close).
 # - test-e2e: tests/e2e, real processes with the real vLLM engine and the bundled model.
-test-unit: $(STAMP)
+test-unit: $(STAMP) prometheus
 	tests/offline.sh $(abspath $(BIN))/pytest -p no:cacheprovider tests/unit
 
 test-integration: $(STAMP) browser prometheus fleet-tools
