@@ -223,29 +223,35 @@ async def _fill(
             )
     async with db.transaction() as s:
         await billing.rebuild_days(s, tenant_id)
-    # As autovacuum leaves a loaded table: its visibility map and statistics current.
+    await _vacuum(p, "usage_records", "usage_days", "usage_hours", "jobs")
+
+
+async def _vacuum(p: ScratchPlatform, *tables: str) -> None:
+    """As autovacuum leaves a loaded table: its visibility map and statistics current."""
     assert p.db_url is not None
     engine = create_async_engine(p.db_url, isolation_level="AUTOCOMMIT")
     try:
         async with engine.connect() as conn:
-            for table in ("usage_records", "usage_days", "usage_hours", "jobs"):
+            for table in tables:
                 await conn.execute(text(f"VACUUM ANALYZE {table}"))
     finally:
         await engine.dispose()
 
 
-async def _retire(p: ScratchPlatform, tenant_id: str) -> None:
+async def _retire(p: ScratchPlatform, tenant_id: str, keeping: str | None = None) -> None:
     """The jobs a size's admissions left queued (no dispatcher runs) end, an hour back: the
-    next size's admissions meet the same queue and the same last minute, and only the
-    ledger and the jobs table have grown."""
+    next size's admissions meet the same queue and the same last minute, and only what the
+    fill grew (the ledger and the jobs table, or the backlog: the jobs whose ids start with
+    `keeping`, which stay queued) has grown."""
+    kept = "" if keeping is None else " AND id NOT LIKE :keeping"
     async with p.database().transaction() as s:
         await s.execute(
             text(
                 "UPDATE jobs SET status = 'cancelled', created_at = created_at - interval "
                 "'1 hour', finished_at = now() - interval '1 hour' "
-                "WHERE tenant_id = :t AND status = 'queued'"
+                f"WHERE tenant_id = :t AND status = 'queued'{kept}"
             ),
-            {"t": tenant_id},
+            {"t": tenant_id, "keeping": f"{keeping}%"},
         )
 
 
@@ -441,13 +447,7 @@ async def _fill_backlog(
             text(_FILL_BACKLOG.format(columns=", ".join(cols), picked=picked)),
             {"lo": lo, "hi": hi, "template": template_job},
         )
-    assert p.db_url is not None
-    engine = create_async_engine(p.db_url, isolation_level="AUTOCOMMIT")
-    try:
-        async with engine.connect() as conn:
-            await conn.execute(text("VACUUM ANALYZE jobs"))
-    finally:
-        await engine.dispose()
+    await _vacuum(p, "jobs")
 
 
 async def _held_tokens(p: ScratchPlatform, tenant_id: str) -> int:
@@ -455,20 +455,6 @@ async def _held_tokens(p: ScratchPlatform, tenant_id: str) -> int:
     async with p.database().session() as s:
         tokens, _cost = await quotas.held_reservations(s, tenant_id, "*", datetime.now(UTC))
     return tokens
-
-
-async def _retire_admitted(p: ScratchPlatform, tenant_id: str) -> None:
-    """The jobs a size's admissions added end, an hour back: the next size meets the
-    backlog it was given and the same last minute."""
-    async with p.database().transaction() as s:
-        await s.execute(
-            text(
-                "UPDATE jobs SET status = 'cancelled', created_at = created_at - interval "
-                "'1 hour', finished_at = now() - interval '1 hour' "
-                "WHERE tenant_id = :t AND status = 'queued' AND id NOT LIKE :backlog"
-            ),
-            {"t": tenant_id, "backlog": f"{BACKLOG_PREFIX}%"},
-        )
 
 
 async def _backlog(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
@@ -500,7 +486,7 @@ async def _backlog(base: Settings, cfg: CurvesConfig) -> dict[str, Any]:
                 filled = size
                 log.info("backlog %d: filled in %.0f s", size, time.monotonic() - started)
                 admitted = await phase("jobs", host, port, [key], adm, [api.proc.pid], model)
-                await _retire_admitted(p, tenant_id)
+                await _retire(p, tenant_id, keeping=BACKLOG_PREFIX)
                 usage = await client.get(f"/admin/tenants/{tenant_id}/quota", headers=admin_auth)
                 usage.raise_for_status()
                 (held,) = usage.json()["data"]

@@ -274,10 +274,10 @@ class HeldReservation(Base):
     bound (max_tokens for each of n choices), of the jobs marked `held_counted`. Kept by
     triggers on jobs, in the transaction that writes a job
     (tierq/migrations/sql/0017_held_reservations.*.sql), so a budget's check reads a few
-    rows however long the tenant's backlog. A price is its string, ""
-    for none. On PostgreSQL a key's sums are spread over up to 16 slots, each connection
-    writing its own (one row would queue every writer of a tenant behind the others'
-    commits); its sums are those of every slot, and one slot's may be below zero."""
+    rows however long the tenant's backlog. A price is its string, "" for none. On
+    PostgreSQL a key's sums are spread over up to 16 slots, each connection writing its own
+    (one row would queue every writer of a tenant behind the others' commits); its sums
+    are those of every slot, and one slot's may be below zero."""
 
     __tablename__ = "held_reservations"
 
