@@ -18,6 +18,7 @@ from tests.helpers import (
     client,
     new_tenant,
     read_sse,
+    until,
     until_async,
     wait_for,
     waiting_on_a_lock,
@@ -202,3 +203,43 @@ async def test_a_batch_line_leaves_only_its_final_event_in_redis(running: Platfo
 
     await until_async(read, "the job's final event in its replay buffer", 10)
     assert len(buffered) == 1 and '"kind":"done"' in buffered[0]
+
+
+@pytest.mark.with_settings(admission_concurrency_per_tenant=1)
+async def test_a_tenants_chat_is_admitted_before_its_waiting_backlog(platform: Platform) -> None:
+    """A tenant's admissions wait at the gate by tier: an interactive job sent after its
+    own batch backlog is admitted right after the admission under way, not behind it."""
+    from sqlalchemy import select
+
+    from tierq.models import tenants as tenant_repo
+    from tierq.models.tables import Job
+
+    tenant, key = await new_tenant(platform)
+    async with admin(platform) as a:
+        resp = await a.put(f"/admin/tenants/{tenant}/quota", json={"requests_per_minute": 1000})
+        assert resp.status_code == 200
+    assert platform.server is not None
+    gate = platform.server.config.app.state.admission_gate
+    async with client(platform.url, key) as c:
+        async with platform.db.transaction() as s:
+            await tenant_repo.lock_tenant(s, tenant)  # the first admission blocks there
+            backlog = [
+                asyncio.create_task(c.post("/v1/jobs", json={**JOB, "tier": "batch"}))
+                for _ in range(6)
+            ]
+            await until_async(
+                lambda: waiting_on_a_lock(platform), "a batch admission blocked on the row lock"
+            )
+            await until(lambda: gate.waiting(tenant) == 5, "the rest of the backlog at the gate")
+            chat = asyncio.create_task(c.post("/v1/jobs", json={**JOB, "tier": "interactive"}))
+            await until(lambda: gate.waiting(tenant) == 6, "the chat at the gate")
+        answers = await asyncio.gather(*backlog, chat)
+    assert [r.status_code for r in answers] == [202] * 7
+    async with platform.db.session() as s:
+        rows = (
+            await s.execute(
+                select(Job.id, Job.tier).where(Job.tenant_id == tenant).order_by(Job.created_at)
+            )
+        ).all()
+    order = [row.tier for row in rows]
+    assert order == ["batch", "interactive"] + ["batch"] * 5, order

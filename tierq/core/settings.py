@@ -136,7 +136,8 @@ class Settings(BaseSettings):
         description=(
             "admissions of one tenant running at once in one API process; the rest wait without a "
             "database connection, so one tenant's burst (serialised on its row lock) cannot take "
-            "the pool from the others"
+            "the pool from the others, and go in by tier (interactive first), then in arrival "
+            "order"
         ),
     )
     # How long an API process remembers who owns a key (0: look it up every request). A

@@ -43,7 +43,7 @@ from tierq.core.ids import new_id
 from tierq.core.queue import Enqueuer
 from tierq.core.settings import Settings
 from tierq.core.states import TenantStatus
-from tierq.core.tiers import Tier
+from tierq.core.tiers import Tier, vllm_priority
 from tierq.models import jobs as job_repo
 from tierq.models import prices as price_repo
 from tierq.models import quotas as quota_repo
@@ -180,15 +180,15 @@ async def submit(
     *,
     online: bool = False,
     key_id: str | None = None,
-    gate: Callable[[str], AbstractAsyncContextManager[None]] | None = None,
+    gate: Callable[[str, int], AbstractAsyncContextManager[None]] | None = None,
 ) -> tuple[JobRecord, bool]:
     """Write the job row (the source of truth), then put it on its tier's stream (through
     the process's `Enqueuer`, which carries the jobs admitted meanwhile in the same call).
 
     When Redis refuses the XADD, an asynchronous job stays accepted (the reconciler enqueues
     it); an `online` one — a client waiting on the line — is cancelled and refused with 503.
-    `gate` (a tenant's id -> the context admitting it) bounds admissions of one tenant in
-    this process (tierq/api/gate.py).
+    `gate` (a tenant's id and the tier's rank -> the context admitting it) bounds admissions
+    of one tenant in this process, better tiers let in first (tierq/api/gate.py).
     """
     if body.response_format is not None:
         # A schema is compiled off the event loop first (the check below then finds it done).
@@ -226,7 +226,7 @@ async def submit(
         new, counted = await _counted(settings, new, messages, body), True
     attributes = {"tenant_id": tenant.id, "tier": tier.value}
     admitting = tracing.span("tierq.admission", attributes=attributes)
-    async with _gated(gate, tenant.id), admitting as span:
+    async with _gated(gate, tenant.id, vllm_priority(tier)), admitting as span:
 
         async def count(unexact: job_repo.NewJob) -> job_repo.NewJob:
             return await _counted(settings, unexact, messages, body)
@@ -257,9 +257,11 @@ async def submit(
 
 
 def _gated(
-    gate: Callable[[str], AbstractAsyncContextManager[None]] | None, tenant_id: str
+    gate: Callable[[str, int], AbstractAsyncContextManager[None]] | None,
+    tenant_id: str,
+    rank: int,
 ) -> AbstractAsyncContextManager[None]:
-    return gate(tenant_id) if gate is not None else contextlib.nullcontext()
+    return gate(tenant_id, rank) if gate is not None else contextlib.nullcontext()
 
 
 def _refuse_unless_active(status: str | None, tenant: TenantRecord, tier: Tier) -> None:
