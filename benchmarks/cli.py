@@ -428,11 +428,18 @@ def bench_isolation(
     ),
     settle: float = typer.Option(60.0, help="After the load: how long leftovers may take."),
     keep_logs: bool = typer.Option(False, "--keep-logs", help="Keep the processes' logs."),
+    control: bool = typer.Option(
+        False,
+        "--control",
+        help="Then a control run: the noise phase without the noise, a process of the noisy "
+        "client's niceness burning the CPU that client used instead (what the load "
+        "generator's CPU alone costs on this machine), and the TTFT ratio accounted for it.",
+    ),
 ) -> None:
     """A noisy tenant within its allowance against a quiet one: interactive TTFT alone,
     beside the same tenant behaving well, and under its noise, Redis peaks, server errors,
     unbilled tokens (simulated engine by default); prints one JSON line last."""
-    from benchmarks.isolation import IsolationConfig, run_isolation
+    from benchmarks.isolation import IsolationConfig, run_isolation, run_isolation_with_control
 
     setup_logging("INFO")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -448,7 +455,8 @@ def bench_isolation(
         settle_s=settle,
         keep_logs=keep_logs,
     )
-    _run_platform_bench(run_isolation(get_settings(), cfg))
+    run = run_isolation_with_control if control else run_isolation
+    _run_platform_bench(run(get_settings(), cfg))
 
 
 @app.command("admission")

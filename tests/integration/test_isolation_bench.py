@@ -70,7 +70,26 @@ async def test_noise_causes_no_server_error_and_every_token_is_billed() -> None:
     assert result["unbilled_tokens"] == 0, summary
 
 
+async def test_the_control_burns_the_noisy_clients_cpu_and_sends_no_noise() -> None:
+    """`--control`'s second run: in the noise phase the other tenant stays a good
+    neighbour, and a process of its niceness burns the share of a core it is given."""
+    cfg = IsolationConfig(duration_s=20.0, seed=2, noise_cpu=0.4)
+    async with asyncio.timeout(TIMEOUT_S):
+        result = await run_isolation(Settings(database_url=PG_ADMIN_URL), cfg)
+    summary = json.dumps(result, indent=1)[:6000]
+    assert result["noise_cpu"] == 0.4, summary
+    burnt = result["cpu_percent"]["noise"]["cpu burner (control)"]
+    assert 25 <= burnt <= 55, summary  # 40 % of a core, give or take the sampling
+    assert result["cpu_percent"]["neighbour"].get("cpu burner (control)", 0) <= 2, summary
+    noisy = result["noisy"]
+    assert noisy["streams_attempted"] == 0 and noisy["jobs_submitted"] == 0, summary
+    assert noisy["batches_created"] == 0 and noisy["files_uploaded"] == 0, summary
+    assert result["other_tenant_running_mean"]["noise"] > 0, summary  # still a neighbour
+    assert result["quiet_requests"]["noise"] > 0, summary
+    assert result["server_errors"] == 0 and result["unbilled_tokens"] == 0, summary
+
+
 def test_the_command_is_registered() -> None:
     result = CliRunner().invoke(app, ["bench", "isolation", "--help"])
     assert result.exit_code == 0, result.output
-    assert "--streams" in result.output
+    assert "--streams" in result.output and "--control" in result.output
