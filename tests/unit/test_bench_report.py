@@ -208,6 +208,21 @@ def test_the_headline_rows_and_their_verdicts(tmp_path: Path) -> None:
     assert "No result is kept yet" in results.render_headline([])
 
 
+def test_the_isolation_row_shows_the_control_where_it_ran(tmp_path: Path) -> None:
+    control = {"ttft_ratio_vs_neighbour": 0.91}
+    run = {"engine": "vllm", "ttft_ratio_vs_neighbour": 1.58, "control": control}
+    keep(tmp_path, "isolation", 1, {**run, "ttft_ratio_vs_neighbour_accounted": 1.735})
+    row = next(
+        line
+        for line in results.render_headline(results.load(tmp_path)).splitlines()
+        if line.startswith("| `bench isolation")
+    )
+    assert row.endswith(
+        "| 1.58 (the real engine); the noisy client's CPU alone: 0.91; accounted for it: 1.74 "
+        "| ≤ 1.25 | **no** |"
+    ), row
+
+
 def test_kept_results_do_not_make_the_tree_a_changed_one(tmp_path: Path) -> None:
     import subprocess
 
