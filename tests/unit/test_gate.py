@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tierq.api.gate import TenantGate
+from tierq.api.gate import OLDEST_EVERY, TenantGate
 from tierq.core.tiers import Tier, vllm_priority
 
 INTERACTIVE, STANDARD, BATCH = (
@@ -128,29 +128,92 @@ async def test_a_waiter_let_in_and_cancelled_before_it_ran_passes_its_turn_on() 
     assert gate._tenants == {}
 
 
+async def test_a_slot_freed_as_a_cancelled_waiter_leaves_goes_to_the_next() -> None:
+    # The holder leaves in the very step a waiter is cancelled (its cleanup still to run)
+    # and a newcomer arrives between the two: the newcomer must not wait for ever.
+    gate = TenantGate(1)
+    holder = gate.enter("t", BATCH)
+    await holder.__aenter__()
+    a = Admissions(gate)
+    a.start("cancelled", INTERACTIVE)
+    await settle()
+    newcomer = a.start("newcomer", BATCH)  # its first step comes before the cleanup's
+    a.tasks["cancelled"].cancel()
+    await holder.__aexit__(None, None, None)  # frees the slot in this step
+    async with asyncio.timeout(1):
+        while a.order != ["newcomer"]:
+            await asyncio.sleep(0)
+    await a.release("newcomer")
+    assert newcomer.done() and gate._tenants == {}
+
+
+async def test_a_slot_comes_back_when_an_admission_fails_or_is_cancelled_inside() -> None:
+    gate = TenantGate(1)
+    with pytest.raises(RuntimeError):
+        async with gate.enter("t", BATCH):
+            raise RuntimeError("the admission failed")
+    a = Admissions(gate)
+    inside = a.start("inside", BATCH)
+    await settle()
+    assert a.order == ["inside"]
+    inside.cancel()
+    await settle()
+    async with asyncio.timeout(1), gate.enter("t", BATCH):
+        pass
+    assert gate._tenants == {}
+
+
+async def test_a_stream_of_chats_slows_a_tenants_batch_admissions_and_never_stops_them() -> None:
+    gate = TenantGate(1)
+    a = Admissions(gate)
+    a.start("chat0", INTERACTIVE)
+    await settle()
+    a.start("batch", BATCH)
+    for i in range(1, 4 * OLDEST_EVERY):
+        a.start(f"chat{i}", INTERACTIVE)  # chats keep waiting, more than one at a time
+    await settle()
+    while "batch" not in a.order:
+        await a.release(a.order[-1])
+        await settle()
+    # Every chat that was waiting was ahead of it, yet it got one turn in OLDEST_EVERY.
+    assert 1 < a.order.index("batch") <= OLDEST_EVERY, a.order
+    while not all(t.done() for t in a.tasks.values()):
+        await a.release(a.order[-1])
+        await settle()
+    assert gate._tenants == {}
+
+
 @pytest.mark.parametrize("limit", [1, 3])
 async def test_many_callers_cancelled_at_random_leave_the_gate_consistent(limit: int) -> None:
     import random
 
     rng = random.Random(limit)
     gate = TenantGate(limit)
-    inside = 0
-    most = 0
+    inside = most = cancelled_inside = 0
+    holders: list[asyncio.Task[None]] = []
 
     async def admit(rank: int) -> None:
-        nonlocal inside, most
+        nonlocal inside, most, cancelled_inside
         async with gate.enter("t", rank):
             inside += 1
             most = max(most, inside)
+            holders.append(asyncio.current_task())  # type: ignore[arg-type]
             try:
-                await asyncio.sleep(rng.random() / 1000)
-            finally:  # cancelled inside, too
+                await asyncio.sleep(rng.random() / 200)
+            except asyncio.CancelledError:
+                cancelled_inside += 1
+                raise
+            finally:
                 inside -= 1
 
     tasks = [asyncio.create_task(admit(rng.choice([INTERACTIVE, BATCH]))) for _ in range(200)]
-    for _ in range(60):
-        await asyncio.sleep(rng.random() / 2000)
-        rng.choice(tasks).cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    for i in range(60):
+        await asyncio.sleep(rng.random() / 500)
+        # Every other one cancels an admission inside the gate (if it still runs).
+        rng.choice(holders if i % 2 and holders else tasks).cancel()
+    async with asyncio.timeout(10):  # nobody left waiting with a slot free
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     assert most == limit and inside == 0
+    cancelled = sum(isinstance(o, asyncio.CancelledError) for o in outcomes)
+    assert 0 < cancelled_inside < cancelled, (cancelled_inside, cancelled)  # both ways
     assert gate._tenants == {}

@@ -9,24 +9,23 @@ import heapq
 import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
-
-@dataclass
-class _Waiter:
-    rank: int
-    seq: int
-    granted: asyncio.Future[None]
-
-    def __lt__(self, other: _Waiter) -> bool:
-        return (self.rank, self.seq) < (other.rank, other.seq)
+# One turn in this many goes to the tenant's longest-waiting admission whatever its tier:
+# a steady stream of a tenant's chats slows its batch submissions, and never stops them.
+OLDEST_EVERY = 8
 
 
 @dataclass
 class _Tenant:
     running: int = 0  # admissions inside the gate
-    live: int = 0  # waiters still waiting (cancelled ones stay in the heap until popped)
+    live: int = 0  # waiters still waiting
     users: int = 0  # running and waiting: the tenant's state goes when it is 0
-    waiting: list[_Waiter] = field(default_factory=list)  # a heap, best rank first
+    turns: int = 0  # waiters let in, for OLDEST_EVERY
+    # The same waiters (each a future, done once let in or gone) in two heaps: best tier
+    # first, then oldest; and oldest first. A done one stays until popped or rebuilt away.
+    by_rank: list[tuple[int, int, asyncio.Future[None]]] = field(default_factory=list)
+    by_age: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
 
 
 class TenantGate:
@@ -37,7 +36,8 @@ class TenantGate:
 
     The waiting ones go in by `rank` (lower first: the tier's engine priority), then in
     arrival order: a chat of a tenant that has just sent a backlog of a thousand batch jobs
-    waits for the few admissions under way, not behind the whole backlog."""
+    waits for the few admissions under way, not behind the whole backlog. One turn in
+    OLDEST_EVERY goes to the longest-waiting admission, so no tier waits for ever."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -45,7 +45,7 @@ class TenantGate:
         self._seq = itertools.count()
 
     @contextlib.asynccontextmanager
-    async def enter(self, tenant_id: str, rank: int = 0) -> AsyncIterator[None]:
+    async def enter(self, tenant_id: str, rank: int) -> AsyncIterator[None]:
         tenant = self._tenants.setdefault(tenant_id, _Tenant())
         tenant.users += 1
         try:
@@ -53,7 +53,8 @@ class TenantGate:
             try:
                 yield
             finally:
-                self._release(tenant)
+                tenant.running -= 1
+                self._grant(tenant)
         finally:
             tenant.users -= 1
             if tenant.users == 0:
@@ -68,26 +69,46 @@ class TenantGate:
         if tenant.running < self.limit and not tenant.live:
             tenant.running += 1
             return
-        waiter = _Waiter(rank, next(self._seq), asyncio.get_running_loop().create_future())
-        heapq.heappush(tenant.waiting, waiter)
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        seq = next(self._seq)
+        heapq.heappush(tenant.by_rank, (rank, seq, granted))
+        heapq.heappush(tenant.by_age, (seq, granted))
         tenant.live += 1
         try:
-            await waiter.granted
+            await granted
         except BaseException:
-            if waiter.granted.done() and not waiter.granted.cancelled():
-                self._release(tenant)  # let in, then cancelled before it ran: pass it on
+            if granted.done() and not granted.cancelled():
+                tenant.running -= 1  # let in, then cancelled before it ran: pass it on
             else:
                 tenant.live -= 1
-                waiter.granted.cancel()  # skipped when popped
+                granted.cancel()
+                if len(tenant.by_rank) > 2 * tenant.live + 16:  # mostly the gone: drop them
+                    tenant.by_rank = [w for w in tenant.by_rank if not w[-1].done()]
+                    tenant.by_age = [(seq, f) for _rank, seq, f in tenant.by_rank]
+                    heapq.heapify(tenant.by_rank)
+                    heapq.heapify(tenant.by_age)
+            # A slot freed while this one was going (it was skipped as gone, or it leaves
+            # one it was given) goes to the next.
+            self._grant(tenant)
             raise
 
-    def _release(self, tenant: _Tenant) -> None:
-        tenant.running -= 1
-        while tenant.waiting:
-            waiter = heapq.heappop(tenant.waiting)
-            if waiter.granted.done():
-                continue  # cancelled while waiting
+    def _grant(self, tenant: _Tenant) -> None:
+        """Let waiters in while slots are free."""
+        while tenant.running < self.limit and tenant.live:
+            tenant.turns += 1
+            heap: list[Any] = tenant.by_age if tenant.turns % OLDEST_EVERY == 0 else tenant.by_rank
+            granted = _pop_waiting(heap)
+            if granted is None:  # the rest are gone, their own cleanup still to run
+                return
             tenant.live -= 1
             tenant.running += 1
-            waiter.granted.set_result(None)
-            return
+            granted.set_result(None)
+
+
+def _pop_waiting(heap: list[Any]) -> asyncio.Future[None] | None:
+    """The first waiter of the heap still waiting (each entry's last item is its future)."""
+    while heap:
+        granted: asyncio.Future[None] = heapq.heappop(heap)[-1]
+        if not granted.done():
+            return granted
+    return None

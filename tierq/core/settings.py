@@ -137,7 +137,7 @@ class Settings(BaseSettings):
             "admissions of one tenant running at once in one API process; the rest wait without a "
             "database connection, so one tenant's burst (serialised on its row lock) cannot take "
             "the pool from the others, and go in by tier (interactive first), then in arrival "
-            "order"
+            "order, one turn in eight to the longest waiting"
         ),
     )
     # How long an API process remembers who owns a key (0: look it up every request). A
