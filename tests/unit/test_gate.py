@@ -183,6 +183,29 @@ async def test_a_stream_of_chats_slows_a_tenants_batch_admissions_and_never_stop
     assert gate._tenants == {}
 
 
+async def test_waiters_that_give_up_behind_a_stuck_admission_are_not_kept() -> None:
+    # The admission inside is stuck (on the tenant's row lock, say) while clients wait,
+    # give up and retry: what the queues keep follows the live waiters, not every try.
+    gate = TenantGate(1)
+    a = Admissions(gate)
+    a.start("stuck", BATCH)
+    a.start("patient", BATCH)
+    await settle()
+    for i in range(500):
+        a.start(f"try{i}", INTERACTIVE if i % 2 else BATCH)
+        await settle()
+        a.tasks[f"try{i}"].cancel()
+        await settle()
+    tenant = gate._tenants["t"]
+    assert tenant.live == 1
+    assert len(tenant.by_rank) + len(tenant.by_age) <= 4 * tenant.live + 32
+    await a.release("stuck")
+    await settle()
+    assert a.order == ["stuck", "patient"]
+    await a.release("patient")
+    assert gate._tenants == {}
+
+
 @pytest.mark.parametrize("limit", [1, 3])
 async def test_many_callers_cancelled_at_random_leave_the_gate_consistent(limit: int) -> None:
     import random

@@ -82,27 +82,30 @@ class TenantGate:
             else:
                 tenant.live -= 1
                 granted.cancel()
-                if len(tenant.by_rank) > 2 * tenant.live + 16:  # mostly the gone: drop them
-                    tenant.by_rank = [w for w in tenant.by_rank if not w[-1].done()]
-                    tenant.by_age = [(seq, f) for _rank, seq, f in tenant.by_rank]
-                    heapq.heapify(tenant.by_rank)
-                    heapq.heapify(tenant.by_age)
             # A slot freed while this one was going (it was skipped as gone, or it leaves
             # one it was given) goes to the next.
             self._grant(tenant)
             raise
 
     def _grant(self, tenant: _Tenant) -> None:
-        """Let waiters in while slots are free."""
+        """Let waiters in while slots are free. The entries of waiters let in or gone stay
+        in the heap they were not popped from: once they outnumber the live ones, both
+        heaps are rebuilt without them (each rebuild follows as many such entries as it
+        costs)."""
         while tenant.running < self.limit and tenant.live:
             tenant.turns += 1
             heap: list[Any] = tenant.by_age if tenant.turns % OLDEST_EVERY == 0 else tenant.by_rank
             granted = _pop_waiting(heap)
             if granted is None:  # the rest are gone, their own cleanup still to run
-                return
+                break
             tenant.live -= 1
             tenant.running += 1
             granted.set_result(None)
+        if len(tenant.by_rank) + len(tenant.by_age) > 4 * tenant.live + 32:
+            tenant.by_rank = [entry for entry in tenant.by_rank if not entry[-1].done()]
+            tenant.by_age = [(seq, granted) for _rank, seq, granted in tenant.by_rank]
+            heapq.heapify(tenant.by_rank)
+            heapq.heapify(tenant.by_age)
 
 
 def _pop_waiting(heap: list[Any]) -> asyncio.Future[None] | None:
