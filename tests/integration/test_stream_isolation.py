@@ -166,6 +166,62 @@ async def test_a_tenant_past_its_stream_cap_gets_429_and_others_do_not(
         await until_async(none_held, "no stream slot left held (leaked)", 2.5)
 
 
+async def redis_calls(platform: Platform, command: str) -> int:
+    """How many times the Redis server has run `command` (INFO commandstats)."""
+    stats: Any = await platform.r.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+@pytest.mark.with_settings(max_streams_per_tenant=2)
+async def test_a_tenant_holding_its_cap_here_is_refused_before_redis_and_the_database(
+    platform: Platform,
+) -> None:
+    """This process holds every slot of the tenant: a stream past the cap is refused with
+    neither the slot script nor the job's row read (a storm of them costs little)."""
+    _tenant, key = await new_tenant(platform)
+    async with client(platform.url, key) as c:
+        job_id = await queued_job(c)
+        async with streams(c, f"/v1/jobs/{job_id}/events", 2) as held:
+            assert {s.status for s in held} == {200}
+            # refused before the job is looked up: a job that does not exist gets 429
+            assert_openai_error(await c.get("/v1/jobs/job_nope/events"), 429, "too_many_streams")
+            scripts_before = await redis_calls(platform, "evalsha")
+            for _ in range(20):
+                refused = await c.get(f"/v1/jobs/{job_id}/events")
+                assert_openai_error(refused, 429, "too_many_streams")
+            # (a lease renewal may run meanwhile: one script call, not one per refusal)
+            assert await redis_calls(platform, "evalsha") - scripts_before <= 2
+        # below the cap again, a missing job is a 404
+        assert_openai_error(await c.get("/v1/jobs/job_nope/events"), 404)
+
+
+async def test_slots_let_go_together_leave_redis_in_one_round_trip(platform: Platform) -> None:
+    """Fifty streams ending in one turn of the API's loop remove their slots with one
+    ZREM, not fifty; the slots' set is empty afterwards, and stopping removes the rest."""
+    from tierq.api.streams.slots import StreamSlots
+
+    settings = platform.settings.model_copy(update={"max_streams_per_tenant": 100})
+    names = platform.dispatcher.names
+    slots = StreamSlots(platform.r, names, settings)
+    key = names.tenant_streams("ten_release")
+    taken = [await slots.take("ten_release") for _ in range(50)]
+    kept = [await slots.take("ten_release") for _ in range(3)]
+    assert await platform.r.zcard(key) == 53
+    removals_before = await redis_calls(platform, "zrem")
+    for slot in taken:
+        slot.release()
+    slot.release()  # a second release of one slot sends nothing more
+
+    async def only_kept() -> bool:
+        return await platform.r.zcard(key) == 3
+
+    await until_async(only_kept, "the fifty slots let go are removed", 5)
+    assert await redis_calls(platform, "zrem") - removals_before == 1
+    assert kept[0].member in set(await platform.r.zrange(key, 0, -1))
+    await slots.stop()  # what is still held goes too
+    assert await platform.r.zcard(key) == 0
+
+
 async def test_a_suspension_closes_the_tenants_open_streams(platform: Platform) -> None:
     tenant_id, key = await new_tenant(platform)
     _other, other_key = await new_tenant(platform)

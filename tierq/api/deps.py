@@ -127,13 +127,26 @@ async def stream_slot(slots: StreamSlots, tenant: TenantRecord) -> Slot:
     try:
         return await slots.take(tenant.id)
     except TooManyStreams as exc:
-        raise APIError(
-            429,
-            f"Too many open streams: this tenant may hold {exc.limit} streams and waiting "
-            "requests at once. Close one, or retry later.",
-            "too_many_streams",
-            retry_after_s=slots.retry_after_s(),
-        ) from None
+        raise _too_many_streams(slots, exc) from None
+
+
+def refuse_at_stream_cap(slots: StreamSlots, tenant: TenantRecord) -> None:
+    """429 too_many_streams, before any other work, when this process alone holds all of
+    the tenant's stream slots (`stream_slot` asks Redis for the rest)."""
+    try:
+        slots.refuse_if_full_here(tenant.id)
+    except TooManyStreams as exc:
+        raise _too_many_streams(slots, exc) from None
+
+
+def _too_many_streams(slots: StreamSlots, exc: TooManyStreams) -> APIError:
+    return APIError(
+        429,
+        f"Too many open streams: this tenant may hold {exc.limit} streams and waiting "
+        "requests at once. Close one, or retry later.",
+        "too_many_streams",
+        retry_after_s=slots.retry_after_s(),
+    )
 
 
 async def require_admin(request: Request, parts: PartsDep) -> None:

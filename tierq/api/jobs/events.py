@@ -14,7 +14,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from tierq.api.streams.hub import RECHECK, RESYNC, EventHub, Follower, StreamClosed
-from tierq.api.streams.recheck import RECHECK_S
 from tierq.api.streams.slots import Slot
 from tierq.core import tracing
 from tierq.core.aio import raise_if_cancelled
@@ -152,9 +151,9 @@ async def _live(
 ) -> AsyncIterator[tuple[int, JobEvent]]:
     """Live events until the terminal one, or until the buffer must be read again."""
     while True:
-        msg = await follower.next(RECHECK_S)
-        if msg is None:
-            continue  # the hub looks at the database for quiet jobs
+        # No timeout: the hub's recheck looks at the database for quiet jobs and puts
+        # RECHECK here when one is over; a close, a resync, every event come here too.
+        msg = await follower.next()
         if msg is RESYNC:
             return
         if msg is RECHECK:

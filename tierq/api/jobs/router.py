@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from tierq.api.deps import PartsDep, TenantDep, api_key_id, stream_slot
+from tierq.api.deps import PartsDep, TenantDep, api_key_id, refuse_at_stream_cap, stream_slot
 from tierq.api.errors import APIError, documented, not_found
 from tierq.api.jobs.events import EVENT_STREAM, FINAL_AFTER_EXPIRY, job_event_stream
 from tierq.api.jobs.schemas import Job, JobList
@@ -112,6 +112,8 @@ async def job_events(
     parts: PartsDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> Response:
+    # A tenant opening streams past its cap is refused before the database is asked.
+    refuse_at_stream_cap(parts.streams.slots, tenant)
     job = await parts.jobs.head(job_id, tenant.id)
     if job is None:
         raise not_found("job", job_id)

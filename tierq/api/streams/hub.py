@@ -85,10 +85,11 @@ class Follower:
         self.closed = reason
         self.push(reason)
 
-    async def next(self, wait_s: float) -> Any:
-        """The next live message (raw), RESYNC, RECHECK, or None after `wait_s`. What
-        arrived before a close is handed out first (a cancelled job's `done` precedes the
-        suspension that closes its stream)."""
+    async def next(self, wait_s: float | None = None) -> Any:
+        """The next live message (raw), RESYNC, RECHECK, or None after `wait_s` (None: as
+        long as it takes; whatever a follower must hear, a close, a recheck, a resync, is
+        put in its queue). What arrived before a close is handed out first (a cancelled
+        job's `done` precedes the suspension that closes its stream)."""
         if self.closed is not None and self.queue.empty():
             raise self.closed
         if self.lagged:
@@ -96,10 +97,13 @@ class Follower:
             while not self.queue.empty():
                 self.queue.get_nowait()
             return RESYNC
-        try:
-            item = await asyncio.wait_for(self.queue.get(), wait_s)
-        except TimeoutError:
-            return None
+        if wait_s is None:
+            item = await self.queue.get()  # no timer: an idle stream costs nothing
+        else:
+            try:
+                item = await asyncio.wait_for(self.queue.get(), wait_s)
+            except TimeoutError:
+                return None
         if isinstance(item, StreamClosed):
             raise item
         return item

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from tierq.core import scripts
-from tierq.core.aio import Detached, cancel_and_wait, raise_if_cancelled
+from tierq.core.aio import cancel_and_wait, raise_if_cancelled
 from tierq.core.redis_conn import with_retries
 from tierq.core.redis_names import RedisNames
 from tierq.core.settings import Settings
@@ -44,7 +44,7 @@ class Slot:
     def release(self) -> None:
         """Let the slot go. Not awaited by the caller: a stream's clean-up runs while its
         response is being cancelled (where every await is cancelled again), so the ZREM
-        runs in a task of its own; if Redis is away, the lease lets the slot go."""
+        runs in a task of the slots' own; if Redis is away, the lease lets the slot go."""
         if self.released:
             return
         self.released = True
@@ -57,7 +57,11 @@ class StreamSlots:
         self.names = names
         self.settings = settings
         self.held: dict[str, set[str]] = defaultdict(set)  # tenant -> members renewed here
-        self._releases = Detached("releasing a stream slot")
+        # Slots let go and not yet removed from Redis: tenant -> members. One task removes
+        # them, all that gathered while its last round trip was under way in the next: a
+        # storm of streams closing costs a round trip per turn, not one per stream.
+        self._letting_go: dict[str, set[str]] = defaultdict(set)
+        self._removing: asyncio.Task[None] | None = None
         self._renewing: asyncio.Task[None] | None = None
         self._acquire = r.register_script(scripts.source("stream_slot_acquire"))
         self._renew = r.register_script(scripts.source("stream_slots_renew"))
@@ -69,14 +73,24 @@ class StreamSlots:
         """Stop renewing and let every slot still held go (the lease would, later)."""
         if self._renewing is not None:
             await cancel_and_wait([self._renewing], STOP_S)
-        await self._releases.wait(STOP_S)
+        if self._removing is not None:
+            await asyncio.wait([self._removing], timeout=STOP_S)
         for tenant_id, members in list(self.held.items()):
-            with contextlib.suppress(Exception):
-                await self.r.zrem(self.names.tenant_streams(tenant_id), *members)
+            self._letting_go[tenant_id].update(members)
         self.held.clear()
+        with contextlib.suppress(Exception):
+            await self._remove(self._take_letting_go())
+
+    def refuse_if_full_here(self, tenant_id: str) -> None:
+        """TooManyStreams when this process alone holds all of the tenant's slots: known
+        without asking Redis (a storm of streams past the cap is refused cheaply)."""
+        limit = self.settings.max_streams_per_tenant
+        if len(self.held.get(tenant_id, ())) >= limit:
+            raise TooManyStreams(limit)
 
     async def take(self, tenant_id: str) -> Slot:
         """One of the tenant's stream slots; TooManyStreams at its cap."""
+        self.refuse_if_full_here(tenant_id)
         limit = self.settings.max_streams_per_tenant
         member = uuid.uuid4().hex
         key = self.names.tenant_streams(tenant_id)
@@ -92,13 +106,41 @@ class StreamSlots:
         return Slot(self, tenant_id, member)
 
     def forget(self, tenant_id: str, member: str) -> None:
-        """No longer renewed here, and removed from Redis in a task of its own."""
+        """No longer renewed here, and removed from Redis by the removing task."""
         held = self.held.get(tenant_id)
         if held is not None:
             held.discard(member)
             if not held:
                 del self.held[tenant_id]
-        self._releases.spawn(self.r.zrem(self.names.tenant_streams(tenant_id), member))
+        self._letting_go[tenant_id].add(member)
+        if self._removing is None or self._removing.done():
+            self._removing = asyncio.create_task(self._remove_all(), name="stream-slot-release")
+
+    def _take_letting_go(self) -> dict[str, set[str]]:
+        taken, self._letting_go = self._letting_go, defaultdict(set)
+        return taken
+
+    async def _remove_all(self) -> None:
+        """Remove the slots let go, a round trip for all that gathered, until none is left.
+        A failure is logged: the slots' leases let them go."""
+        while self._letting_go:
+            try:
+                await self._remove(self._take_letting_go())
+            except Exception as exc:
+                raise_if_cancelled(exc)
+                log.warning("could not let stream slots go (their leases will): %s", exc)
+
+    async def _remove(self, members: dict[str, set[str]]) -> None:
+        if not members:
+            return
+        if len(members) == 1:  # the usual case: one command, no pipeline to build
+            ((tenant_id, gone),) = members.items()
+            await self.r.zrem(self.names.tenant_streams(tenant_id), *gone)
+            return
+        async with self.r.pipeline(transaction=False) as pipe:
+            for tenant_id, gone in members.items():
+                pipe.zrem(self.names.tenant_streams(tenant_id), *gone)
+            await pipe.execute()
 
     def retry_after_s(self) -> int:
         """What a refusal at the cap tells the client to wait (Retry-After): a tenth of a
