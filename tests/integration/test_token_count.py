@@ -113,6 +113,39 @@ def test_no_conversation_is_over_counted_by_the_floors(
         assert counter.floor_quick(m, p) <= floor <= engine_count(m, p) <= bound
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(ROLES, TEXT), min_size=1, max_size=4), TEXT, st.integers(1, 40))
+def test_a_prefix_never_over_counts_the_whole(
+    turns: list[tuple[str, str]], prompt: str, room: int
+) -> None:
+    """The floor from a prefix of the longest text stays at or below what the engine
+    counts for the whole (a small `room` makes these short texts take the prefix path)."""
+    counter = _counter()
+    messages = [{"role": role, "content": content} for role, content in turns]
+    for m, p in ((messages, None), (None, prompt)):
+        assert counter.floor_of_prefix(m, p, room) <= engine_count(m, p)
+
+
+def test_a_prompt_far_past_the_context_is_judged_by_its_prefix() -> None:
+    """50,000 characters of prose against 2,000 tokens of room: the prefix alone (16,000
+    characters, ending with a word) shows it cannot fit; a prompt that fits gives 0 or a
+    floor within the room, and a text without a word break near the cut gives 0."""
+    counter = _counter()
+    words = " ".join(["lantern", "meadow", "copper", "harbour", "signal"] * 1700)
+    seen: list[int] = []
+    tokens = counter._tokens
+    counter._tokens = lambda text: seen.append(len(text)) or tokens(text)  # type: ignore[method-assign]
+    try:
+        floor = counter.floor_of_prefix(None, words, 2000)
+    finally:
+        del counter._tokens
+    assert seen and max(seen) <= 16_000 and words[max(seen)] == " "
+    assert 2000 < floor <= engine_count(None, words)
+    assert counter.floor_of_prefix(None, words[:15_000], 2000) == 0  # not long enough to judge
+    assert counter.floor_of_prefix(None, "x" * 50_000, 2000) == 0  # no word break
+    assert PromptCounter().floor_of_prefix(None, words, 2000) == 0  # no tokenizer
+
+
 @pytest.mark.parametrize("text", SAMPLES)
 def test_the_floors_are_near_the_count_for_long_text(text: str) -> None:
     counter = _counter()

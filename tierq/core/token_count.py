@@ -13,10 +13,14 @@ What provably cannot fit is refused before anything is tokenized: with the token
 hand, no token covers more bytes than its vocabulary's longest, so a prompt of B bytes is
 at least B / longest tokens (`floor_quick`). That floor is loose (the bundled model's
 longest token is 162 bytes: 332,000 bytes of prompt before it alone refuses a 2,048-token
-context); what passes it but might not fit is tokenized (`measure`: the count's floor and
-bound from one tokenization, 0.1-0.2 s for 200,000 characters) in a small pool of
-threads of its own (COUNT_THREADS), so a tenant's flood of long prompts waits there, not
-in the default pool that file writes and every other thread hop of the process share.
+context). A text past eight characters for each token that could fit is then judged by a
+prefix that long (`floor_of_prefix`): a tokenizer splits words before it merges, so the
+prefix's tokens are the whole's first ones, and a prefix that alone passes the context
+refuses the prompt for a fraction of its tokenizing. What passes both but might not fit is
+tokenized (`measure`: the count's floor and bound from one tokenization, 0.1-0.2 s for
+200,000 characters) in a small pool of threads of its own (COUNT_THREADS), so a tenant's
+flood of long prompts waits there, not in the default pool that file writes and every
+other thread hop of the process share.
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ BYTES_MESSAGE_TOKENS = 8
 EDGE_MARGIN = 2
 # Prompts shorter than this are counted on the event loop (a thread costs more).
 INLINE_CHARS = 4096
+# A text longer than this many characters for each token that could fit is first judged
+# by a prefix that long (`floor_of_prefix`): the bundled model's tokens average 4-7
+# characters of prose, so such a prefix alone usually passes the context; the word break
+# ending it is looked for in the last PREFIX_SEARCH_CHARS characters.
+PREFIX_CHARS_PER_TOKEN = 8
+PREFIX_SEARCH_CHARS = 256
 # Threads that count long prompts (one API or Celery process): the tokenizer lets go of the
 # GIL, so two count at once on two cores; more would only queue for the CPU.
 COUNT_THREADS = 2
@@ -167,6 +177,52 @@ class PromptCounter:
     ) -> int:
         """What a job reserves: its prompt's bound plus every token it may generate."""
         return self.bound(messages, prompt) + max_tokens
+
+    def floor_of_prefix(
+        self, messages: Sequence[dict[str, Any]] | None, prompt: str | None, room: int
+    ) -> int:
+        """At most as many tokens as the engine will count for this prompt, from the
+        tokens of a prefix of its longest text only: 0 unless that text is longer than
+        PREFIX_CHARS_PER_TOKEN characters for each of the `room` tokens that could fit,
+        when a prefix that long is tokenized (a prompt far past the context is refused
+        for the price of its first part; the bound is then never needed).
+
+        The prefix ends with a word, where a space follows it: a tokenizer splits text into
+        words before it merges (byte-level BPE's pattern, SentencePiece's spaces), so each
+        of the prefix's tokens is one of the whole text's; EDGE_MARGIN covers a merge or
+        an added token across the cut. Without a word break near the cut, 0."""
+        if self.tokenizer is None or room <= 0:
+            return 0
+        texts = (
+            [prompt]
+            if prompt is not None
+            else [_text(m.get("content", "")) for m in messages or []]
+        )
+        longest = max(texts, key=len, default="")
+        cut = room * PREFIX_CHARS_PER_TOKEN
+        if len(longest) <= cut:
+            return 0
+        stop = max(1, cut - PREFIX_SEARCH_CHARS)
+        while cut >= stop and not (longest[cut].isspace() and not longest[cut - 1].isspace()):
+            cut -= 1
+        if cut < stop:
+            return 0
+        return max(0, self._tokens(longest[:cut]) - EDGE_MARGIN)
+
+    async def floor_of_prefix_off_loop(
+        self, messages: Sequence[dict[str, Any]] | None, prompt: str | None, room: int
+    ) -> int:
+        """`floor_of_prefix` in the counting threads where it has a text to tokenize (0 at
+        once where it has none)."""
+        if self.tokenizer is None or room <= 0:
+            return 0
+        size = len(prompt) if prompt is not None else 0
+        for m in messages or []:
+            size = max(size, len(_text(m.get("content", ""))))
+        if size <= room * PREFIX_CHARS_PER_TOKEN:
+            return 0
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_COUNTING, self.floor_of_prefix, messages, prompt, room)
 
     async def measure_off_loop(
         self, messages: Sequence[dict[str, Any]] | None, prompt: str | None

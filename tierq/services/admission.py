@@ -286,8 +286,13 @@ async def _counted(
     """The job reserving its prompt as the served model's tokenizer counts it: what quotas
     are checked against."""
     counter = token_count.for_settings(settings)
-    floor, bound = await counter.measure_off_loop(messages, body.prompt)
     try:
+        # A text far past the context is refused for the price of its first part.
+        room = fleet.max_model_len(settings) - body.max_tokens
+        refuse_unless_fits(
+            await counter.floor_of_prefix_off_loop(messages, body.prompt, room), body, settings
+        )
+        floor, bound = await counter.measure_off_loop(messages, body.prompt)
         refuse_unless_fits(floor, body, settings)
     except Refused as exc:
         raise _refuse(exc.status, exc.message, exc.code, exc.param) from None
