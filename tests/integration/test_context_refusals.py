@@ -57,6 +57,29 @@ async def test_a_prompt_that_cannot_fit_is_refused_and_not_queued(
     assert await jobs_of(platform, await _tenant_of(platform, tenant_key)) == []
 
 
+async def test_a_prompt_far_past_the_context_is_refused_by_its_first_part(
+    platform: Platform, tenant_key: str, with_tokenizer: token_count.PromptCounter
+) -> None:
+    """50,000 characters of prose against a 2,048-token context: admission tokenizes no
+    more than the prefix that shows it cannot fit (eight characters a token of room)."""
+    words = " ".join(["lantern", "meadow", "copper", "harbour", "signal"] * 1_700)
+    seen: list[int] = []
+    tokens_many = with_tokenizer._tokens_many
+
+    def spy(texts: list[str]) -> list[int]:
+        seen.extend(len(t) for t in texts)
+        return tokens_many(texts)
+
+    with_tokenizer._tokens_many = spy  # type: ignore[method-assign]
+    try:
+        async with client(platform.url, tenant_key) as c:
+            resp = await c.post("/v1/jobs", json={"prompt": words, "max_tokens": 16})
+    finally:
+        del with_tokenizer._tokens_many
+    assert_openai_error(resp, 400, "context_length_exceeded")
+    assert seen and max(seen) <= 8 * (2048 - 16) < len(words)
+
+
 async def test_a_long_prompt_that_fits_is_admitted(
     platform: Platform, tenant_key: str, with_tokenizer: token_count.PromptCounter
 ) -> None:

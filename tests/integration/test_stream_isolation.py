@@ -189,10 +189,17 @@ async def test_a_tenant_holding_its_cap_here_is_refused_before_redis_and_the_dat
             for _ in range(20):
                 refused = await c.get(f"/v1/jobs/{job_id}/events")
                 assert_openai_error(refused, 429, "too_many_streams")
-            # (a lease renewal may run meanwhile: one script call, not one per refusal)
-            assert await redis_calls(platform, "evalsha") - scripts_before <= 2
-        # below the cap again, a missing job is a 404
-        assert_openai_error(await c.get("/v1/jobs/job_nope/events"), 404)
+            # (a lease renewal or another script may run meanwhile: not one per refusal)
+            assert await redis_calls(platform, "evalsha") - scripts_before <= 5
+            # a reconnect is answered as before: a bad Last-Event-ID is a 400
+            bad = await c.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "x"})
+            assert_openai_error(bad, 400, "invalid_last_event_id")
+
+        async def below_the_cap() -> bool:  # the slots come back as the server sees the ends
+            resp = await c.get("/v1/jobs/job_nope/events")
+            return resp.status_code == 404
+
+        await until_async(below_the_cap, "a missing job is a 404 below the cap", 5)
 
 
 async def test_slots_let_go_together_leave_redis_in_one_round_trip(platform: Platform) -> None:
@@ -216,7 +223,8 @@ async def test_slots_let_go_together_leave_redis_in_one_round_trip(platform: Pla
         return await platform.r.zcard(key) == 3
 
     await until_async(only_kept, "the fifty slots let go are removed", 5)
-    assert await redis_calls(platform, "zrem") - removals_before == 1
+    # one ZREM for the fifty (at most one more from another client of this Redis server)
+    assert await redis_calls(platform, "zrem") - removals_before <= 2
     assert kept[0].member in set(await platform.r.zrange(key, 0, -1))
     await slots.stop()  # what is still held goes too
     assert await platform.r.zcard(key) == 0

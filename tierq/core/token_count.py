@@ -187,7 +187,7 @@ class PromptCounter:
         when a prefix that long is tokenized (a prompt far past the context is refused
         for the price of its first part; the bound is then never needed).
 
-        The prefix ends with a word, where a space follows it: a tokenizer splits text into
+        The prefix ends with a word, where a space (U+0020) follows it: a tokenizer splits text into
         words before it merges (byte-level BPE's pattern, SentencePiece's spaces), so each
         of the prefix's tokens is one of the whole text's; EDGE_MARGIN covers a merge or
         an added token across the cut. Without a word break near the cut, 0."""
@@ -203,7 +203,7 @@ class PromptCounter:
         if len(longest) <= cut:
             return 0
         stop = max(1, cut - PREFIX_SEARCH_CHARS)
-        while cut >= stop and not (longest[cut].isspace() and not longest[cut - 1].isspace()):
+        while cut >= stop and not (longest[cut] == " " and not longest[cut - 1].isspace()):
             cut -= 1
         if cut < stop:
             return 0
@@ -221,6 +221,8 @@ class PromptCounter:
             size = max(size, len(_text(m.get("content", ""))))
         if size <= room * PREFIX_CHARS_PER_TOKEN:
             return 0
+        if room * PREFIX_CHARS_PER_TOKEN < INLINE_CHARS:  # a short prefix: no thread hop
+            return self.floor_of_prefix(messages, prompt, room)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(_COUNTING, self.floor_of_prefix, messages, prompt, room)
 

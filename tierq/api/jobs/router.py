@@ -112,8 +112,10 @@ async def job_events(
     parts: PartsDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> Response:
-    # A tenant opening streams past its cap is refused before the database is asked.
-    refuse_at_stream_cap(parts.streams.slots, tenant)
+    if last_event_id is None:
+        # A tenant opening streams past its cap is refused before the database is asked.
+        # (A reconnect is not: the end of a finished job answers 204 without a slot.)
+        refuse_at_stream_cap(parts.streams.slots, tenant)
     job = await parts.jobs.head(job_id, tenant.id)
     if job is None:
         raise not_found("job", job_id)
