@@ -60,7 +60,7 @@ async def test_a_prompt_that_cannot_fit_is_refused_and_not_queued(
 async def test_a_prompt_far_past_the_context_is_refused_by_its_first_part(
     platform: Platform, tenant_key: str, with_tokenizer: token_count.PromptCounter
 ) -> None:
-    """50,000 characters of prose against a 2,048-token context: admission tokenizes no
+    """63,000 characters of prose against a 2,048-token context: admission tokenizes no
     more than the prefix that shows it cannot fit (eight characters a token of room)."""
     words = " ".join(["lantern", "meadow", "copper", "harbour", "signal"] * 1_700)
     seen: list[int] = []

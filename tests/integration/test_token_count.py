@@ -127,7 +127,7 @@ def test_a_prefix_never_over_counts_the_whole(
 
 
 def test_a_prompt_far_past_the_context_is_judged_by_its_prefix() -> None:
-    """50,000 characters of prose against 2,000 tokens of room: the prefix alone (16,000
+    """63,000 characters of prose against 2,000 tokens of room: the prefix alone (16,000
     characters, ending with a word) shows it cannot fit; a prompt that fits gives 0 or a
     floor within the room, and a text without a word break near the cut gives 0."""
     counter = _counter()
