@@ -63,6 +63,14 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else json.dumps(content)
 
 
+def _texts(messages: Sequence[dict[str, Any]] | None, prompt: str | None) -> list[str]:
+    """The prompt, or each message's content: the texts a tokenizer sees apart from the
+    template."""
+    if prompt is not None:
+        return [prompt]
+    return [_text(m.get("content", "")) for m in messages or []]
+
+
 def _bytes(text: str) -> int:
     """UTF-8 bytes of the text, or of its NFKC form if longer (a tokenizer that normalises
     may see more bytes than were sent: U+FDFA becomes 33)."""
@@ -134,12 +142,7 @@ class PromptCounter:
         alone (no tokenizing): 0 without a tokenizer, whose longest token is unknown."""
         if self.longest <= 0:
             return 0
-        texts = (
-            [prompt]
-            if prompt is not None
-            else [_text(m.get("content", "")) for m in messages or []]
-        )
-        return sum(_fewest_bytes(t) for t in texts) // self.longest
+        return sum(_fewest_bytes(t) for t in _texts(messages, prompt)) // self.longest
 
     def measure(
         self, messages: Sequence[dict[str, Any]] | None, prompt: str | None
@@ -187,18 +190,14 @@ class PromptCounter:
         when a prefix that long is tokenized (a prompt far past the context is refused
         for the price of its first part; the bound is then never needed).
 
-        The prefix ends with a word, where a space (U+0020) follows it: a tokenizer splits text into
-        words before it merges (byte-level BPE's pattern, SentencePiece's spaces), so each
-        of the prefix's tokens is one of the whole text's; EDGE_MARGIN covers a merge or
-        an added token across the cut. Without a word break near the cut, 0."""
+        The prefix ends with a word, where a space (U+0020) follows it: a tokenizer splits
+        text into words before it merges (byte-level BPE's pattern, SentencePiece's
+        spaces), so each of the prefix's tokens is one of the whole text's; EDGE_MARGIN
+        covers a merge or an added token across the cut. Without a word break near the
+        cut, 0."""
         if self.tokenizer is None or room <= 0:
             return 0
-        texts = (
-            [prompt]
-            if prompt is not None
-            else [_text(m.get("content", "")) for m in messages or []]
-        )
-        longest = max(texts, key=len, default="")
+        longest = max(_texts(messages, prompt), key=len, default="")
         cut = room * PREFIX_CHARS_PER_TOKEN
         if len(longest) <= cut:
             return 0
@@ -216,10 +215,7 @@ class PromptCounter:
         once where it has none)."""
         if self.tokenizer is None or room <= 0:
             return 0
-        size = len(prompt) if prompt is not None else 0
-        for m in messages or []:
-            size = max(size, len(_text(m.get("content", ""))))
-        if size <= room * PREFIX_CHARS_PER_TOKEN:
+        if max(map(len, _texts(messages, prompt)), default=0) <= room * PREFIX_CHARS_PER_TOKEN:
             return 0
         if room * PREFIX_CHARS_PER_TOKEN < INLINE_CHARS:  # a short prefix: no thread hop
             return self.floor_of_prefix(messages, prompt, room)
